@@ -1,0 +1,884 @@
+"""Fused-dequantization attention over a quantized KV cache, in Triton (decode and prefill).
+
+Public entry: `quantized_attention_triton`, with exactly the arguments and semantics of
+`kvcal.kernels.reference.quantized_attention_ref` (read that docstring: positions, mask, softcap, sinks, empty rows).
+
+What the kernel reads: the codes and scales of `kvcal.formats.QTensor` (layouts in the formats docstring) and q.
+No dequantized copy of K or V is ever written; each K/V tile is dequantized in registers:
+  - fp8_e4m3 / fp8_e5m2: codes * scale, with the per-tensor / per-KV-head scale folded into the logits
+    (s = (q . codes) * scaling * k_scale) and into the output (o = (P . codes) * v_scale) — one multiply per
+    logit / output element instead of one per K/V element.
+  - int8_per_token_head: the per-(token, head) scale multiplies the logit columns (K) and the probabilities (V).
+  - nvfp4 / fp4_e2m1 / mxfp4: two E2M1 codes per byte; the low nibbles (even elements) and the high nibbles (odd
+    elements) are used as two half-width tiles, so QK^T = q_even . k_even + q_odd . k_odd and P.V fills the
+    even and odd output columns — no interleave. The block scale (E4M3, or E8M0 = 2**(e-127)) multiplies the tile;
+    nvfp4's global scale is folded like an fp8 scale.
+  - bf16 / auto: plain loads.
+
+One kernel serves decode and prefill. The query rows of one program are the (query token, query head) pairs of
+ONE KV head: row r of the flattened [Tq * G] rows is token r // G, head h_kv * G + r % G (G = H_q // H_kv), so all
+query heads of a KV group share each K/V tile load (GQA/MQA). Decode (few rows, long context) additionally splits
+the key range over a third grid axis (split-K, flash-decoding); the partial (max, sum, acc) triples are merged by
+a small reduction kernel, which also adds the attention sink. Prefill tiles the rows and skips key tiles that the
+causal / sliding-window mask hides entirely.
+
+Configs: `decode_configs()` / `prefill_configs()` list the autotune candidates (on CUDA). `KVCAL_TRITON_CONFIG`
+(e.g. "BLOCK_M=16,BLOCK_N=32,num_warps=4,num_stages=1") pins one config and skips autotuning; under the
+interpreter (`TRITON_INTERPRET=1`, how the tests run on CPU) a fixed small config is used unless pinned.
+`KVCAL_TRITON_SPLITS` pins the number of key splits of the decode path (tests use it to exercise the reduction).
+
+Dots: float32 (`input_precision="ieee"`) when q is float32 or under the interpreter (whose bf16 dot is broken);
+otherwise bf16 operands with fp32 accumulation. Dequantized FP8 / INT8 / FP4-with-block-scale values are exact in
+bf16 (at most 6 significant bits; per-tensor scales are applied outside the dot), so the bf16 path rounds only q
+(when q is not already bf16) and the probabilities P.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcal.errors import UsageError
+
+try:  # triton is a Linux-only dependency; the module imports without it and says so when called
+    import triton
+    import triton.language as tl
+
+    _TRITON_ERROR: str | None = None
+except ImportError as exc:  # pragma: no cover - exercised only where triton is absent
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    _TRITON_ERROR = str(exc)
+
+__all__ = [
+    "FMT_CODES",
+    "decode_configs",
+    "prefill_configs",
+    "quantized_attention_triton",
+    "triton_available",
+]
+
+# Format family codes (constexpr FMT in the kernel).
+FMT_PLAIN = 0  # auto / bf16: floating-point codes, no scale
+FMT_FP8 = 1  # fp8_e4m3 / fp8_e5m2: float8 codes, fp32 scale 0-d or [H_kv]
+FMT_INT8 = 2  # int8_per_token_head: int8 codes, fp32 scale per (token, head)
+FMT_NVFP4 = 3  # packed E2M1, E4M3 block scales, fp32 global scale 0-d or [H_kv]
+FMT_MXFP4 = 4  # packed E2M1, E8M0 block scales (fp4_e2m1: 16, mxfp4: 32)
+FMT_CODES: dict[str, int] = {
+    "auto": FMT_PLAIN,
+    "bf16": FMT_PLAIN,
+    "fp8_e4m3": FMT_FP8,
+    "fp8_e5m2": FMT_FP8,
+    "int8_per_token_head": FMT_INT8,
+    "nvfp4": FMT_NVFP4,
+    "fp4_e2m1": FMT_MXFP4,
+    "mxfp4": FMT_MXFP4,
+}
+
+# Rows (Tq * G) up to which the decode path (small BLOCK_M, split-K) is used.
+_DECODE_MAX_ROWS = 64
+_LOG2E = 1.4426950408889634
+_CONFIG_ENV = "KVCAL_TRITON_CONFIG"
+_SPLITS_ENV = "KVCAL_TRITON_SPLITS"
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def meta(self) -> dict[str, int]:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+
+
+def decode_configs(block_m: int) -> list[KernelConfig]:
+    """Autotune candidates for the decode path (rows = Tq * G <= 64, padded to block_m >= 16)."""
+    return [
+        KernelConfig(block_m, bn, w, s)
+        for bn in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3)
+        if bn * 2 >= w * 8
+    ]
+
+
+def prefill_configs() -> list[KernelConfig]:
+    """Autotune candidates for the prefill path (many rows; causal/sliding tiles skipped)."""
+    return [KernelConfig(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+
+
+def _interpreter_config(block_m: int) -> KernelConfig:
+    # Few, larger tiles keep the (per-op) interpreter fast; BLOCK_N 32 still gives multi-tile loops in tests.
+    return KernelConfig(block_m, 32, 4, 1)
+
+
+def parse_config(spec: str) -> dict[str, int]:
+    """'BLOCK_M=16,BLOCK_N=32,num_warps=4,num_stages=1' -> dict (UsageError on a malformed spec)."""
+    out: dict[str, int] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, val = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+            raise UsageError(
+                f"{_CONFIG_ENV}={spec!r} is malformed; use e.g. 'BLOCK_M=16,BLOCK_N=32,num_warps=4,num_stages=1'"
+            )
+        try:
+            out[key] = int(val)
+        except ValueError as exc:
+            raise UsageError(f"{_CONFIG_ENV}: {key} must be an integer, got {val!r}") from exc
+    for key in ("BLOCK_M", "BLOCK_N"):
+        v = out.get(key)
+        if v is not None and (v < 16 or v & (v - 1)):
+            raise UsageError(f"{_CONFIG_ENV}: {key} must be a power of two >= 16, got {v}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels (jit functions are created by `_kernels()`, so that the interpreter mode is read when they are first
+# needed, not when this module happens to be imported)
+
+
+# Jit helpers, installed by `_kernels()`; the kernels look them up by name from this module's globals when traced.
+_e2m1: Any = None
+_e8m0: Any = None
+_tanh: Any = None
+_load_fp4_tile: Any = None
+
+
+def _e2m1_impl(c):
+    # c: int32 4-bit E2M1 codes -> fp32 values. |v| = (2*(e>0) + m) * 2**(max(e,1) - 2), e = bits 1-2, m = bit 0.
+    mag = c & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    mant = tl.where(e > 0, 2.0 + m, m)
+    fac = tl.where(e == 3, 2.0, tl.where(e == 2, 1.0, 0.5))
+    v = mant * fac
+    return tl.where((c & 8) != 0, -v, v)
+
+
+def _e8m0_impl(b):
+    # b: uint8 biased exponents -> fp32 2**(b - 127) (b = 0 is the subnormal 2**-127).
+    bi = b.to(tl.int32)
+    v = (bi << 23).to(tl.float32, bitcast=True)
+    return tl.where(bi == 0, 5.877471754111438e-39, v)
+
+
+def _tanh_impl(x):
+    # Accurate fp32 tanh without libdevice (the interpreter has none): odd Taylor series near 0 (|x| < 0.25,
+    # truncation < 1e-10 relative), (1 - t) / (1 + t) with t = exp(-2|x|) elsewhere.
+    a = tl.abs(x)
+    x2 = x * x
+    poly = x * (
+        1.0
+        + x2
+        * (
+            -0.3333333333333333
+            + x2
+            * (
+                0.13333333333333333
+                + x2 * (-0.05396825396825397 + x2 * (0.021869488536155203 + x2 * -0.008863235529902197))
+            )
+        )
+    )
+    t = tl.exp(-2.0 * a)
+    big = (1.0 - t) / (1.0 + t)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(a < 0.25, poly, big)
+
+
+def _load_fp4_tile_impl(
+    codes_base,
+    bs_base,
+    offs_n,
+    offs_i,
+    n_mask,
+    i_mask,
+    stride_n,
+    stride_c,
+    bs_stride_n,
+    bs_stride_c,
+    FMT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # Packed bytes [BLOCK_N, D/2] -> (even-element values, odd-element values), each [BLOCK_N, D/2] fp32, with the
+    # block scale applied (element 2i and 2i+1 both lie in block (2i) // BLOCK_SIZE = i // (BLOCK_SIZE // 2)).
+    mask = n_mask[:, None] & i_mask[None, :]
+    byte = tl.load(codes_base + offs_n[:, None] * stride_n + offs_i[None, :] * stride_c, mask=mask, other=0)
+    byte = byte.to(tl.int32)
+    lo = _e2m1(byte & 15)
+    hi = _e2m1((byte >> 4) & 15)
+    blk = offs_i // (BLOCK_SIZE // 2)
+    # no `other`: a float8 block scale cannot take an integer fill value; masked lanes are zeroed after decoding
+    bsv = tl.load(bs_base + offs_n[:, None] * bs_stride_n + blk[None, :] * bs_stride_c, mask=mask)
+    if FMT == 3:
+        s = bsv.to(tl.float32)
+    else:
+        s = _e8m0(bsv)
+    s = tl.where(mask, s, 0.0)
+    return lo * s, hi * s
+
+
+def _attn_fwd_impl(
+    Q,
+    K,
+    V,
+    KBS,
+    VBS,
+    KSC,
+    VSC,
+    SINKS,
+    KPAD,
+    OUT,
+    PART_ML,
+    PART_ACC,
+    # q [B, H_q, Tq, D]
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    # k/v codes [B, H_kv, Tk, Dc] (Dc = D or D/2)
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    # block scales [B, H_kv, Tk, NB] (int8: NB = 1)
+    stride_kbsb,
+    stride_kbsh,
+    stride_kbst,
+    stride_kbsd,
+    stride_vbsb,
+    stride_vbsh,
+    stride_vbst,
+    stride_vbsd,
+    stride_ksc,  # 0 for a per-tensor scale, 1 for [H_kv]
+    stride_vsc,
+    stride_kpb,
+    stride_kpt,
+    # out [B, H_q, Tq, D]
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    H_KV,
+    TQ,
+    TK,
+    G,
+    q_start,
+    k_start,
+    window,
+    sm_scale,
+    softcap,
+    tk_bucket,  # autotune key only
+    FMT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_KPAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    IS_FP4: tl.constexpr = FMT >= 3
+    HAS_SCALAR_SCALE: tl.constexpr = (FMT == 1) or (FMT == 3)
+    DH: tl.constexpr = HEAD_DIM // 2
+    DH_PAD: tl.constexpr = D_PAD // 2
+
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    b = pid_bh // H_KV
+    h = pid_bh % H_KV
+
+    # rows of this program: (token t, group head g) pairs of KV head h
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_rows = TQ * G
+    row_ok = offs_m < n_rows
+    t = offs_m // G
+    g = offs_m % G
+    hq = h * G + g
+    q_pos = q_start + t  # [BLOCK_M]
+
+    # key range this program must visit: its split's chunk, cut by the causal / window bounds of its rows
+    r_first = pid_m * BLOCK_M
+    r_last = tl.minimum(r_first + BLOCK_M, n_rows) - 1
+    t_lo = r_first // G
+    t_hi = r_last // G
+    chunk = tl.cdiv(tl.cdiv(TK, n_splits), BLOCK_N) * BLOCK_N
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, TK)
+    if CAUSAL:
+        hi = tl.minimum(hi, q_start + t_hi - k_start + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, ((q_start + t_lo - window + 1 - k_start) // BLOCK_N) * BLOCK_N)
+
+    q_row = Q + b * stride_qb + hq * stride_qh + t * stride_qt  # [BLOCK_M] pointers
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    kbs_base = KBS + b * stride_kbsb + h * stride_kbsh
+    vbs_base = VBS + b * stride_vbsb + h * stride_vbsh
+
+    qk_scale = sm_scale
+    v_scale = 1.0
+    if HAS_SCALAR_SCALE:
+        qk_scale = qk_scale * tl.load(KSC + h * stride_ksc).to(tl.float32)
+        v_scale = tl.load(VSC + h * stride_vsc).to(tl.float32)
+    if not HAS_SOFTCAP:
+        qk_scale = qk_scale * LOG2E  # work in the exp2 domain
+
+    if IS_FP4:
+        offs_i = tl.arange(0, DH_PAD)
+        i_ok = offs_i < DH
+        qm = row_ok[:, None] & i_ok[None, :]
+        q_even = tl.load(q_row[:, None] + (2 * offs_i)[None, :] * stride_qd, mask=qm, other=0.0)
+        q_odd = tl.load(q_row[:, None] + (2 * offs_i + 1)[None, :] * stride_qd, mask=qm, other=0.0)
+        if DOT_F32:
+            q_even = q_even.to(tl.float32)
+            q_odd = q_odd.to(tl.float32)
+        else:
+            q_even = q_even.to(tl.bfloat16)
+            q_odd = q_odd.to(tl.bfloat16)
+        acc_e = tl.zeros([BLOCK_M, DH_PAD], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_M, DH_PAD], dtype=tl.float32)
+    else:
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < HEAD_DIM
+        qv = tl.load(
+            q_row[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        if DOT_F32:
+            qv = qv.to(tl.float32)
+        else:
+            qv = qv.to(tl.bfloat16)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        # ---- S = Q K^T (dequantized in registers) ----
+        if IS_FP4:
+            k_e, k_o = _load_fp4_tile(
+                k_base,
+                kbs_base,
+                offs_n,
+                offs_i,
+                n_ok,
+                i_ok,
+                stride_kt,
+                stride_kd,
+                stride_kbst,
+                stride_kbsd,
+                FMT,
+                BLOCK_SIZE,
+            )
+            if DOT_F32:
+                s = tl.dot(q_even, tl.trans(k_e), input_precision="ieee")
+                s += tl.dot(q_odd, tl.trans(k_o), input_precision="ieee")
+            else:
+                s = tl.dot(q_even, tl.trans(k_e.to(tl.bfloat16)))
+                s += tl.dot(q_odd, tl.trans(k_o.to(tl.bfloat16)))
+        else:
+            kt = tl.load(
+                k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            if DOT_F32:
+                s = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(qv, tl.trans(kt.to(tl.bfloat16)))
+        s = s * qk_scale
+        if FMT == 2:
+            ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
+            s = s * ks[None, :]
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+            s = s * LOG2E
+        # ---- mask ----
+        k_pos = k_start + offs_n
+        vis = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            vis = vis & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
+        if HAS_KPAD:
+            kp = tl.load(KPAD + b * stride_kpb + offs_n * stride_kpt, mask=n_ok, other=0)
+            vis = vis & (kp != 0)[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        # ---- online softmax (exp2 domain) ----
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if FMT == 2:
+            vs = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
+            p = p * vs[None, :]
+        # ---- O += P V ----
+        if IS_FP4:
+            v_e, v_o = _load_fp4_tile(
+                v_base,
+                vbs_base,
+                offs_n,
+                offs_i,
+                n_ok,
+                i_ok,
+                stride_vt,
+                stride_vd,
+                stride_vbst,
+                stride_vbsd,
+                FMT,
+                BLOCK_SIZE,
+            )
+            acc_e = acc_e * alpha[:, None]
+            acc_o = acc_o * alpha[:, None]
+            if DOT_F32:
+                acc_e += tl.dot(p, v_e, input_precision="ieee")
+                acc_o += tl.dot(p, v_o, input_precision="ieee")
+            else:
+                pb = p.to(tl.bfloat16)
+                acc_e += tl.dot(pb, v_e.to(tl.bfloat16))
+                acc_o += tl.dot(pb, v_o.to(tl.bfloat16))
+        else:
+            vt = tl.load(
+                v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None]
+            if DOT_F32:
+                acc += tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16))
+
+    if SPLIT:
+        # partials of split pid_s: m (exp2 domain), l, and acc * v_scale, for the reduction kernel
+        ml_row = PART_ML + ((b * H_KV * G + hq) * TQ + t) * (n_splits * 2) + pid_s * 2
+        tl.store(ml_row, m_i, mask=row_ok)
+        tl.store(ml_row + 1, l_i, mask=row_ok)
+        acc_row = PART_ACC + (((b * H_KV * G + hq) * TQ + t) * n_splits + pid_s) * D_PAD
+        if IS_FP4:
+            sm = row_ok[:, None] & i_ok[None, :]
+            tl.store(acc_row[:, None] + (2 * offs_i)[None, :], acc_e * v_scale, mask=sm)
+            tl.store(acc_row[:, None] + (2 * offs_i + 1)[None, :], acc_o * v_scale, mask=sm)
+        else:
+            tl.store(acc_row[:, None] + offs_d[None, :], acc * v_scale, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        if HAS_SINKS:
+            sink = tl.load(SINKS + hq, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            m_f = tl.maximum(m_i, sink)
+            corr = tl.exp2(m_i - m_f)
+            l_i = l_i * corr + tl.exp2(sink - m_f)
+        else:
+            corr = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        # empty rows (no visible key) have acc = 0 and output exactly 0
+        inv = tl.where(l_i > 0, v_scale * corr / tl.where(l_i > 0, l_i, 1.0), 0.0)
+        o_row = OUT + b * stride_ob + hq * stride_oh + t * stride_ot
+        if IS_FP4:
+            sm = row_ok[:, None] & i_ok[None, :]
+            tl.store(
+                o_row[:, None] + (2 * offs_i)[None, :] * stride_od,
+                (acc_e * inv[:, None]).to(OUT.dtype.element_ty),
+                mask=sm,
+            )
+            tl.store(
+                o_row[:, None] + (2 * offs_i + 1)[None, :] * stride_od,
+                (acc_o * inv[:, None]).to(OUT.dtype.element_ty),
+                mask=sm,
+            )
+        else:
+            tl.store(
+                o_row[:, None] + offs_d[None, :] * stride_od,
+                (acc * inv[:, None]).to(OUT.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+
+
+def _combine_impl(
+    PART_ML,
+    PART_ACC,
+    SINKS,
+    OUT,
+    H_Q,
+    TQ,
+    n_splits,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    # one program per (b, h_q, t) row: merge the n_splits partial softmaxes (+ the sink) into the output
+    row = tl.program_id(0)
+    t = row % TQ
+    hq = (row // TQ) % H_Q
+    b = row // (TQ * H_Q)
+    offs_s = tl.arange(0, S_PAD)
+    s_ok = offs_s < n_splits
+    m = tl.load(PART_ML + row * n_splits * 2 + offs_s * 2, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(PART_ML + row * n_splits * 2 + offs_s * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + hq).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # empty splits: exp2(-inf) = 0
+    l_tot = tl.sum(w * l_part, 0)
+    if HAS_SINKS:
+        l_tot += tl.exp2(sink - m_safe)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.load(
+        PART_ACC + (row * n_splits + offs_s)[:, None] * D_PAD + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    o = tl.sum(acc * w[:, None], 0)
+    inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+    tl.store(
+        OUT + b * stride_ob + hq * stride_oh + t * stride_ot + offs_d * stride_od,
+        (o * inv).to(OUT.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+@dataclass
+class _Kernels:
+    interpret: bool
+    attn: Any
+    combine: Any
+    tuned: dict[tuple[str, int], Any]
+
+
+_KERNELS: _Kernels | None = None
+
+
+def _kernels() -> _Kernels:
+    """The jit kernels for the current interpreter mode (re-created if TRITON_INTERPRET changed)."""
+    global _KERNELS
+    if triton is None:
+        raise UsageError(f"the Triton kernels need the `triton` package ({_TRITON_ERROR}); use --impl torch")
+    interp = _interpreting()
+    if _KERNELS is None or _KERNELS.interpret != interp:
+        g = globals()
+        # helpers are looked up by name from this module's globals when a kernel is traced
+        g["_e2m1"] = triton.jit(_e2m1_impl)
+        g["_e8m0"] = triton.jit(_e8m0_impl)
+        g["_tanh"] = triton.jit(_tanh_impl)
+        g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
+        _KERNELS = _Kernels(interp, triton.jit(_attn_fwd_impl), triton.jit(_combine_impl), {})
+    return _KERNELS
+
+
+def _tuned(kern: _Kernels, kind: str, block_m: int) -> Any:
+    key = (kind, block_m)
+    if key not in kern.tuned:
+        cfgs = decode_configs(block_m) if kind == "decode" else prefill_configs()
+        kern.tuned[key] = triton.autotune(
+            configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in cfgs],
+            key=["FMT", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_F32", "HAS_SOFTCAP"],
+        )(kern.attn)
+    return kern.tuned[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _choose_splits(programs: int, tk: int, block_n: int, device: torch.device) -> int:
+    """Key splits for decode: enough programs to fill the device (2 waves), each split >= 4 key tiles."""
+    pinned = os.environ.get(_SPLITS_ENV)
+    if pinned:
+        try:
+            n = int(pinned)
+        except ValueError as exc:
+            raise UsageError(f"{_SPLITS_ENV} must be a positive integer, got {pinned!r}") from exc
+        return max(1, min(n, max(1, math.ceil(tk / block_n))))
+    if _interpreting():
+        return 1
+    want = math.ceil(2 * _num_sms(device) / max(1, programs))
+    most = max(1, tk // (4 * block_n))
+    return int(max(1, min(want, most, 128)))
+
+
+def _scale_arg(
+    s: torch.Tensor | None, h_kv: int, device: torch.device, what: str
+) -> tuple[torch.Tensor, int]:
+    """A 0-d / (1,) / [H_kv] fp32 scale -> (tensor, stride over KV heads)."""
+    if s is None:
+        return torch.ones(1, dtype=torch.float32, device=device), 0
+    s = s.to(device=device, dtype=torch.float32).reshape(-1)
+    if s.numel() == 1:
+        return s, 0
+    if s.numel() != h_kv:
+        raise UsageError(f"{what} has {s.numel()} entries; expected 1 (per tensor) or {h_kv} (per KV head)")
+    return s.contiguous(), 1
+
+
+def _block_scale_strides(
+    bs: torch.Tensor | None, dummy: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if bs is None:
+        return dummy, (0, 0, 0, 0)
+    return bs, tuple(bs.stride())  # type: ignore[return-value]
+
+
+def _check_inputs(
+    q: torch.Tensor, k: Any, v: Any, fmt_name: str, block: int
+) -> tuple[int, int, int, int, int, int]:
+    if q.dim() != 4:
+        raise UsageError(f"q must be [B, H_q, Tq, D], got shape {tuple(q.shape)}")
+    b, hq, tq, d = q.shape
+    kc, vc = k.codes, v.codes
+    if kc.dim() != 4 or vc.dim() != 4 or kc.shape != vc.shape:
+        raise UsageError(
+            f"k/v codes must both be [B, H_kv, Tk, D'], got {tuple(kc.shape)} and {tuple(vc.shape)}"
+        )
+    bk, hkv, tk, dc = kc.shape
+    fp4 = FMT_CODES[fmt_name] >= FMT_NVFP4
+    if bk != b or (dc * 2 if fp4 else dc) != d:
+        raise UsageError(
+            f"q {tuple(q.shape)} and k/v codes {tuple(kc.shape)} do not fit together ({fmt_name})"
+        )
+    if hq % hkv:
+        raise UsageError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if block and d % block:
+        raise UsageError(f"head_dim {d} is not a multiple of {fmt_name}'s block size {block}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise UsageError(
+            "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to run them slowly on CPU); use --impl torch"
+        )
+    for name, t in (("k", kc), ("v", vc)):
+        if t.device != q.device:
+            raise UsageError(f"{name} codes are on {t.device} but q is on {q.device}")
+    return b, hq, tq, d, hkv, tk
+
+
+def quantized_attention_triton(
+    q: torch.Tensor,
+    k,  # kvcal.formats.QTensor of a [B, H_kv, Tk, D] tensor
+    v,  # kvcal.formats.QTensor of a [B, H_kv, Tk, D] tensor
+    fmt,  # kvcal.formats.KVFormat (or its name)
+    *,
+    scaling: float,
+    q_start: int,
+    k_start: int,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q over quantized K/V storage with dequantization fused into the kernel.
+
+    Same arguments and semantics as `kvcal.kernels.reference.quantized_attention_ref` (without its reference-only
+    `compute_dtype`). q: [B, H_q, Tq, D]; k, v: QTensor storage of [B, H_kv, Tk, D]; returns [B, H_q, Tq, D] in
+    q.dtype. Runs on CUDA, or on CPU under TRITON_INTERPRET=1.
+    """
+    return attention(
+        q,
+        k,
+        v,
+        fmt,
+        scaling=scaling,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        key_padding=key_padding,
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k,
+    v,
+    fmt,
+    *,
+    scaling: float,
+    q_start: int,
+    k_start: int,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`quantized_attention_triton` plus two knobs for tests and benchmarks: `config` pins the tile config
+    (no autotuning) and `num_splits` pins the decode key splits."""
+    from kvcal import formats  # lazy, as in the reference
+
+    f = formats.get_format(fmt)
+    fmt_id = FMT_CODES[f.name]
+    b, hq, tq, d, hkv, tk = _check_inputs(q, k, v, f.name, f.block_size)
+    group = hq // hkv
+    out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
+    if tq == 0:
+        return out
+    if tk == 0:
+        return out.zero_()
+    if sliding_window is not None and sliding_window <= 0:
+        raise UsageError(f"sliding_window must be positive, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise UsageError(f"softcap must be positive, got {softcap}")
+
+    kern = _kernels()
+    dev = q.device
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)
+    vbs, vbs_st = _block_scale_strides(v.block_scales, dummy)
+    if fmt_id == FMT_INT8 and (k.block_scales is None or v.block_scales is None):
+        raise UsageError("int8_per_token_head K/V need their per-token scales (block_scales)")
+    if fmt_id >= FMT_NVFP4 and (k.block_scales is None or v.block_scales is None):
+        raise UsageError(f"{f.name} K/V need their block scales")
+    ksc, ksc_st = _scale_arg(k.scale if fmt_id in (FMT_FP8, FMT_NVFP4) else None, hkv, dev, "k scale")
+    vsc, vsc_st = _scale_arg(v.scale if fmt_id in (FMT_FP8, FMT_NVFP4) else None, hkv, dev, "v scale")
+    if sinks is not None:
+        if sinks.numel() != hq:
+            raise UsageError(
+                f"sinks must have one logit per query head ({hq}), got shape {tuple(sinks.shape)}"
+            )
+        sinks_t = sinks.to(device=dev).reshape(-1).contiguous()
+    else:
+        sinks_t = dummy
+    if key_padding is not None:
+        if tuple(key_padding.shape) != (b, tk):
+            raise UsageError(f"key_padding must be [B, Tk] = [{b}, {tk}], got {tuple(key_padding.shape)}")
+        kp = key_padding.to(device=dev, dtype=torch.bool).view(torch.uint8)
+        kp_st = tuple(kp.stride())
+    else:
+        kp, kp_st = torch.zeros(1, dtype=torch.uint8, device=dev), (0, 0)
+
+    d_pad = max(32, _next_pow2(d))  # FP4 half tiles need D_PAD/2 >= 16 for tl.dot
+    dot_f32 = kern.interpret or q.dtype == torch.float32 or k.codes.dtype in (torch.float32, torch.float64)
+    rows = tq * group
+    decode = rows <= _DECODE_MAX_ROWS
+    block_m = max(16, _next_pow2(rows)) if decode else 64
+
+    pinned: dict[str, int] = {}
+    if config is not None:
+        pinned = {
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+        }
+    elif os.environ.get(_CONFIG_ENV):
+        pinned = parse_config(os.environ[_CONFIG_ENV])
+    elif kern.interpret:
+        c = _interpreter_config(block_m)
+        pinned = {
+            "BLOCK_M": c.block_m,
+            "BLOCK_N": c.block_n,
+            "num_warps": c.num_warps,
+            "num_stages": c.num_stages,
+        }
+    if pinned:
+        block_m = pinned.get("BLOCK_M", block_m)
+        block_n_for_split = pinned.get("BLOCK_N", 32)
+    else:
+        block_n_for_split = 64
+
+    m_tiles = triton.cdiv(rows, block_m) if pinned else None
+    if decode:
+        if num_splits is None:
+            progs = b * hkv * triton.cdiv(rows, block_m)
+            num_splits = _choose_splits(progs, tk, block_n_for_split, dev)
+        num_splits = max(1, int(num_splits))
+    else:
+        num_splits = 1 if num_splits is None else max(1, int(num_splits))
+    split = num_splits > 1
+
+    if split:
+        part_ml = torch.empty((b * hq * tq * num_splits * 2,), dtype=torch.float32, device=dev)
+        part_acc = torch.empty((b * hq * tq * num_splits * d_pad,), dtype=torch.float32, device=dev)
+    else:
+        part_ml = part_acc = dummy
+
+    args = (
+        q, k.codes, v.codes, kbs, vbs, ksc, vsc, sinks_t, kp, out, part_ml, part_acc,
+        *q.stride(), *k.codes.stride(), *v.codes.stride(), *kbs_st, *vbs_st, ksc_st, vsc_st, *kp_st, *out.stride(),
+        hkv, tq, tk, group, int(q_start), int(k_start), int(sliding_window or 0), float(scaling),
+        float(softcap or 0.0), _next_pow2(tk),
+    )  # fmt: skip
+    consts = dict(
+        FMT=fmt_id,
+        BLOCK_SIZE=max(2, f.block_size),
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        CAUSAL=bool(causal),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_KPAD=key_padding is not None,
+        SPLIT=split,
+        DOT_F32=dot_f32,
+    )
+    if pinned:
+        grid = (m_tiles, b * hkv, num_splits)
+        kern.attn[grid](
+            *args, **consts, BLOCK_M=block_m, BLOCK_N=pinned.get("BLOCK_N", 32),
+            num_warps=pinned.get("num_warps", 4), num_stages=pinned.get("num_stages", 2),
+        )  # fmt: skip
+    else:
+        tuned = _tuned(kern, "decode" if decode else "prefill", block_m)
+        tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), b * hkv, num_splits)](*args, **consts)
+
+    if split:
+        kern.combine[(b * hq * tq,)](
+            part_ml, part_acc, sinks_t, out, hq, tq, num_splits, *out.stride(),
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
+        )  # fmt: skip
+    return out
