@@ -1,0 +1,288 @@
+"""`KVRuntime`: put a model on a quantized KV cache (what evaluation runs through).
+
+    rt = KVRuntime(model, "fp8_e4m3", scales=load_scale_file(path), skip_layers="sliding_window", impl="auto")
+    out = model.generate(**inputs, past_key_values=rt.new_cache())   # or model(input_ids, past_key_values=...)
+    rt.describe()  # format, per-layer formats, scale source, uncalibrated flag, impl
+
+kv_format 'auto' leaves the model as loaded (transformers' own attention + DynamicCache): the parity reference.
+Any other format switches the model's attention implementation to "kvcal" (`kvcal.kernels.attention`) and gives
+each attention module its layer plan (format, window, static scales) and the implementation ('torch' | 'triton').
+A model carries one runtime at a time: building a new one (including 'auto') replaces the previous one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from kvcal import formats
+from kvcal.errors import UsageError
+from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, register
+from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
+from kvcal.models import KVSpec, kv_spec, parse_skip_layers
+
+IMPLS = ("auto", "torch", "triton")
+_ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
+
+
+def triton_available() -> bool:
+    """Triton and kvcal's Triton kernels are importable (without importing them)."""
+    try:
+        return (
+            importlib.util.find_spec("triton") is not None
+            and importlib.util.find_spec("kvcal.kernels.triton_attention") is not None
+        )
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA (when Triton is installed), else 'torch'. 'triton' needs CUDA or TRITON_INTERPRET=1."""
+    if impl not in IMPLS:
+        raise UsageError(f"unknown attention implementation '{impl}'; use one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if impl == "triton":
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if not (torch.cuda.is_available() or interpret):
+            raise UsageError(
+                "--impl triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU "
+                "interpreter, slowly); use --impl torch or --impl auto on this machine"
+            )
+        if not triton_available():
+            raise UsageError("--impl triton needs the triton package (Linux only); use --impl torch")
+    return impl
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The self-attention module of each decoder layer, by layer index."""
+    found: dict[int, torch.nn.Module] = {}
+    for name, mod in model.named_modules():
+        idx = getattr(mod, "layer_idx", None)
+        if isinstance(idx, int) and type(mod).__name__.endswith("Attention") and "cross" not in name.lower():
+            found.setdefault(idx, mod)
+    return found
+
+
+def check_architecture(model: torch.nn.Module, kv: KVSpec) -> dict[int, torch.nn.Module]:
+    """UsageError naming the model type unless its attention goes through transformers' AttentionInterface with
+    a per-layer K/V cache that kvcal can hold."""
+    model_type = kv.model_type
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False) or not model.can_generate():
+        raise UsageError(
+            f"model type '{model_type}' is not a decoder-only generative model with a KV cache; kvcal supports "
+            "Llama, Qwen2, Mistral, Gemma 2/3, gpt-oss and similar causal LMs"
+        )
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise UsageError(
+            f"model type '{model_type}' does not route attention through transformers' AttentionInterface, so "
+            "kvcal cannot read its cache; kvcal supports Llama, Qwen2, Mistral, Gemma 2/3, gpt-oss and similar"
+        )
+    mods = attention_modules(model)
+    if sorted(mods) != list(range(kv.num_layers)):
+        raise UsageError(
+            f"model type '{model_type}': found attention modules for layers {sorted(mods)[:8]}... but the config "
+            f"has {kv.num_layers} layers; kvcal cannot map its KV cache"
+        )
+    return mods
+
+
+def _as_skip_set(skip_layers: str | Iterable[int] | None, kv: KVSpec) -> frozenset[int]:
+    if skip_layers is None:
+        return frozenset()
+    if isinstance(skip_layers, str):
+        return parse_skip_layers(skip_layers, kv)
+    chosen = frozenset(int(i) for i in skip_layers)
+    bad = sorted(i for i in chosen if not 0 <= i < kv.num_layers)
+    if bad:
+        raise UsageError(
+            f"skip-layer index {bad[0]} is out of range: the model has layers 0..{kv.num_layers - 1}"
+        )
+    return chosen
+
+
+def _check_scales(scales: Any, fmt: formats.KVFormat, kv: KVSpec) -> None:
+    if not fmt.calibratable:
+        raise UsageError(
+            f"format {fmt.name} takes no static scales (its scales are computed at write time); "
+            "drop --scales or use fp8_e4m3, fp8_e5m2 or nvfp4"
+        )
+    if formats.get_format(scales.kv_format) is not fmt:
+        raise UsageError(
+            f"the scale file was calibrated for {scales.kv_format}, not {fmt.name}; "
+            f"calibrate for {fmt.name} or pass --kv-format {scales.kv_format}"
+        )
+    for name, lst in (("k", scales.k_scales), ("v", scales.v_scales)):
+        if len(lst) != kv.num_layers:
+            raise UsageError(
+                f"the scale file has {len(lst)} layers of {name}_scale but the model has {kv.num_layers}; "
+                "it belongs to another model — recalibrate for this one"
+            )
+        for layer, s in zip(kv.layers, lst, strict=True):
+            n = int(torch.as_tensor(s).numel())
+            if n not in (1, layer.kv_heads):
+                raise UsageError(
+                    f"layer {layer.index} {name}_scale has {n} values but the model has {layer.kv_heads} KV heads "
+                    "(per-tensor scales have 1); it belongs to another model — recalibrate for this one"
+                )
+
+
+def install_plans(
+    model: torch.nn.Module, plans: list[LayerPlan], impl: str, mods: dict[int, torch.nn.Module] | None = None
+) -> None:
+    """Switch the model to kvcal attention with these per-layer plans (KVRuntime's last step; tests use it
+    directly, e.g. with format 'auto' plans to check the machinery against transformers exactly)."""
+    register()
+    mods = attention_modules(model) if mods is None else mods
+    if not hasattr(model, _ORIGINAL_ATTR):
+        setattr(model, _ORIGINAL_ATTR, model.config._attn_implementation)
+    if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)
+    if model.config._attn_implementation != ATTN_NAME:
+        raise UsageError(
+            f"model type '{model.config.model_type}' refused the kvcal attention implementation; kvcal cannot "
+            "read its cache"
+        )
+    for idx, mod in mods.items():
+        mod.kvcal_config = ModuleConfig(plan=plans[idx], impl=impl)
+
+
+class KVRuntime:
+    """The quantized-KV configuration of one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_format: str | formats.KVFormat,
+        scales: Any = None,  # kvcal.scales.ScaleSet | None
+        skip_layers: str | Iterable[int] | None = frozenset(),
+        impl: str = "auto",
+    ):
+        self.model = model
+        self.fmt = formats.get_format(kv_format)
+        self.kv = kv_spec(model.config)
+        self.scales = scales
+        self.skip_layers = _as_skip_set(skip_layers, self.kv)
+        if impl not in IMPLS:
+            raise UsageError(f"unknown attention implementation '{impl}'; use one of {', '.join(IMPLS)}")
+        self.requested_impl = impl
+        if self.fmt.name == "auto":
+            if scales is not None:
+                raise UsageError(
+                    "kv format 'auto' stores the model's own K/V and takes no scales; drop --scales"
+                )
+            self.impl = "transformers"
+            self.plans: list[LayerPlan] = []
+            self._uninstall()
+            return
+        mods = check_architecture(model, self.kv)
+        for layer in self.kv.layers:
+            bs = self.fmt.block_size
+            if bs and layer.head_dim % bs:
+                raise UsageError(
+                    f"{self.fmt.name} needs head_dim divisible by its {bs}-element block, but this model's "
+                    f"head_dim is {layer.head_dim}; choose fp8_e4m3 or int8_per_token_head"
+                )
+        if scales is not None:
+            _check_scales(scales, self.fmt, self.kv)
+        self.impl = resolve_impl(impl, _model_device(model))
+        bf16 = formats.get_format("bf16")
+        self.plans = []
+        for layer in self.kv.layers:
+            skipped = layer.index in self.skip_layers
+            use_scales = scales is not None and not skipped
+            self.plans.append(
+                LayerPlan(
+                    index=layer.index,
+                    fmt=bf16 if skipped else self.fmt,
+                    window=layer.window,
+                    k_scale=torch.as_tensor(scales.k_scales[layer.index], dtype=torch.float32)
+                    if use_scales
+                    else None,
+                    v_scale=torch.as_tensor(scales.v_scales[layer.index], dtype=torch.float32)
+                    if use_scales
+                    else None,
+                    skipped=skipped,
+                )
+            )
+        self._install(mods)
+
+    # -- installation -------------------------------------------------------------------------------------
+
+    def _install(self, mods: dict[int, torch.nn.Module]) -> None:
+        install_plans(self.model, self.plans, self.impl, mods)
+
+    def _uninstall(self) -> None:
+        """Put a model a previous runtime changed back to its own attention implementation."""
+        model = self.model
+        original = getattr(model, _ORIGINAL_ATTR, None)
+        if original is None:
+            return
+        model.set_attn_implementation(original)
+        for mod in attention_modules(model).values():
+            if hasattr(mod, "kvcal_config"):
+                del mod.kvcal_config
+        delattr(model, _ORIGINAL_ATTR)
+
+    # -- API ----------------------------------------------------------------------------------------------
+
+    def new_cache(self) -> Cache:
+        """A fresh cache to pass as `past_key_values` to one forward or one generate() call."""
+        if self.fmt.name == "auto":
+            return DynamicCache(config=self.model.config)
+        return QuantizedKVCache(self.plans)
+
+    @property
+    def uncalibrated(self) -> bool:
+        """FP8 / NVFP4 without a scale file (FP8 at scale 1.0, NVFP4 with a dynamic global)."""
+        return self.fmt.calibratable and self.scales is None
+
+    def scale_source(self) -> str:
+        if self.fmt.name in ("auto", "bf16"):
+            return "none"
+        if self.scales is not None:
+            return f"scale file ({getattr(self.scales, 'granularity', 'tensor')})"
+        if self.fmt.element in ("e4m3", "e5m2"):
+            return "uncalibrated (scale 1.0)"
+        if self.fmt.name == "nvfp4":
+            return "uncalibrated (dynamic global scale, fixed at each layer's first write)"
+        return "dynamic (computed at write time)"
+
+    def describe(self) -> dict[str, Any]:
+        layers = []
+        for layer in self.kv.layers:
+            plan = self.plans[layer.index] if self.plans else None
+            layers.append(
+                {
+                    "layer": layer.index,
+                    "type": layer.type,
+                    "window": layer.window,
+                    "format": plan.fmt.name if plan else "auto",
+                    "skipped": bool(plan and plan.skipped),
+                }
+            )
+        return {
+            "kv_format": self.fmt.name,
+            "model_type": self.kv.model_type,
+            "impl": self.impl,
+            "requested_impl": self.requested_impl,
+            "attn_implementation": self.model.config._attn_implementation,
+            "scale_source": self.scale_source(),
+            "uncalibrated": self.uncalibrated,
+            "granularity": getattr(self.scales, "granularity", None),
+            "skip_layers": sorted(self.skip_layers),
+            "layer_formats": [entry["format"] for entry in layers],
+            "layers": layers,
+        }
