@@ -1,0 +1,402 @@
+"""KV-cache formats: the one numeric spec (quantize to a storage layout, dequantize, bit costs).
+
+Every K or V tensor is `x: [..., D]` (in the cache layout `[B, H_kv, T, D]`, D = head_dim). `quantize` returns a
+`QTensor` (codes + scales, exactly what a cache stores); `dequantize` turns it back; `fake_quantize` does both.
+All arithmetic is float32 (float64 input is first clamped to the float32 range), vectorised, deterministic, and
+saturating: a finite input never becomes NaN/Inf, also for +-1e30 and all-zero blocks.
+
+Storage layout (kernels read these; do not change without changing them)
+-------------------------------------------------------------------------
+| format | `codes` | `block_scales` | `scale` |
+|---|---|---|---|
+| auto | x itself | None | None |
+| bf16 | bfloat16 [..., D] | None | None |
+| fp8_e4m3 / fp8_e5m2 | float8_e4m3fn / float8_e5m2 [..., D] | None | fp32 0-d or [H_kv] (dim 1) |
+| int8_per_token_head | int8 [..., D] | fp32 [..., 1] (amax/127) | None |
+| nvfp4 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d or [H_kv] global |
+| fp4_e2m1 | uint8 [..., D//2] | uint8 E8M0 [..., D//16] | None |
+| mxfp4 | uint8 [..., D//2] | uint8 E8M0 [..., D//32] | None |
+
+Dequantization: fp8 `codes * scale`; int8 `codes * block_scales`; nvfp4 `e2m1(code) * (e4m3(block) * scale)`
+(the product in fp32); fp4_e2m1 / mxfp4 `e2m1(code) * 2**(byte - 127)`. Block b covers elements
+`[b*block, (b+1)*block)` of the last dim.
+
+E2M1 code (4 bits): bit 3 = sign, bits 0-2 index the magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) — the standard
+E2M1 encoding (2 exponent bits, 1 mantissa bit, bias 1); code c decodes to `E2M1_VALUES[c]` (code 8 = -0.0).
+Packing (`pack_fp4`): byte j of the last dim holds element 2j in its LOW nibble and element 2j+1 in its HIGH
+nibble: `byte = codes[..., 0::2] | (codes[..., 1::2] << 4)` — the order SGLang's KVFP4QuantizeUtil and
+compressed-tensors' `pack_fp4_to_uint8` use. E8M0 byte e means 2**(e - 127) (OCP MX v1.0; 255 = NaN is never
+written).
+
+Rounding and scales per format
+------------------------------
+- fp8_*: `(x / scale).clamp(+-max).to(float8)` — torch's cast, round-to-nearest-even. `scale` is the number a scale
+  file stores as k_scale/v_scale (x ~ codes * scale); default 1.0 = what vLLM/SGLang use uncalibrated.
+- int8_per_token_head: symmetric, scale = amax/127 over D per (token, KV head) in fp32, codes
+  `round_half_even(x / scale)` clamped to +-127 (vLLM `int8_per_token_head`). An all-zero row stores scale 0.
+- nvfp4: global scale g (fp32, multiplicative: x ~ e2m1 * block_scale * g), default dynamic
+  `amax(x) / (448 * 6)` over the whole tensor passed in (per call). Block scale = `e4m3(clamp(block_amax / (6 g),
+  max=448))` (RNE cast); elements = RNE to E2M1 of `x / (block_scale * g)`, saturating at +-6. compressed-tensors /
+  vLLM store the RECIPROCAL: `global_scale_ct = 448 * 6 / amax = 1 / g` and a block scale `e4m3(global_scale_ct *
+  block_amax / 6)`, dequantizing with `block_scale / global_scale_ct`; the two agree bit for bit when g is a power
+  of two and to within float32 rounding of the scale otherwise (tests/test_formats_peer.py). A block whose scale
+  rounds to 0 stores codes 0 (compressed-tensors substitutes 0.125 for a zero scale; the values are 0 either way).
+- fp4_e2m1: reproduces SGLang's `KVFP4QuantizeUtil.batched_quantize` (python/sglang/srt/layers/quantization/
+  kvfp4_tensor.py): 16-element blocks, `scale_exp = ceil(log2(clamp(block_amax / 6, min=1e-10)))`, stored as the
+  UE8M0 byte `scale_exp + 127`; `scaled = x / 2**scale_exp`; sign bit `scaled < 0`; magnitude code =
+  `sum(|scaled| >= (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5))`, i.e. E2M1 ties round AWAY from zero (RNE would send
+  0.25, 1.25, 2.5 and 5 down); same packing. Computed in float32: identical to SGLang eager for float32 input and
+  to its torch.compile'd path (Inductor computes bf16 pointwise math in float32).
+- mxfp4 (OCP MX v1.0): 32-element blocks, shared exponent `floor(log2(block_amax)) - 2` (emax of E2M1 = 2),
+  clamped to [-127, 127] (an all-zero block gets -127), stored as E8M0 (bias 127); elements = RNE to E2M1 of
+  `x / 2**shared_exp`, saturating at +-6 (block maxima in [6, 8) * 2**shared_exp clip to 6, as the spec allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcal.errors import UsageError
+
+__all__ = [
+    "E2M1_VALUES",
+    "FORMATS",
+    "KVFormat",
+    "QTensor",
+    "bits_per_element",
+    "dequantize",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e8m0_to_float",
+    "exp2_int",
+    "fake_quantize",
+    "format_names",
+    "get_format",
+    "pack_fp4",
+    "quantize",
+    "unpack_fp4",
+]
+
+FP8_E4M3_MAX = 448.0
+FP8_E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+INT8_MAX = 127.0
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+# Index = 4-bit E2M1 code (bit 3 sign).
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+# Midpoints between consecutive E2M1 magnitudes; bound i separates magnitude code i from i+1.
+_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+_CONST_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _const(name: str, device: torch.device) -> torch.Tensor:
+    key = (name, device)
+    if key not in _CONST_CACHE:
+        _CONST_CACHE[key] = {"values": E2M1_VALUES, "bounds": _E2M1_BOUNDS}[name].to(device)
+    return _CONST_CACHE[key]
+
+
+@dataclass(frozen=True, eq=False)
+class KVFormat:
+    """One KV-cache format of the DESIGN.md table."""
+
+    name: str  # canonical
+    aliases: tuple[str, ...]
+    element: str  # 'auto' | 'bf16' | 'e4m3' | 'e5m2' | 'int8' | 'e2m1'
+    block_size: int  # elements per block scale along head_dim; 0 = none
+    calibratable: bool  # takes a static `scale` (fp8_*: the scale; nvfp4: the global scale)
+    max_value: float | None  # largest code magnitude (element units)
+    engine_names: dict[str, str | None] = field(default_factory=dict)  # vllm / sglang / trtllm
+    description: str = ""
+
+    def bits_per_element(self, head_dim: int, model_bits: int = 16) -> float:
+        """Storage bits per K or V element including scale bytes (per-tensor/per-head scales are negligible).
+
+        `model_bits` is what `auto` stores (16 for a bf16/fp16 model, 32 for float32)."""
+        if self.element == "auto":
+            return float(model_bits)
+        if self.element == "bf16":
+            return 16.0
+        if self.element in ("e4m3", "e5m2"):
+            return 8.0
+        if self.element == "int8":
+            return 8.0 + 32.0 / head_dim  # one fp32 scale per (token, head)
+        # FP4: 4-bit codes + one 8-bit block scale (E4M3 or E8M0) per block
+        return 4.0 + 8.0 / self.block_size
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.element == "e2m1"
+
+
+# fmt: off
+# name, aliases, element, block, calibratable, max, (vLLM, SGLang, TRT-LLM names), description
+_TABLE: tuple[tuple, ...] = (
+    ("auto", (), "auto", 0, False, None, ("auto", "auto", None), "the model's own dtype, untouched"),
+    ("bf16", ("bfloat16",), "bf16", 0, False, None, ("bfloat16", "bf16", None), "bfloat16 (a BF16 server)"),
+    ("fp8_e4m3", ("fp8", "fp8_e4m3fn", "e4m3"), "e4m3", 0, True, FP8_E4M3_MAX, ("fp8", "fp8_e4m3", "FP8"),
+     "FP8 E4M3FN +-448, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
+    ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, ("fp8_e5m2", "fp8_e5m2", None),
+     "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
+    ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, ("int8_per_token_head", None, None),
+     "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
+    ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, ("nvfp4", None, "NVFP4"),
+     "E2M1, 16-element blocks, E4M3 block scale x fp32 global scale"),
+    ("fp4_e2m1", ("kvfp4",), "e2m1", 16, False, E2M1_MAX, (None, "fp4_e2m1", None),
+     "E2M1, 16-element blocks, UE8M0 power-of-two scale (SGLang's quantizer: ties away from zero)"),
+    ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (None, None, None),
+     "E2M1, 32-element blocks, E8M0 shared exponent (OCP MX v1.0)"),
+)
+# fmt: on
+FORMATS: dict[str, KVFormat] = {
+    row[0]: KVFormat(*row[:6], dict(zip(("vllm", "sglang", "trtllm"), row[6], strict=True)), row[7])
+    for row in _TABLE
+}
+_LOOKUP: dict[str, KVFormat] = {}
+for _f in FORMATS.values():
+    for _n in (_f.name, *_f.aliases):
+        _LOOKUP[_n.lower()] = _f
+
+
+def format_names() -> str:
+    """'auto, bf16 (alias bfloat16), fp8_e4m3 (aliases fp8, ...), ...' for error messages and help."""
+    parts = []
+    for f in FORMATS.values():
+        if f.aliases:
+            parts.append(f"{f.name} ({'alias' if len(f.aliases) == 1 else 'aliases'} {', '.join(f.aliases)})")
+        else:
+            parts.append(f.name)
+    return ", ".join(parts)
+
+
+def get_format(name: str | KVFormat) -> KVFormat:
+    """The format for a canonical name or an alias (case-insensitive); UsageError listing all names otherwise."""
+    if isinstance(name, KVFormat):
+        return name
+    fmt = _LOOKUP.get(str(name).strip().lower())
+    if fmt is None:
+        raise UsageError(f"unknown KV format '{name}'; valid formats: {format_names()}")
+    return fmt
+
+
+def bits_per_element(fmt: str | KVFormat, head_dim: int, model_bits: int = 16) -> float:
+    return get_format(fmt).bits_per_element(head_dim, model_bits)
+
+
+@dataclass
+class QTensor:
+    """The stored form of one K or V tensor x: [..., D] (see the module docstring for the layout per format)."""
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes + block scales (the per-tensor / per-head `scale` is not counted)."""
+        n = self.codes.numel() * self.codes.element_size()
+        if self.block_scales is not None:
+            n += self.block_scales.numel() * self.block_scales.element_size()
+        return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# E2M1 / E8M0 / packing helpers (kernels and tests use these)
+
+
+def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """4-bit E2M1 codes (uint8, one per element) of already-scaled values y; saturates at +-6.
+
+    ties='even': round to nearest, ties to even mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
+    ties='away': ties away from zero, SGLang's `sum(|y| >= bounds)` rule."""
+    bounds = _const("bounds", y.device)
+    a = y.abs().float()
+    # count of bounds <= a (ties go up = away from zero)
+    up = torch.bucketize(a, bounds, right=True)
+    if ties == "away":
+        mag = up
+    elif ties == "even":
+        # count of bounds < a (ties go down); at a tie (up != down) bound `down` separates codes down and down+1:
+        # the even code wins, i.e. go up exactly when `down` is odd.
+        down = torch.bucketize(a, bounds, right=False)
+        mag = torch.where((up != down) & (down % 2 == 1), up, down)
+    else:
+        raise ValueError(f"ties must be 'even' or 'away', not {ties!r}")
+    sign = (y < 0).to(torch.uint8) << 3
+    return sign | mag.to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of 4-bit E2M1 codes (uint8, low 4 bits used)."""
+    return _const("values", codes.device)[(codes & 0x0F).long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., D] 4-bit codes -> [..., D//2] uint8; element 2j in the low nibble, 2j+1 in the high nibble."""
+    if codes.shape[-1] % 2:
+        raise UsageError(f"FP4 packing needs an even last dimension, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """[..., N] uint8 -> [..., 2N] 4-bit codes (uint8); inverse of pack_fp4."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 2**e for integer e in [-127, 127] (built from bits; 2**-127 is the subnormal 0x00400000)."""
+    e = e.to(torch.int32)
+    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    return torch.where(e == -127, torch.tensor(2.0**-127, dtype=torch.float32, device=e.device), normal)
+
+
+def e8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
+    """float32 value 2**(byte - 127) of E8M0 bytes (uint8)."""
+    return exp2_int(byte.to(torch.int32) - 127)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize / dequantize
+
+
+def _as_f32(x: torch.Tensor) -> torch.Tensor:
+    if not x.is_floating_point():
+        raise UsageError(f"KV tensors must be floating point, got {x.dtype}")
+    if x.dtype == torch.float64:
+        x = x.clamp(-F32_MAX, F32_MAX)  # so float64 input cannot overflow to inf
+    return x.float()
+
+
+def _static_scale(
+    scale: float | torch.Tensor | None, x: torch.Tensor, default: float | None
+) -> torch.Tensor | None:
+    """A user scale as fp32 0-d or [H_kv]; validated finite and positive (on CPU, to avoid a device sync)."""
+    if scale is None:
+        return None if default is None else torch.tensor(default, dtype=torch.float32, device=x.device)
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if s.numel() == 1:
+        s = s.reshape(())
+    elif s.dim() != 1 or x.dim() < 3 or x.shape[1] != s.numel():
+        raise UsageError(
+            f"a per-head scale of shape {tuple(s.shape)} does not fit K/V of shape {tuple(x.shape)}: "
+            "it must be [H_kv] for x [B, H_kv, T, D]"
+        )
+    if s.device.type == "cpu" and not bool(torch.isfinite(s).all() and (s > 0).all()):
+        raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
+    return s
+
+
+def _bcast(s: torch.Tensor, ndim: int, extra: int = 0) -> torch.Tensor:
+    """fp32 0-d or [H] scale -> broadcastable along dim 1 of an ndim-D tensor (+`extra` trailing dims)."""
+    if s.dim() == 0:
+        return s
+    return s.reshape((1, -1) + (1,) * (ndim - 2 + extra))
+
+
+def _blocks(xf: torch.Tensor, block: int) -> torch.Tensor:
+    d = xf.shape[-1]
+    if d % block:
+        raise UsageError(f"head_dim {d} is not a multiple of the format's block size {block}")
+    return xf.unflatten(-1, (d // block, block))  # [..., D/block, block]
+
+
+def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor | None = None) -> QTensor:
+    """Quantize x: [..., D] (cache layout [B, H_kv, T, D]) to `fmt`'s storage layout.
+
+    `scale`: fp8_* — the static scale (x ~ codes * scale), float / 0-d / [H_kv] along dim 1, default 1.0;
+    nvfp4 — the global scale (same shapes), default dynamic amax(x)/(448*6); other formats ignore it."""
+    f = get_format(fmt)
+    if f.element == "auto":
+        return QTensor(codes=x)
+    xf = _as_f32(x)
+    if f.element == "bf16":
+        return QTensor(codes=xf.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16))
+    if f.element in ("e4m3", "e5m2"):
+        s = _static_scale(scale, x, 1.0)
+        dtype = torch.float8_e4m3fn if f.element == "e4m3" else torch.float8_e5m2
+        m = f.max_value
+        # clamp first: torch's float8 casts do not all saturate (e5m2 overflows to inf)
+        codes = (xf / _bcast(s, x.dim())).clamp(-m, m).to(dtype)
+        return QTensor(codes=codes, scale=s)
+    if f.element == "int8":
+        amax = xf.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+        s = amax / INT8_MAX
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        codes = torch.round(xf / safe).clamp(-INT8_MAX, INT8_MAX)  # torch.round = half to even
+        codes = torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.int8)
+        return QTensor(codes=codes, block_scales=s)
+    # FP4 formats
+    xb = _blocks(xf, f.block_size)  # [..., D/bs, bs]
+    bmax = xb.abs().amax(dim=-1)  # [..., D/bs]
+    if f.name == "nvfp4":
+        g = _static_scale(scale, x, None)
+        if g is None:
+            g = xf.abs().amax() / (FP8_E4M3_MAX * E2M1_MAX)
+            g = torch.where(g > 0, g, torch.ones_like(g))  # all-zero tensor: any scale gives zero codes
+        gb = _bcast(g, x.dim())
+        bs = (bmax / (E2M1_MAX * gb)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # [..., D/16]
+        eff = (bs.float() * gb).unsqueeze(-1)  # [..., D/16, 1]
+        y = torch.where(eff > 0, xb / torch.where(eff > 0, eff, torch.ones_like(eff)), torch.zeros_like(xb))
+        codes = e2m1_encode(y, ties="even")
+        return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
+    if f.name == "fp4_e2m1":
+        # SGLang KVFP4QuantizeUtil.batched_quantize, float32
+        scale_exp = torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))  # [..., D/16]
+        byte = (scale_exp + 127).to(torch.uint8)
+        y = xb / exp2_int(scale_exp).unsqueeze(-1)
+        codes = e2m1_encode(y, ties="away")
+        return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=byte)
+    # mxfp4: OCP MX v1.0 shared exponent floor(log2(amax)) - emax_elem, exact via frexp (amax = m * 2**e, m in
+    # [0.5, 1) -> floor(log2(amax)) = e - 1)
+    _, e = torch.frexp(bmax)
+    shared = torch.where(bmax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp(-127, 127)  # [..., D/32]
+    y = xb / exp2_int(shared).unsqueeze(-1)
+    codes = e2m1_encode(y, ties="even")
+    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
+
+
+def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values a QTensor stands for, as `dtype` ([..., D])."""
+    f = get_format(fmt)
+    c = q.codes
+    if f.element in ("auto", "bf16"):
+        # bf16 -> float16 saturates (65504 stored as bf16 is 65536)
+        return c if c.dtype == dtype else _to(c.float(), dtype)
+    if f.element in ("e4m3", "e5m2"):
+        s = q.scale if q.scale is not None else torch.tensor(1.0, device=c.device)
+        return _to(c.float() * _bcast(s.float(), c.dim()), dtype)
+    if f.element == "int8":
+        return _to(c.float() * q.block_scales, dtype)
+    vals = e2m1_decode(unpack_fp4(c)).unflatten(-1, (-1, f.block_size))  # [..., D/bs, bs]
+    if f.name == "nvfp4":
+        eff = q.block_scales.float() * _bcast(q.scale.float(), c.dim())  # [..., D/16]
+    else:
+        eff = e8m0_to_float(q.block_scales)
+    return _to(vals * eff.unsqueeze(-1), dtype).flatten(-2)
+
+
+def _to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast saturating: a dequantized value may round just past the largest finite value of `dtype`
+    (codes * scale near float32's max, or the x's own float16 max times a block scale rounded up)."""
+    if dtype.is_floating_point:
+        fi = torch.finfo(dtype) if dtype.itemsize <= 4 else torch.finfo(torch.float32)
+        y = y.clamp(fi.min, fi.max)
+    return y.to(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor | None = None
+) -> torch.Tensor:
+    """quantize then dequantize; returns x's dtype and shape ('auto' returns x itself)."""
+    f = get_format(fmt)
+    if f.element == "auto":
+        return x
+    return dequantize(quantize(x, f, scale), f, dtype=x.dtype)

@@ -1,0 +1,533 @@
+"""The numeric spec of every KV format: storage layout, exact round trips, saturation, rounding, properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcal.errors import UsageError
+from kvcal.formats import (
+    E2M1_VALUES,
+    FORMATS,
+    QTensor,
+    dequantize,
+    e2m1_decode,
+    e2m1_encode,
+    e8m0_to_float,
+    exp2_int,
+    fake_quantize,
+    get_format,
+    pack_fp4,
+    quantize,
+    unpack_fp4,
+)
+
+ALL = list(FORMATS)
+QUANTIZED = [n for n in ALL if n != "auto"]
+FP4 = ["nvfp4", "fp4_e2m1", "mxfp4"]
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+def _rand(*shape: int, seed: int = 0, mag: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * mag
+
+
+# ----------------------------------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize(
+    "name, canonical",
+    [
+        ("auto", "auto"),
+        ("bfloat16", "bf16"),  # vLLM
+        ("bf16", "bf16"),  # SGLang
+        ("fp8", "fp8_e4m3"),  # vLLM
+        ("fp8_e4m3", "fp8_e4m3"),  # SGLang / vLLM
+        ("FP8", "fp8_e4m3"),  # TRT-LLM kv_cache_quant_algo
+        ("fp8_e5m2", "fp8_e5m2"),
+        ("int8_per_token_head", "int8_per_token_head"),  # vLLM
+        ("nvfp4", "nvfp4"),
+        ("NVFP4", "nvfp4"),
+        ("fp4_e2m1", "fp4_e2m1"),  # SGLang
+        ("mxfp4", "mxfp4"),
+    ],
+)
+def test_names_and_aliases(name: str, canonical: str) -> None:
+    assert get_format(name).name == canonical
+
+
+def test_engine_names_resolve_to_their_format() -> None:
+    for f in FORMATS.values():
+        for engine_name in f.engine_names.values():
+            if engine_name is not None:
+                assert get_format(engine_name) is f
+
+
+def test_unknown_format_lists_names_and_aliases() -> None:
+    with pytest.raises(UsageError) as exc:
+        get_format("fp3")
+    msg = str(exc.value)
+    assert "'fp3'" in msg
+    for f in FORMATS.values():
+        assert f.name in msg
+        for a in f.aliases:
+            assert a in msg
+
+
+def test_bits_per_element() -> None:
+    bits = {n: FORMATS[n].bits_per_element(128) for n in ALL}
+    assert bits == {
+        "auto": 16.0,
+        "bf16": 16.0,
+        "fp8_e4m3": 8.0,
+        "fp8_e5m2": 8.0,
+        "int8_per_token_head": 8.25,
+        "nvfp4": 4.5,
+        "fp4_e2m1": 4.5,
+        "mxfp4": 4.25,
+    }
+    assert FORMATS["auto"].bits_per_element(64, model_bits=32) == 32.0
+    assert [f.name for f in FORMATS.values() if f.calibratable] == ["fp8_e4m3", "fp8_e5m2", "nvfp4"]
+
+
+# ----------------------------------------------------------------------------------------------------- layout
+
+
+def test_storage_layout() -> None:
+    x = _rand(2, 3, 5, 64)
+    expect = {
+        "auto": (torch.float32, (2, 3, 5, 64), None),
+        "bf16": (torch.bfloat16, (2, 3, 5, 64), None),
+        "fp8_e4m3": (torch.float8_e4m3fn, (2, 3, 5, 64), None),
+        "fp8_e5m2": (torch.float8_e5m2, (2, 3, 5, 64), None),
+        "int8_per_token_head": (torch.int8, (2, 3, 5, 64), (torch.float32, (2, 3, 5, 1))),
+        "nvfp4": (torch.uint8, (2, 3, 5, 32), (torch.float8_e4m3fn, (2, 3, 5, 4))),
+        "fp4_e2m1": (torch.uint8, (2, 3, 5, 32), (torch.uint8, (2, 3, 5, 4))),
+        "mxfp4": (torch.uint8, (2, 3, 5, 32), (torch.uint8, (2, 3, 5, 2))),
+    }
+    for name, (dtype, shape, bs) in expect.items():
+        q = quantize(x, name)
+        assert q.codes.dtype == dtype and tuple(q.codes.shape) == shape, name
+        got = None if q.block_scales is None else (q.block_scales.dtype, tuple(q.block_scales.shape))
+        assert got == bs, name
+        assert dequantize(q, name).shape == x.shape
+    assert quantize(x, "auto").codes is x
+    assert fake_quantize(x, "auto") is x
+    # bytes: 64 fp4 codes = 32 B + 4 e4m3 scales per row
+    assert quantize(x, "nvfp4").nbytes == 2 * 3 * 5 * (32 + 4)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_fake_quantize_keeps_dtype_and_shape(name: str, dtype: torch.dtype) -> None:
+    x = _rand(1, 2, 3, 32).to(dtype)
+    y = fake_quantize(x, name)
+    assert y.dtype == dtype and y.shape == x.shape
+
+
+def test_head_dim_must_fit_the_block() -> None:
+    with pytest.raises(UsageError, match="block size 32"):
+        quantize(_rand(1, 1, 1, 48), "mxfp4")
+
+
+def test_integer_input_is_refused() -> None:
+    with pytest.raises(UsageError, match="floating point"):
+        quantize(torch.ones(1, 1, 1, 16, dtype=torch.int32), "fp8")
+
+
+# ----------------------------------------------------------------------------------------------------- FP8 / BF16
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", [1.0, 0.037, 3.5])
+def test_fp8_equals_torch_cast_of_clamped_value(name: str, scale: float) -> None:
+    fmt = FORMATS[name]
+    x = torch.cat([_rand(4, 2, 8, 32, seed=1, mag=10.0), _rand(4, 2, 8, 32, seed=2, mag=1e5)], dim=2)
+    q = quantize(x, name, scale)
+    ref = (
+        (x / torch.tensor(scale, dtype=torch.float32))
+        .clamp(-fmt.max_value, fmt.max_value)
+        .to(FP8_DTYPES[name])
+    )
+    assert torch.equal(_bits(q.codes), _bits(ref))
+    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0 and float(q.scale) == pytest.approx(scale)
+    assert torch.equal(dequantize(q, name), ref.float() * torch.tensor(scale))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_per_head_scale_along_dim_1(name: str) -> None:
+    x = _rand(2, 4, 6, 32, seed=3, mag=50.0)
+    s = torch.tensor([0.05, 0.1, 0.5, 2.0])
+    y = fake_quantize(x, name, s)
+    for h in range(4):
+        assert torch.equal(y[:, h], fake_quantize(x[:, h], name, float(s[h])))
+    q = quantize(x, name, s)
+    assert q.scale.shape == (4,) and q.scale.dtype == torch.float32
+
+
+def test_default_fp8_scale_is_one() -> None:
+    x = _rand(1, 2, 3, 16, mag=100.0)
+    assert torch.equal(fake_quantize(x, "fp8"), fake_quantize(x, "fp8", 1.0))
+    assert float(quantize(x, "fp8").scale) == 1.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_static_scale_is_refused(bad: float) -> None:
+    with pytest.raises(UsageError, match="finite and positive"):
+        quantize(_rand(1, 2, 3, 16), "fp8", bad)
+
+
+def test_per_head_scale_shape_is_checked() -> None:
+    with pytest.raises(UsageError, match="per-head scale"):
+        quantize(_rand(1, 2, 3, 16), "fp8", torch.tensor([1.0, 2.0, 3.0]))
+
+
+def _finite_fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    return v[torch.isfinite(v)]
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_value_round_trips(name: str) -> None:
+    v = _finite_fp8_values(FP8_DTYPES[name])
+    assert v.numel() == (254 if name == "fp8_e4m3" else 248)
+    for scale in (1.0, 0.25):
+        x = (v * scale).reshape(1, 1, 1, -1)
+        q = quantize(x, name, scale)
+        assert torch.equal(_bits(q.codes.flatten()), _bits(v.to(FP8_DTYPES[name])))
+        assert torch.equal(dequantize(q, name), x)
+
+
+def test_every_bf16_value_round_trips() -> None:
+    v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = v[torch.isfinite(v)]
+    q = quantize(v.float().reshape(1, 1, 1, -1), "bf16")
+    assert torch.equal(q.codes.flatten().view(torch.int16), v.view(torch.int16))
+
+
+def test_saturation_at_format_max() -> None:
+    big = torch.tensor([1e6, -1e6, 1e30, -1e30, 448.0, 500.0]).reshape(1, 1, 1, -1)
+    assert fake_quantize(big, "fp8_e4m3").flatten().tolist() == [448, -448, 448, -448, 448, 448]
+    assert fake_quantize(big, "fp8_e5m2").flatten().tolist()[:4] == [57344, -57344, 57344, -57344]
+    assert fake_quantize(big * 10, "fp8_e4m3", 2.0).abs().max() == 896.0
+    bmax = torch.finfo(torch.bfloat16).max
+    huge = torch.tensor([1e300, -1e300], dtype=torch.float64).reshape(1, 1, 1, 2)
+    assert fake_quantize(huge, "bf16").flatten().tolist() == [bmax, -bmax]
+    # nvfp4 with a calibrated global scale that is too small: block scale clamps at 448, elements at 6
+    x = torch.full((1, 1, 1, 16), 1e4)
+    q = quantize(x, "nvfp4", 0.01)
+    assert q.block_scales.float().max() == 448.0
+    assert torch.equal(dequantize(q, "nvfp4"), 6.0 * (torch.tensor(448.0) * torch.tensor(0.01)).expand_as(x))
+    # mxfp4: a block max in [6, 8) * 2**e clips to 6 * 2**e (OCP rule: shared exponent = floor(log2 amax) - 2)
+    x = torch.zeros(1, 1, 1, 32)
+    x[..., 0] = 7.9
+    x[..., 1] = -7.9
+    assert fake_quantize(x, "mxfp4")[..., :2].flatten().tolist() == [6.0, -6.0]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_no_nan_or_inf_from_finite_input(name: str, dtype: torch.dtype) -> None:
+    top = float(torch.finfo(dtype).max) if dtype != torch.float64 else 1e300
+    rows = [
+        torch.full((64,), 1e30),
+        torch.full((64,), -1e30),
+        torch.zeros(64),
+        torch.cat([torch.zeros(32), torch.full((32,), 1e30)]),  # an all-zero block beside a huge one
+        torch.cat([torch.full((32,), 1e-30), torch.full((32,), -1e30)]),
+        torch.linspace(-1, 1, 64) * 1e-40,  # float32 subnormals
+        torch.full((64,), top, dtype=torch.float64),
+    ]
+    # +-1e30 saturated to the dtype's own range (float16 stops at 65504)
+    x = (
+        torch.stack([r.to(torch.float64) for r in rows])
+        .clamp(-top, top)
+        .reshape(1, len(rows), 1, 64)
+        .to(dtype)
+    )
+    assert torch.isfinite(x).all()
+    scales = [None, 1e-30, 1e30] if FORMATS[name].calibratable else [None]
+    for s in scales:
+        y = fake_quantize(x, name, s)
+        assert torch.isfinite(y).all(), (name, dtype, s)
+    zero = fake_quantize(torch.zeros(1, 1, 1, 64, dtype=dtype), name)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_deterministic() -> None:
+    x = _rand(2, 2, 4, 64, mag=3.0)
+    for name in QUANTIZED:
+        a, b = quantize(x, name), quantize(x.clone(), name)
+        assert torch.equal(_bits(a.codes), _bits(b.codes)), name
+
+
+# ----------------------------------------------------------------------------------------------------- INT8
+
+
+def test_int8_symmetric_per_token_head() -> None:
+    x = _rand(2, 3, 7, 64, seed=5, mag=4.0)
+    x[0, 1, 2] = 0.0  # an all-zero (token, head) row
+    q = quantize(x, "int8_per_token_head")
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.equal(q.block_scales, amax / 127)
+    assert torch.equal(q.codes, torch.round(x / torch.where(amax > 0, amax / 127, 1)).to(torch.int8))
+    nonzero = amax.squeeze(-1) > 0
+    assert torch.equal(
+        q.codes.abs().amax(-1)[nonzero], torch.full((int(nonzero.sum()),), 127, dtype=torch.int8)
+    )
+    assert torch.equal(q.codes[0, 1, 2], torch.zeros(64, dtype=torch.int8))
+    assert q.codes.min() >= -127  # symmetric: -128 never used
+    assert torch.equal(fake_quantize(-x, "int8_per_token_head"), -fake_quantize(x, "int8_per_token_head"))
+
+
+def test_every_int8_value_round_trips() -> None:
+    v = torch.arange(-127, 128, dtype=torch.float32).reshape(1, 1, 1, -1)
+    for scale in (1.0, 2.0**-5):
+        q = quantize(v * scale, "int8_per_token_head")
+        assert torch.equal(q.codes.float(), v)
+        assert torch.equal(dequantize(q, "int8_per_token_head"), v * scale)
+
+
+def test_int8_rounds_half_to_even() -> None:
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5]).reshape(1, 1, 1, -1)
+    assert quantize(x, "int8_per_token_head").codes.flatten().tolist() == [127, 0, 2, 2, 0, -2]
+
+
+# ----------------------------------------------------------------------------------------------------- FP4 helpers
+
+
+def test_fp4_pack_unpack_exact_and_nibble_order() -> None:
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
+    assert torch.equal(pack_fp4(unpack_fp4(every_byte)), every_byte)
+    codes = torch.randint(0, 16, (3, 5, 64), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    assert torch.equal(unpack_fp4(pack_fp4(codes)), codes)
+    # element 2j in the low nibble, 2j+1 in the high nibble
+    assert pack_fp4(torch.tensor([0x1, 0x2, 0xF, 0x8], dtype=torch.uint8)).tolist() == [0x21, 0x8F]
+    assert unpack_fp4(torch.tensor([0x21], dtype=torch.uint8)).tolist() == [1, 2]
+
+
+def test_e2m1_code_table() -> None:
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert e2m1_decode(codes).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    assert torch.equal(e2m1_decode(codes), E2M1_VALUES)
+    # every value encodes to its own code (except -0.0, which has no sign under `y < 0`)
+    for ties in ("even", "away"):
+        enc = e2m1_encode(E2M1_VALUES, ties=ties)
+        assert enc.tolist() == list(range(8)) + [0] + list(range(9, 16))
+
+
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def test_e2m1_tie_rules_hand_computed() -> None:
+    t = torch.tensor(TIES + [-v for v in TIES])
+    away = e2m1_decode(e2m1_encode(t, ties="away")).tolist()
+    even = e2m1_decode(e2m1_encode(t, ties="even")).tolist()
+    assert away == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] + [-0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert even == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0] + [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
+    # off the ties both are round-to-nearest; beyond 6 both saturate
+    off = torch.tensor([0.2, 0.3, 0.8, 1.2, 1.3, 2.4, 2.6, 3.4, 3.6, 4.9, 5.1, 7.0, 1e30])
+    assert torch.equal(e2m1_encode(off, "away"), e2m1_encode(off, "even"))
+    assert e2m1_decode(e2m1_encode(off, "even")).tolist() == [0, 0.5, 1, 1, 1.5, 2, 3, 3, 4, 4, 6, 6, 6]
+
+
+def test_exp2_int_and_e8m0_are_exact() -> None:
+    e = torch.arange(-127, 128)
+    ref = torch.tensor([math.ldexp(1.0, int(k)) for k in e], dtype=torch.float32)
+    assert torch.equal(exp2_int(e), ref)
+    # SGLang divides by torch.exp2; equal on the whole range, so fp4_e2m1 matches it bit for bit
+    assert torch.equal(torch.exp2(e.float()), ref)
+    assert torch.equal(e8m0_to_float(torch.arange(0, 255, dtype=torch.int32).to(torch.uint8)), ref)
+
+
+# ----------------------------------------------------------------------------------------------------- FP4 formats
+
+
+def _all_codes_block(block: int) -> torch.Tensor:
+    """Every E2M1 code once per 16 elements (block 32 holds them twice); contains +-6 so the scale re-derives."""
+    return torch.arange(16, dtype=torch.uint8).repeat(block // 16)
+
+
+@pytest.mark.parametrize("name, exps", [("fp4_e2m1", range(-33, 126)), ("mxfp4", range(-127, 126))])
+def test_every_power_of_two_fp4_value_round_trips(name: str, exps: range) -> None:
+    block = FORMATS[name].block_size
+    codes = _all_codes_block(block).expand(len(exps), block)  # [n_blocks, block]
+    exp = torch.tensor(list(exps))
+    x = (e2m1_decode(codes) * exp2_int(exp)[:, None]).reshape(1, 1, len(exps), block)
+    q = quantize(x, name)
+    assert torch.equal(q.block_scales.flatten().to(torch.int32) - 127, exp.to(torch.int32))
+    assert torch.equal(dequantize(q, name), x)
+    expect = codes.clone()
+    expect[expect == 8] = 0  # -0.0 is stored as +0
+    assert torch.equal(unpack_fp4(q.codes).reshape(len(exps), block), expect)
+
+
+def test_every_nvfp4_value_round_trips() -> None:
+    e4m3 = _finite_fp8_values(torch.float8_e4m3fn)
+    e4m3 = e4m3[e4m3 > 0]  # all 126 positive block scales, subnormals included
+    codes = _all_codes_block(16).expand(len(e4m3), 16)
+    for g in (1.0, 2.0**-6, 2.0**10):
+        x = (e2m1_decode(codes) * e4m3[:, None] * g).reshape(1, 1, len(e4m3), 16)
+        q = quantize(x, "nvfp4", g)
+        assert torch.equal(q.block_scales.flatten().float(), e4m3)
+        assert torch.equal(dequantize(q, "nvfp4"), x)
+
+
+def test_nvfp4_scales() -> None:
+    x = _rand(2, 3, 4, 64, seed=7, mag=5.0)
+    q = quantize(x, "nvfp4")
+    g = x.abs().amax() / (448 * 6)
+    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0 and torch.equal(q.scale, g)
+    assert q.block_scales.dtype == torch.float8_e4m3fn
+    bmax = x.unflatten(-1, (4, 16)).abs().amax(-1)
+    assert torch.equal(_bits(q.block_scales), _bits((bmax / (6 * g)).clamp(max=448).to(torch.float8_e4m3fn)))
+    assert q.block_scales.float().max() == 448.0  # the block holding amax uses the top of E4M3
+    # static global scale: per head along dim 1
+    s = torch.tensor([0.01, 0.02, 0.04])
+    y = fake_quantize(x, "nvfp4", s)
+    for h in range(3):
+        assert torch.equal(y[:, h], fake_quantize(x[:, h], "nvfp4", float(s[h])))
+
+
+def test_mxfp4_scales_follow_the_ocp_rule() -> None:
+    x = _rand(3, 2, 9, 64, seed=8, mag=1.0) * torch.logspace(-8, 8, 9, base=2.0)[None, None, :, None]
+    q = quantize(x, "mxfp4")
+    amax = x.unflatten(-1, (2, 32)).abs().amax(-1).flatten().tolist()
+    exps = [math.frexp(a)[1] - 1 - 2 for a in amax]  # floor(log2(amax)) - emax_elem(2)
+    assert q.block_scales.flatten().to(torch.int32).sub(127).tolist() == exps
+    # all-zero block: exponent -127 (byte 0), codes 0
+    z = quantize(torch.zeros(1, 1, 1, 32), "mxfp4")
+    assert z.block_scales.item() == 0 and z.codes.sum() == 0
+
+
+def _sglang_oracle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang KVFP4QuantizeUtil.batched_quantize on [B, M, N], transcribed step by step (float32, eager)."""
+    b, m, n = x.shape
+    reshaped = x.view(b, m * n // 16, 16)
+    block_max = reshaped.abs().max(dim=-1, keepdim=True).values
+    scale_exp = torch.ceil(torch.log2(torch.clamp(block_max / 6.0, min=1e-10)))
+    scale_factors = (scale_exp + 127).squeeze(-1).to(torch.uint8)
+    scaled = reshaped / torch.exp2(scale_exp)
+    sign_bits = (scaled < 0).to(torch.uint8) << 3
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    magnitude_bits = torch.sum(scaled.abs().unsqueeze(-1) >= bounds, dim=-1)
+    fp4 = (sign_bits + magnitude_bits.to(torch.uint8)).view(b, m, n)
+    packed = (fp4[..., 1::2] << 4) + fp4[..., 0::2]
+    return packed, scale_factors
+
+
+def test_fp4_e2m1_matches_sglang_bit_for_bit() -> None:
+    x = _rand(8, 4, 128, seed=9) * torch.logspace(-20, 20, 128, base=2.0)[None, None, :]
+    # plant exact ties after power-of-two scaling: block max 6 -> scale 1, ties land on the bounds
+    x[0, 0, :16] = torch.tensor([6.0, *TIES, *[-t for t in TIES], 0.0])
+    x[1, 1, 16:32] = 0.0  # all-zero block: exponent -33
+    packed, sf = _sglang_oracle(x)
+    q = quantize(x, "fp4_e2m1")  # [B, M, N] is [..., D] with D = N
+    assert torch.equal(q.codes, packed)
+    assert torch.equal(q.block_scales.reshape(sf.shape), sf)
+    assert sf.view(8, 4, 8)[1, 1, 1].item() == 127 - 33
+
+
+def test_fp4_e2m1_ties_go_away_from_zero_unlike_rne() -> None:
+    # block max 6 -> UE8M0 scale 2**0; nvfp4 with global 1/448 and block max 6 -> block scale 1.0 as well
+    ties = torch.tensor([6.0, *TIES, *[-t for t in TIES], 0.0]).reshape(1, 1, 1, 16)
+    sg = fake_quantize(ties, "fp4_e2m1").flatten().tolist()
+    assert sg[1:8] == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert sg[8:15] == [-0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    rne = fake_quantize(ties, "nvfp4", 1 / 448).flatten().tolist()
+    assert rne[1:8] == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    differ = [t for t, a, b in zip(ties.flatten().tolist(), sg, rne, strict=True) if a != b]
+    assert sorted(abs(t) for t in differ) == [0.25, 0.25, 1.25, 1.25, 2.5, 2.5, 5.0, 5.0]
+    # scaled by a power of two the ties stay ties for the UE8M0 scale
+    assert fake_quantize(ties * 2.0**-9, "fp4_e2m1").flatten().mul(2.0**9).tolist() == sg
+
+
+def test_qtensor_is_plain_data() -> None:
+    q = QTensor(codes=torch.zeros(2, dtype=torch.uint8))
+    assert q.block_scales is None and q.scale is None and q.nbytes == 2
+
+
+# ----------------------------------------------------------------------------------------------------- properties
+
+
+def _half_step(fmt: str, v: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of the element grid around |v| (element units)."""
+    a = v.abs()
+    if fmt in ("fp8_e4m3", "fp8_e5m2"):
+        mbits, min_exp = (3, -6) if fmt == "fp8_e4m3" else (2, -14)
+        e = torch.floor(torch.log2(a.clamp(min=2.0**min_exp)))
+        return 0.5 * torch.exp2(e - mbits)
+    if fmt == "int8_per_token_head":
+        return torch.full_like(a, 0.5)
+    # E2M1: spacing 0.5 below 2, 1 in [2, 4), 2 in [4, 6]
+    return torch.where(a < 2, 0.25, torch.where(a < 4, 0.5, 1.0))
+
+
+def _element_scale(name: str, x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """The per-element factor that maps element units to x units, broadcast to x's shape."""
+    f = FORMATS[name]
+    if f.element in ("e4m3", "e5m2"):
+        return q.scale.expand_as(x)
+    if f.element == "int8":
+        return q.block_scales.expand_as(x)
+    if name == "nvfp4":
+        eff = q.block_scales.float() * q.scale
+    else:
+        eff = e8m0_to_float(q.block_scales)
+    return eff.repeat_interleave(f.block_size, dim=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    log_mag=st.floats(-30, 30),
+    name=st.sampled_from(["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"]),
+    scale=st.sampled_from([None, 0.5, 3e-3]),
+)
+def test_error_within_half_a_step_inside_the_range(
+    seed: int, log_mag: float, name: str, scale: float | None
+) -> None:
+    x = _rand(2, 2, 3, 64, seed=seed, mag=2.0**log_mag)
+    s = scale if FORMATS[name].calibratable else None
+    q = quantize(x, name, s)
+    y = dequantize(q, name)
+    es = _element_scale(name, x, q)
+    v = x / es  # element units
+    inside = (v.abs() <= FORMATS[name].max_value) & (es > 0)
+    if name in ("fp8_e4m3", "fp8_e5m2"):
+        inside &= v.abs() >= 2.0 ** (
+            -6 if name == "fp8_e4m3" else -14
+        )  # subnormal grid: absolute bound below
+    bound = _half_step(name, v) * es
+    err = (y - x).abs()
+    assert (err[inside] <= bound[inside] * (1 + 1e-6)).all()
+    assert torch.isfinite(y).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), log_mag=st.floats(-30, 30), name=st.sampled_from(QUANTIZED))
+def test_sign_symmetry(seed: int, log_mag: float, name: str) -> None:
+    x = _rand(1, 2, 3, 64, seed=seed, mag=2.0**log_mag)
+    assert torch.equal(fake_quantize(-x, name), -fake_quantize(x, name))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    log_mag=st.floats(-20, 20),
+    name=st.sampled_from(["fp8_e4m3", "fp8_e5m2", "bf16"]),
+    scale=st.floats(1e-4, 1e4),
+)
+def test_static_scale_fake_quantize_is_idempotent(seed: int, log_mag: float, name: str, scale: float) -> None:
+    x = _rand(1, 2, 3, 32, seed=seed, mag=2.0**log_mag)
+    once = fake_quantize(x, name, scale)
+    assert torch.equal(fake_quantize(once, name, scale), once)
