@@ -1,16 +1,158 @@
-"""CLI commands: sweep, compare (not built yet)."""
+"""CLI commands: `kvcal sweep` (a resumable matrix of runs) and `kvcal compare` (report + regression gate)."""
 
 from __future__ import annotations
 
-from kvcal.cli._app import app
-from kvcal.errors import UsageError
+import sys
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvcal.cli._app import app, console, err_console, print_json, warn
+from kvcal.io import atomic_write_text
 
 
-@app.command("sweep", help="Run a resumable matrix of formats x scales x skip-layers x tasks. [not built yet]", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def sweep_cmd() -> None:
-    raise UsageError("`kvcal sweep` is not built yet in this version of kvcal")
+@app.command(
+    "compare",
+    help="Compare run directories against a baseline: report with error bars and a regression gate.",
+)
+def compare_cmd(
+    run_dirs: list[Path] = typer.Argument(
+        ..., help="Run directories, or folders holding them (a sweep's RUNS_DIR)."
+    ),
+    baseline: str = typer.Option("bf16", "--baseline", help="Baseline: a run directory name or a kv format."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Write the Markdown report here."),
+    html_out: Path | None = typer.Option(
+        None, "--html", help="Also write one self-contained HTML report here."
+    ),
+    fail_on_regression: bool = typer.Option(
+        False,
+        "--fail-on-regression",
+        help="Exit 1 when a configuration regresses significantly beyond --max-drop.",
+    ),
+    max_drop: float = typer.Option(
+        0.02, "--max-drop", help="Gate threshold: absolute for accuracy metrics, relative for perplexity/KL."
+    ),
+    on_bad_run: str = typer.Option(
+        "fail", "--on-bad-run", help="Incomplete/corrupt run directory: fail or skip."
+    ),
+    bootstrap: int = typer.Option(2000, "--bootstrap", help="Paired bootstrap resamples."),
+    seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable verdicts on stdout."),
+) -> None:
+    from kvcal.errors import UsageError
+    from kvcal.evaluate.compare import compare_runs
+    from kvcal.evaluate.report import render_html, render_markdown
+
+    if bootstrap < 100:
+        raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
+    cmp = compare_runs(
+        run_dirs,
+        baseline=baseline,
+        max_drop=max_drop,
+        on_bad_run=on_bad_run,
+        n_boot=bootstrap,
+        seed=seed,
+        warn=warn,
+    )
+    md = render_markdown(cmp)
+    if output is not None:
+        atomic_write_text(output, md)
+    if html_out is not None:
+        atomic_write_text(html_out, render_html(cmp))
+    failed = fail_on_regression and bool(cmp.failures)
+    if as_json:
+        payload = cmp.to_dict()
+        payload["report"] = str(output) if output else None
+        payload["html"] = str(html_out) if html_out else None
+        print_json(payload)
+    else:
+        table = Table(title=f"{cmp.model} vs baseline {cmp.baseline}", show_lines=False)
+        for col in ("configuration", "tokens vs BF16", "throughput", "gate", "verdict"):
+            table.add_column(col, overflow="fold")
+        for c in cmp.configs[1:]:
+            fail = any(r.gate_fail for r in cmp.by_config(c.label))
+            table.add_row(
+                c.label,
+                "n/a" if c.capacity is None else f"{c.capacity:.2f}x",
+                "n/a" if c.throughput_ratio is None else f"{c.throughput_ratio:.2f}x",
+                "[red]FAIL[/red]" if fail else "[green]pass[/green]",
+                cmp.config_verdict(c.label),
+            )
+        console.print(table)
+        if output is not None:
+            console.print(f"Report: {output}" + (f"  HTML: {html_out}" if html_out else ""), highlight=False)
+        elif not html_out:
+            console.print(md, markup=False, highlight=False)
+    if cmp.failures:
+        lines = [f"  {r.config}: {r.verdict}" for r in cmp.failures]
+        msg = (
+            "Regression gate FAILED:\n" + "\n".join(lines)
+            if failed
+            else "Regressions over the threshold:\n" + "\n".join(lines)
+        )
+        err_console.print(msg, highlight=False, markup=False)
+    if failed:
+        sys.exit(1)
 
 
-@app.command("compare", help="Compare run directories: report with error bars and a regression gate. [not built yet]", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def compare_cmd() -> None:
-    raise UsageError("`kvcal compare` is not built yet in this version of kvcal")
+@app.command("sweep", help="Run a resumable matrix of formats x scales x skip-layers x tasks.")
+def sweep_cmd(
+    config: Path = typer.Argument(..., help="Sweep YAML (see configs/)."),
+    output: Path = typer.Option(
+        ..., "-o", "--output", help="RUNS_DIR: run directories, scales/ and sweep.json."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the plan (what is done, what would run) and stop."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable plan / result on stdout."),
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvcal.evaluate.sweep import execute_sweep, load_sweep_config, plan_sweep
+
+    cfg = load_sweep_config(config)
+    plan = plan_sweep(cfg, output)
+    if dry_run:
+        if as_json:
+            print_json(plan.to_dict())
+            return
+        table = Table(title=f"sweep plan: {cfg.model} -> {output}")
+        for col in ("cell", "task", "kv format", "scales", "skip", "status"):
+            table.add_column(col, overflow="fold")
+        for cell in plan.cells:
+            table.add_row(cell.name, cell.task, cell.kv_format, cell.scales_label, cell.skip, cell.status)
+        console.print(table)
+        todo = plan.calibrations_todo
+        console.print(
+            f"{len(plan.cells)} cells: {plan.n_done} complete, {len(plan.todo)} to run; "
+            f"{len(plan.calibrations)} scale files ({len(todo)} to calibrate)",
+            highlight=False,
+        )
+        return
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=False,
+    ) as progress:
+        bar = progress.add_task("sweep", total=plan.total_steps)
+
+        def on_progress(event: dict) -> None:
+            progress.update(bar, completed=event["done"], description=event["message"][:80])
+
+        result = execute_sweep(cfg, output, plan=plan, progress=on_progress, warn=warn)
+    if as_json:
+        print_json(result)
+    else:
+        console.print(
+            f"sweep finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
+            f"{len(result['failed'])} failed. Compare with: kvcal compare {output} -o REPORT.md",
+            highlight=False,
+        )
+    if result["failed"]:
+        for f in result["failed"]:
+            err_console.print(f"failed: {f['cell']}: {f['error']}", highlight=False, markup=False)
+        sys.exit(1)

@@ -87,9 +87,7 @@ def standard_error_of_mean(x: np.ndarray) -> float:
     return float(np.sqrt(x.var(ddof=1) / n))
 
 
-def _resample_sums(
-    arrays: list[np.ndarray], n_boot: int, rng: np.random.Generator
-) -> list[np.ndarray]:
+def _resample_sums(arrays: list[np.ndarray], n_boot: int, rng: np.random.Generator) -> list[np.ndarray]:
     """For each array a: [n], return [n_boot] sums of a over n indices drawn with replacement (shared draws)."""
     n = arrays[0].size
     out = [np.empty(n_boot, dtype=np.float64) for _ in arrays]
