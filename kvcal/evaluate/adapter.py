@@ -82,8 +82,9 @@ class KvcalLM(HFLM):
             ref, model_dir = resolve_pretrained(str(pretrained))
             pretrained = str(model_dir)
         else:  # an already-built transformers model
-            ref, model_dir = str(model_ref or getattr(pretrained, "name_or_path", "model")), Path(
-                getattr(pretrained, "name_or_path", ".")
+            ref, model_dir = (
+                str(model_ref or getattr(pretrained, "name_or_path", "model")),
+                Path(getattr(pretrained, "name_or_path", ".")),
             )
         super().__init__(pretrained=pretrained, **kwargs)
         self.model_ref = str(model_ref or ref)
@@ -132,11 +133,23 @@ class KvcalLM(HFLM):
             out = self.model(inps, past_key_values=self.runtime.new_cache(), use_cache=True)
         return out.logits  # [B, T, V]
 
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any):
+    def _model_generate(
+        self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+    ):
         if self.runtime is not None:
             # context: [B, T] left-padded; generate keeps the attention mask, the cache holds quantized K/V.
             generation_kwargs["past_key_values"] = self.runtime.new_cache()
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def activate_runtime(self) -> None:
+        """(Re)install this LM's KV configuration on its model. A model carries one KVRuntime at a time, so
+        anything that installs another one (the kl task's BF16 baseline) calls this afterwards."""
+        from kvcal.kernels.runtime import KVRuntime
+
+        rt = KVRuntime(
+            self.model, self.kv_format, scales=self.scale_set, skip_layers=self.skip_layers, impl=self.impl
+        )
+        self.runtime = None if self.kv_format == "auto" else rt
 
     def kvcal_describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -181,7 +194,9 @@ def build_runtime(
         from kvcal.scales import load_scales_for_model
 
         if not Path(scales_path).is_file():
-            raise UsageError(f"scale file '{scales_path}' does not exist; pass the file `kvcal calibrate` wrote")
+            raise UsageError(
+                f"scale file '{scales_path}' does not exist; pass the file `kvcal calibrate` wrote"
+            )
         scale_set = load_scales_for_model(
             scales_path, model_ref, model_dir, kv, kv_format=kv_format, force=force_scales
         )

@@ -1,0 +1,327 @@
+"""kvcal's `kl` task: how far a quantized KV cache moves the model's next-token distributions.
+
+Over held-out text windows (WikiText-2 test from --data-dir, or the embedded text below), for every position t:
+  KL(p_bf16 || p_quant) = sum_v p_bf16(v) * (log p_bf16(v) - log p_quant(v)),
+top-1 agreement (argmax equal) and the quantized run's negative log-likelihood of the true next token (-> ppl).
+p_bf16 is the same model with a BF16 KV cache (what a BF16 server stores), read through the same attention
+implementation, so the difference is the cache format alone.
+
+Baseline cache: the baseline's full log-probs of each window are stored once (float16 safetensors, keyed by the
+model's weights/config fingerprint, dtype, device, attention impl and the window's token ids) under
+$KVCAL_CACHE/kl (default ~/.cache/kvcal/kl), so a sweep over formats runs the baseline once per window.
+Both sides are rounded to float16 log-probs and renormalised before the KL, so identical runs give exactly 0 and
+a cached baseline gives exactly what a fresh one would. (fp16 keeps ~3 significant digits of a log-prob; the
+rounding is the same on both sides, its effect on KL is far below the 1e-4 that FP8 caches already produce.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcal.errors import KvcalError, UsageError
+from kvcal.io import atomic_write_json, atomic_write_with
+
+KL_VERSION = 1
+DEFAULT_SEQ_LEN = 256
+WIKITEXT_FILE = Path("wikitext2") / "wiki.test.joined.txt"
+
+# Held-out text for `kl` when no --data-dir is given. Written for kvcal (not copied from any corpus); plain
+# English prose with numbers, names and some structure so that attention has something to do.
+EMBEDDED_TEXT = """\
+The harbour town of Calloway sits where two rivers meet before they reach the sea. For most of the nineteenth
+century it was known for rope, not fish: the long sheds along the eastern bank turned hemp from the inland farms
+into cables for ships that anchored a mile offshore. In 1871 the town counted 4,312 residents, of whom nearly a
+third worked in the ropewalks or in the carting trade that fed them. When steel cable arrived, the sheds emptied
+within a decade, and the town turned slowly toward the river traffic it had always ignored.
+
+The change is visible in the parish records. Between 1880 and 1890 the number of boatmen listed as fathers at
+baptism rose from nine to forty-seven, while the number of ropemakers fell from one hundred and twelve to fifteen.
+Many families simply moved their work a few hundred yards, from the sheds to the quays, and the skills of splicing
+and knotting found new use in rigging barges. A local schoolmaster, writing to a regional newspaper in 1889,
+complained that the children now learned the names of every lock upstream but could no longer tell a good fibre
+from a poor one.
+
+Calloway's second transformation came with the railway. The line from the county town reached the western bank in
+1903, and with it came a station, a hotel of thirty rooms and a steady stream of visitors who wanted to see the
+confluence at high tide. The hotel's register, which survives almost complete, shows guests from every part of the
+country and a surprising number from abroad: engineers studying the tidal bore, painters who rented rooms for a
+month at a time, and in one wet August a party of eleven botanists searching the salt marsh for a rare sedge.
+
+A careful reader of that register notices patterns. Guests arrived on Fridays far more often than on any other
+day; the average stay was three nights in summer and five in winter, when the few who came were mostly working.
+The rooms facing the water cost a shilling more, and the hotel was rarely full except during the regatta, which
+began in 1907 and was held on the first Saturday after the spring equinox. The regatta's rules, printed each year
+on a single sheet, changed little: boats were divided by length into four classes, no boat could carry more than
+six crew, and any dispute was settled by the harbour master, whose decision was final.
+
+Numbers tell part of the story. In 1911 the census recorded 5,870 people; in 1931, 6,204; in 1951, 5,415, the
+decline reflecting both war and the closing of the last boatyard. Yet the town never emptied the way the ropewalks
+had. People stayed because the rivers still needed tending, because the station still ran four trains a day, and
+because, as one resident put it in an oral history recorded in 1978, "there is always something to mend here, and
+somebody has to know how."
+
+Today the sheds on the eastern bank hold a museum, a bakery and a workshop where volunteers restore wooden boats.
+Visitors can watch a cable being laid by hand on the second Sunday of each month, using a reconstructed walk
+ninety yards long. The demonstration takes about two hours. First the yarns are spun from fibre, then twisted into
+strands in the opposite direction, and finally the strands are laid together, again reversing the twist, so that
+the finished rope holds its shape under load. The guides explain that each reversal locks the previous one, and
+that a rope made without this balance will kink and unravel the first time it is used.
+
+The lesson has an obvious appeal for a town that has changed its trade three times in a hundred and fifty years.
+Each new way of earning a living was laid against the grain of the last, and the community held together because
+of the tension between them rather than in spite of it. Whether that is history or only a good story told to
+visitors is a question the museum leaves open, printed in small letters on the last panel before the exit.
+"""
+
+
+# ---- windows ------------------------------------------------------------------------------------------------
+
+
+def kl_text(data_dir: str | os.PathLike[str] | None) -> tuple[str, str]:
+    """(text, source label): WikiText-2 test from --data-dir, else the embedded text."""
+    if data_dir is None:
+        return EMBEDDED_TEXT, "embedded"
+    path = Path(data_dir) / WIKITEXT_FILE
+    if not path.is_file():
+        raise UsageError(
+            f"task 'kl' needs '{path}', which is missing from --data-dir; lay the folder out like ../shared/data"
+        )
+    return path.read_text(encoding="utf-8"), "wikitext2-test"
+
+
+def make_windows(tokenizer: Any, text: str, seq_len: int, limit: int | None) -> tuple[list[list[int]], int]:
+    """Non-overlapping windows of `seq_len` tokens (a BOS first when the tokenizer has one: Gemma needs it).
+    Returns (windows[:limit], number of windows in the whole text)."""
+    if seq_len < 2:
+        raise UsageError("the kl window length must be at least 2 tokens")
+    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    body = seq_len - 1 if bos is not None else seq_len
+    windows = []
+    for start in range(0, len(ids) - body + 1, body):
+        chunk = ids[start : start + body]
+        windows.append(([bos] if bos is not None else []) + chunk)
+    if not windows:
+        raise KvcalError(f"the kl text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    total = len(windows)
+    return (windows[:limit] if limit else windows), total
+
+
+# ---- baseline cache -----------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    base = os.environ.get("KVCAL_CACHE")
+    return (Path(base) if base else Path.home() / ".cache" / "kvcal") / "kl"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
+    """sha256 over config.json and every weight file (full content hashes, memoised by path+size+mtime)."""
+    root = Path(model_dir)
+    memo_path = cache_root() / "fingerprints.json"
+    try:
+        memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    except json.JSONDecodeError:
+        memo = {}
+    files = (
+        sorted(
+            p
+            for p in root.iterdir()
+            if p.name == "config.json" or p.suffix in (".safetensors", ".bin", ".gguf")
+        )
+        if root.is_dir()
+        else []
+    )
+    if not files:
+        raise KvcalError(f"cannot fingerprint model folder '{root}' (no config.json / weight files)")
+    h = hashlib.sha256()
+    changed = False
+    for p in files:
+        st = p.stat()
+        key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        digest = memo.get(key)
+        if digest is None:
+            digest = _sha256_file(p)
+            memo[key] = digest
+            changed = True
+        h.update(f"{p.name}:{digest}\n".encode())
+    if changed:
+        atomic_write_json(memo_path, memo)
+    return h.hexdigest()
+
+
+def window_key(fingerprint: str, baseline: dict[str, Any], window: list[int]) -> str:
+    ids = hashlib.sha256(json.dumps(window).encode()).hexdigest()
+    blob = json.dumps(
+        {"v": KL_VERSION, "model": fingerprint, "baseline": baseline, "ids": ids}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _fp16_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    # logits: [T, V] -> log-probs [T, V] float16 (clamped: a -inf logit would not survive the rounding)
+    return torch.log_softmax(logits.float(), dim=-1).clamp_min(-60000.0).to(torch.float16)
+
+
+def _renorm(lp16: torch.Tensor) -> torch.Tensor:
+    lp = lp16.float()
+    return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+
+
+def _cache_path(root: Path, key: str) -> Path:
+    return root / key[:2] / f"{key}.safetensors"
+
+
+def store_baseline(key: str, logits: torch.Tensor, root: Path) -> torch.Tensor:
+    """Write the float16 log-probs [T, V] of baseline logits [T, V] (atomically) and return them."""
+    from safetensors.torch import save_file
+
+    lp16 = _fp16_logprobs(logits).contiguous()
+    atomic_write_with(_cache_path(root, key), lambda tmp: save_file({"logprobs": lp16}, str(tmp)))
+    return lp16
+
+
+def load_baseline(key: str, root: Path, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Cached float16 log-probs [T, V]; a damaged entry is recomputed (never trusted)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(_cache_path(root, key)))["logprobs"]
+    except Exception:
+        return store_baseline(key, recompute(), root)
+
+
+def baseline_logits_again(
+    baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]], ids: torch.Tensor
+) -> torch.Tensor:
+    with baseline() as forward, torch.no_grad():
+        return forward(ids)[0].detach().cpu()
+
+
+# ---- the task -----------------------------------------------------------------------------------------------
+
+
+def window_stats(base_lp16: torch.Tensor, quant_logits: torch.Tensor, window: list[int]) -> dict[str, float]:
+    """Per-window KL / top-1 / NLL over the positions that have a next token (T-1 of them)."""
+    lp = _renorm(base_lp16[:-1])  # [T-1, V]
+    lq = _renorm(_fp16_logprobs(quant_logits)[:-1])  # [T-1, V]
+    kl_pos = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)  # [T-1]; tiny negatives are rounding
+    agree = (lp.argmax(-1) == lq.argmax(-1)).float()
+    targets = torch.tensor(window[1:], dtype=torch.long)
+    nll = -lq.gather(-1, targets[:, None]).squeeze(-1)  # [T-1]
+    return {
+        "kl": float(kl_pos.mean()),
+        "top1_agree": float(agree.mean()),
+        "nll": float(nll.sum()),
+        "n_tokens": int(targets.numel()),
+    }
+
+
+def aggregate(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Token-weighted means; stderr from the spread of the per-window values (windows are the samples)."""
+    n = len(samples)
+    tokens = sum(s["n_tokens"] for s in samples)
+    kl = sum(s["kl"] * s["n_tokens"] for s in samples) / tokens
+    top1 = sum(s["top1_agree"] * s["n_tokens"] for s in samples) / tokens
+    ppl = math.exp(sum(s["nll"] for s in samples) / tokens)
+
+    def stderr(key: str) -> float | str:
+        if n < 2:
+            return "N/A"
+        vals = [s[key] for s in samples]
+        mean = sum(vals) / n
+        return math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1) / n)
+
+    return {
+        "kl,none": kl,
+        "kl_stderr,none": stderr("kl"),
+        "top1_agree,none": top1,
+        "top1_agree_stderr,none": stderr("top1_agree"),
+        "ppl,none": ppl,
+        "ppl_stderr,none": "N/A",
+    }
+
+
+def run_kl(
+    model: Any,
+    tokenizer: Any,
+    *,
+    quant_forward: Callable[[torch.Tensor], torch.Tensor],
+    baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
+    baseline_desc: dict[str, Any],
+    model_dir: str | os.PathLike[str],
+    data_dir: str | os.PathLike[str] | None,
+    limit: int | None,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    cache_dir: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Evaluate `kl`. `quant_forward`: input ids [1, T] -> logits [1, T, V] through the evaluated cache;
+    `baseline()`: a context manager that installs the BF16-cache configuration on the model and yields its
+    forward (the quantized configuration is restored on exit). Baselines missing from the cache are computed
+    first (one install), then every window runs quantized and is compared with its cached baseline.
+    Returns (an lm-eval-shaped results dict for task 'kl', per-window sample records)."""
+    root = cache_dir or cache_root()
+    text, source = kl_text(data_dir)
+    windows, total = make_windows(tokenizer, text, seq_len, limit)
+    fingerprint = model_fingerprint(model_dir)
+    device = next(model.parameters()).device
+    keys = [window_key(fingerprint, baseline_desc, w) for w in windows]
+    missing = [i for i, k in enumerate(keys) if not _cache_path(root, k).is_file()]
+    if missing:
+        with baseline() as baseline_forward, torch.no_grad():
+            for i in missing:
+                ids = torch.tensor([windows[i]], dtype=torch.long, device=device)  # [1, T]
+                store_baseline(keys[i], baseline_forward(ids)[0].detach().cpu(), root)
+    samples: list[dict[str, Any]] = []
+    for i, window in enumerate(windows):
+        ids = torch.tensor([window], dtype=torch.long, device=device)  # [1, T]
+        with torch.no_grad():
+            quant_logits = quant_forward(ids)[0].detach().cpu()  # [T, V]
+        base_lp16 = load_baseline(keys[i], root, lambda ids=ids: baseline_logits_again(baseline, ids))
+        samples.append({"doc_id": i, **window_stats(base_lp16, quant_logits, window)})
+        if progress is not None:
+            progress(i + 1, len(windows))
+    hits = len(windows) - len(missing)
+    metrics = aggregate(samples)
+    results = {
+        "results": {"kl": {"alias": "kl", **metrics}},
+        "configs": {
+            "kl": {
+                "task": "kl",
+                "output_type": "kvcal_kl",
+                "text_source": source,
+                "seq_len": seq_len,
+                "baseline": baseline_desc,
+                "baseline_cache_hits": hits,
+                "metric_list": [
+                    {"metric": "kl", "higher_is_better": False},
+                    {"metric": "top1_agree", "higher_is_better": True},
+                    {"metric": "ppl", "higher_is_better": False},
+                ],
+                "metadata": {"version": KL_VERSION},
+            }
+        },
+        "versions": {"kl": KL_VERSION},
+        "n-shot": {"kl": 0},
+        "higher_is_better": {"kl": {"kl": False, "top1_agree": True, "ppl": False}},
+        "n-samples": {"kl": {"original": total, "effective": len(windows)}},
+    }
+    return results, samples

@@ -1,0 +1,321 @@
+"""Task resolution: lm-eval's own task configs, pointed at local files when `--data-dir` is given.
+
+Prompts, few-shot, filters and metrics stay exactly lm-eval's: we load the task YAML that ships inside lm-eval
+(includes resolved, `!function` hooks imported by lm-eval's own loader) and change only where the data comes from:
+
+- `openai/gsm8k`, `math-ai/aime25`  -> `dataset_path: json` + `dataset_kwargs.data_files` (local JSON Lines).
+- `EleutherAI/wikitext_document_level` -> the same documents rebuilt in memory from the local HF-row copy
+  (`custom_dataset`, see `wikitext_documents`).
+- `Idavidrein/gpqa` -> the official password-protected zip, read in memory (`custom_dataset`); the CSV never
+  touches the disk.
+
+The resulting dicts go to lm-eval's TaskManager as inline configs (a dict with an `include:` key is rejected by
+lm-eval, so includes are resolved here). Built-in tasks we know are loaded straight from their YAML files, so the
+common path never pays for indexing lm-eval's ~15k task files; other lm-eval names fall back to the full index.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import io
+import json
+import os
+import zipfile
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kvcal.errors import KvcalError, UsageError
+
+KL_TASK = "kl"
+GPQA_PASSWORD_ENV = "KVCAL_GPQA_PASSWORD"
+
+# Task names kvcal knows without indexing lm-eval: name -> YAML path relative to lm_eval/tasks.
+BUILTIN_YAML: dict[str, str] = {
+    "gsm8k": "gsm8k/gsm8k.yaml",
+    "gsm8k_cot": "gsm8k/gsm8k-cot.yaml",
+    "aime25": "aime/aime25.yaml",
+    "gpqa_diamond_zeroshot": "gpqa/zeroshot/gpqa_diamond_zeroshot.yaml",
+    "gpqa_diamond_n_shot": "gpqa/n_shot/gpqa_diamond_n_shot.yaml",
+    "gpqa_diamond_cot_zeroshot": "gpqa/cot_zeroshot/gpqa_diamond_cot_zeroshot.yaml",
+    "gpqa_diamond_cot_n_shot": "gpqa/cot_n_shot/gpqa_diamond_cot_n_shot.yaml",
+    "gpqa_diamond_generative_n_shot": "gpqa/generative/gpqa_diamond_generative_n_shot.yaml",
+    "wikitext": "wikitext/wikitext.yaml",
+}
+# Short names people type (DESIGN.md says `gpqa_diamond`); lm-eval has no task of that name.
+ALIASES: dict[str, str] = {
+    "gpqa_diamond": "gpqa_diamond_zeroshot",
+    "gpqa_diamond_cot": "gpqa_diamond_cot_zeroshot",
+}
+
+# Hub dataset id -> the folder of ../shared/data that stands in for it.
+DATA_FOLDERS: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "math-ai/aime25": "aime2025",
+    "Idavidrein/gpqa": "gpqa",
+    "EleutherAI/wikitext_document_level": "wikitext2",
+}
+
+
+@dataclass
+class TaskPlan:
+    """What a run evaluates: lm-eval specs (names or inline config dicts) and whether kvcal's `kl` runs."""
+
+    names: list[str]  # canonical names in the user's order (incl. 'kl')
+    lm_eval_specs: dict[str, str | dict[str, Any]] = field(default_factory=dict)  # name -> spec
+    include_path: str | None = None
+    private: set[str] = field(default_factory=set)  # tasks whose docs must never be written in plain text
+
+    @property
+    def has_kl(self) -> bool:
+        return KL_TASK in self.names
+
+
+def lm_eval_tasks_dir() -> Path:
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def load_task_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A task YAML with its includes merged and `!function` hooks imported (lm-eval's own loader)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(Path(path), resolve_func=True, recursive=True)
+
+
+def parse_task_list(tasks: str | list[str]) -> list[str]:
+    items = tasks.split(",") if isinstance(tasks, str) else [t for s in tasks for t in str(s).split(",")]
+    names = [t.strip() for t in items if t.strip()]
+    if not names:
+        raise UsageError("--tasks is empty; name at least one task, e.g. --tasks wikitext,kl")
+    seen: list[str] = []
+    for name in names:
+        canon = ALIASES.get(name, name)
+        if canon not in seen:
+            seen.append(canon)
+    return seen
+
+
+@lru_cache(maxsize=4)
+def _task_manager(include_path: str | None, include_defaults: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
+
+
+def task_manager_for(plan: TaskPlan) -> Any:
+    """The TaskManager simple_evaluate should use: the full lm-eval index only when a task needs it."""
+    user = _include_names(plan.include_path)
+    needs_index = any(isinstance(spec, str) and spec not in user for spec in plan.lm_eval_specs.values())
+    return _task_manager(plan.include_path, needs_index)
+
+
+def _include_names(include_path: str | None) -> set[str]:
+    if not include_path:
+        return set()
+    tm = _task_manager(include_path, False)
+    return set(tm.all_tasks) | set(tm.all_groups) | set(tm.all_tags)
+
+
+def resolve_tasks(
+    tasks: str | list[str],
+    *,
+    include_path: str | os.PathLike[str] | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    gpqa_password: str | None = None,
+) -> TaskPlan:
+    """Turn `--tasks a,b` into lm-eval specs. Unknown names -> UsageError with close matches; files missing
+    from --data-dir -> UsageError naming the path; GPQA from --data-dir without a password -> UsageError."""
+    names = parse_task_list(tasks)
+    inc = None
+    if include_path is not None:
+        inc_p = Path(include_path)
+        if not inc_p.is_dir():
+            raise UsageError(
+                f"--include-path '{include_path}' is not a folder; pass the folder of your task YAMLs"
+            )
+        inc = str(inc_p.resolve())
+    ddir = Path(data_dir) if data_dir is not None else None
+    if ddir is not None and not ddir.is_dir():
+        raise UsageError(
+            f"--data-dir '{data_dir}' is not a folder; pass the folder laid out like ../shared/data"
+        )
+    user_names = _include_names(inc)
+    plan = TaskPlan(names=names, include_path=inc)
+    unknown: list[str] = []
+    for name in names:
+        if name == KL_TASK:
+            continue
+        if name in user_names:
+            plan.lm_eval_specs[name] = name  # the user's YAML, exactly as lm_eval --include_path
+            continue
+        if name in BUILTIN_YAML:
+            cfg = load_task_yaml(lm_eval_tasks_dir() / BUILTIN_YAML[name])
+        else:
+            tm = _task_manager(inc, True)
+            entry = tm.task_index.get(name)
+            if entry is None:
+                unknown.append(name)
+                continue
+            if ddir is None or entry.yaml_path is None or str(entry.kind).endswith("GROUP"):
+                plan.lm_eval_specs[name] = name
+                continue
+            cfg = load_task_yaml(entry.yaml_path)
+        if cfg.get("dataset_path") == "Idavidrein/gpqa":
+            plan.private.add(name)
+        if ddir is not None:
+            cfg = offline_config(cfg, ddir, gpqa_password=gpqa_password)
+        plan.lm_eval_specs[name] = cfg
+    if unknown:
+        known = sorted(set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK} | user_names | _all_lm_eval_names(inc))
+        parts = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
+            parts.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise UsageError(
+            f"unknown task {'; '.join(parts)}; use an lm-eval task name, kl, or a task of --include-path"
+        )
+    return plan
+
+
+def _all_lm_eval_names(include_path: str | None) -> set[str]:
+    tm = _task_manager(include_path, True)
+    return set(tm.all_tasks) | set(tm.all_groups) | set(tm.all_tags)
+
+
+# ---- offline overrides --------------------------------------------------------------------------------------
+
+
+def _require(path: Path, task: str) -> Path:
+    if not path.is_file():
+        raise UsageError(
+            f"task '{task}' needs '{path}', which is missing from --data-dir; "
+            "lay the folder out like ../shared/data (see its README)"
+        )
+    return path
+
+
+def offline_config(cfg: dict[str, Any], data_dir: Path, gpqa_password: str | None = None) -> dict[str, Any]:
+    """A copy of a task config whose data comes from `data_dir` instead of the hub (everything else untouched)."""
+    cfg = dict(cfg)
+    task = str(cfg.get("task"))
+    hub = cfg.get("dataset_path")
+    folder = DATA_FOLDERS.get(str(hub))
+    if folder is None:
+        return cfg  # not a dataset ../shared/data stands in for: lm-eval's normal loading
+    root = data_dir / folder
+    if hub == "openai/gsm8k":
+        files = {
+            "train": str(_require(root / "train.jsonl", task)),
+            "test": str(_require(root / "test.jsonl", task)),
+        }
+        cfg.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": files})
+    elif hub == "math-ai/aime25":
+        cfg.update(
+            dataset_path="json",
+            dataset_name=None,
+            dataset_kwargs={"data_files": {"test": str(_require(root / "test.jsonl", task))}},
+        )
+    elif hub == "EleutherAI/wikitext_document_level":
+        path = _require(root / "test.jsonl", task)
+        # Only the test split exists locally; lm-eval's wikitext evaluates the test split.
+        cfg.update(
+            dataset_path="json",
+            dataset_name=None,
+            dataset_kwargs={"wikitext_rows": str(path)},
+            custom_dataset=_wikitext_dataset,
+            training_split=None,
+            validation_split=None,
+            test_split="test",
+        )
+    elif hub == "Idavidrein/gpqa":
+        zpath = _require(root / "dataset.zip", task)
+        password = gpqa_password or os.environ.get(GPQA_PASSWORD_ENV)
+        if not password:
+            raise UsageError(
+                f"task '{task}' reads the password-protected GPQA archive '{zpath}'; pass --gpqa-password or set "
+                f"{GPQA_PASSWORD_ENV} (the password is published in the official GPQA README)"
+            )
+        subset = str(cfg.get("dataset_name") or "gpqa_diamond")
+        member = f"dataset/{subset}.csv"
+        # Check the password now (one clear error) rather than deep inside lm-eval.
+        read_gpqa_rows(zpath, member, password)
+        cfg.update(
+            dataset_path="json",
+            dataset_name=None,
+            dataset_kwargs={"gpqa_zip": str(zpath), "gpqa_member": member},
+            custom_dataset=_GpqaLoader(password),
+        )
+    return cfg
+
+
+def wikitext_documents(rows: list[str]) -> list[str]:
+    """EleutherAI/wikitext_document_level pages from the rows of HF `wikitext` (`wikitext-2-raw-v1`).
+
+    HF `wikitext` yields each line of `wiki.test.raw` as a row ('' for blank lines, which are ' \\n' in the raw
+    file); `wikitext_document_level` splits that raw text on '\\n' and starts a page at every level-1 heading
+    (' = Title = '). We rebuild the raw text from the rows and split it the same way."""
+    raw = "".join(row if row else " \n" for row in rows)
+    pages: list[str] = []
+    current: list[str] = []
+    for line in raw.split("\n"):
+        rline = line.replace("= = =", "===").replace("= =", "==").strip()
+        if rline.startswith("= ") and rline.endswith(" ="):
+            page = "\n".join(current)
+            if page.strip():
+                pages.append(page)
+            current = []
+        current.append(line)
+    pages.append("\n".join(current))
+    return pages
+
+
+def _wikitext_dataset(wikitext_rows: str, **_: Any) -> Any:
+    import datasets
+
+    with open(wikitext_rows, encoding="utf-8") as fh:
+        rows = [json.loads(line)["text"] for line in fh if line.strip()]
+    return datasets.DatasetDict(
+        {"test": datasets.Dataset.from_list([{"page": p} for p in wikitext_documents(rows)])}
+    )
+
+
+def read_gpqa_rows(zip_path: str | os.PathLike[str], member: str, password: str) -> list[dict[str, Any]]:
+    """Rows of one GPQA CSV, decrypted in memory. Empty cells become None (what HF's CSV loader gives)."""
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            if member not in zf.namelist():
+                raise KvcalError(
+                    f"'{zip_path}' has no member '{member}'; is it the official GPQA dataset.zip?"
+                )
+            raw = zf.read(member, pwd=password.encode())
+    except RuntimeError as exc:  # zipfile: "Bad password for file"
+        raise UsageError(
+            f"wrong GPQA password for '{zip_path}' ({exc}); use the password of the official GPQA README"
+        ) from exc
+    except zipfile.BadZipFile as exc:
+        raise KvcalError(f"'{zip_path}' is not a readable zip archive ({exc})") from exc
+    text = raw.decode("utf-8")
+    return [
+        {k: (v if v != "" else None) for k, v in row.items()} for row in csv.DictReader(io.StringIO(text))
+    ]
+
+
+class _GpqaLoader:
+    """`custom_dataset` hook for GPQA: builds an in-memory datasets.DatasetDict (split 'train', as on the hub).
+    The password lives only in this object (never in the task config lm-eval writes to results.json)."""
+
+    def __init__(self, password: str) -> None:
+        self._password = password
+
+    def __repr__(self) -> str:  # results.json stores a repr of the config: keep the password out of it
+        return "kvcal.evaluate.tasks.gpqa_in_memory"
+
+    def __call__(self, gpqa_zip: str, gpqa_member: str, **_: Any) -> Any:
+        import datasets
+
+        rows = read_gpqa_rows(gpqa_zip, gpqa_member, self._password)
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
