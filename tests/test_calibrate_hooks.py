@@ -1,0 +1,70 @@
+"""The observing cache sees K/V exactly as transformers' DynamicCache stores them, for every architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_calibrate_helpers import ARCHS, WINDOW, tiny_model
+from transformers import DynamicCache
+
+from kvcal.calibrate.hooks import ObservingCache, _backbone, observe
+from kvcal.errors import KvcalError
+from kvcal.models import kv_spec
+
+T = 3 * WINDOW + 5  # longer than the sliding window: sliding layers keep only their tail
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_observed_kv_equals_dynamic_cache(arch: str) -> None:
+    model = tiny_model(arch)
+    kv = kv_spec(model.config)
+    ids = torch.randint(3, 320, (2, T), generator=torch.Generator().manual_seed(1))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def sink(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        seen[i] = (k.clone(), v.clone())
+
+    backbone = _backbone(model)
+    assert backbone is not model  # the LM head is skipped
+    with torch.no_grad():
+        observed_out = backbone(
+            input_ids=ids, past_key_values=ObservingCache(model.config, sink), use_cache=True
+        )
+        ref_cache = DynamicCache(config=model.config)
+        ref_out = backbone(input_ids=ids, past_key_values=ref_cache, use_cache=True)
+    # not storing changes nothing in the forward
+    torch.testing.assert_close(observed_out.last_hidden_state, ref_out.last_hidden_state, rtol=0, atol=0)
+    assert sorted(seen) == list(range(kv.num_layers))
+    sliding_seen = 0
+    for layer in kv.layers:
+        k, v = seen[layer.index]
+        assert k.shape == (2, layer.kv_heads, T, layer.head_dim)  # [B, H_kv, T, D]
+        stored_k, stored_v = ref_cache.layers[layer.index].keys, ref_cache.layers[layer.index].values
+        n = stored_k.shape[-2]
+        if layer.type == "sliding_attention":
+            assert n < T  # the cache slid: it stores the tail of what was written
+            sliding_seen += 1
+        else:
+            assert n == T
+        torch.testing.assert_close(k[..., T - n :, :], stored_k, rtol=0, atol=0)
+        torch.testing.assert_close(v[..., T - n :, :], stored_v, rtol=0, atol=0)
+    if arch in ("qwen2", "mistral", "gemma2", "gemma3", "gpt_oss"):
+        assert sliding_seen > 0
+
+
+def test_observe_streams_and_reports_progress() -> None:
+    model = tiny_model("llama")
+    calls: list[tuple[int, int, str]] = []
+    shapes: list[tuple[int, ...]] = []
+    samples = [torch.arange(3, 3 + n) for n in (5, 9, 7)]
+    observe(
+        model, samples, lambda i, k, v: shapes.append(tuple(k.shape)), 3, progress=lambda *a: calls.append(a)
+    )
+    assert calls[0] == (0, 3, "observe") and calls[-1] == (3, 3, "observe")
+    assert [s[2] for s in shapes[::3]] == [5, 9, 7]  # each sample its own batch, all layers
+
+
+def test_model_that_writes_no_cache_is_refused() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(KvcalError, match="did not write K/V|wrote nothing"):
+        observe(model, [torch.arange(3, 9)], lambda i, k, v: None, expected_layers=5)
