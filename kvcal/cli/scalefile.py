@@ -1,21 +1,206 @@
-"""CLI commands: show, verify, export (not built yet)."""
+"""CLI commands for scale files: show, verify, export. Parse, call kvcal.scales / kvcal.calibrate.export, render."""
 
 from __future__ import annotations
 
-from kvcal.cli._app import app
-from kvcal.errors import UsageError
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from kvcal.cli._app import app, console, print_json, warn
+from kvcal.errors import KvcalError, UsageError
 
 
-@app.command("show", help="Show a scale file's manifest and per-layer scales. [not built yet]", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def show_cmd() -> None:
-    raise UsageError("`kvcal show` is not built yet in this version of kvcal")
+def _fmt_scale(t: Any) -> str:
+    vals = t.reshape(-1).tolist()
+    if len(vals) == 1:
+        return f"{vals[0]:.4g}"
+    return f"{min(vals):.4g}–{max(vals):.4g}"
 
 
-@app.command("verify", help="Check that a scale file is bound to this checkpoint. [not built yet]", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def verify_cmd() -> None:
-    raise UsageError("`kvcal verify` is not built yet in this version of kvcal")
+def _fmt_num(x: Any, spec: str = ".4g") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, list):
+        vals = [v for v in x if v is not None]
+        return f"{max(vals):{spec}} (max)" if vals else "—"
+    return f"{x:{spec}}"
 
 
-@app.command("export", help="Export scales as a vLLM checkpoint or SGLang scale JSON. [not built yet]", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def export_cmd() -> None:
-    raise UsageError("`kvcal export` is not built yet in this version of kvcal")
+def _fmt_pct(x: Any) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, list):
+        vals = [v for v in x if v is not None]
+        return f"{100 * max(vals):.3g}% (max)" if vals else "—"
+    return f"{100 * x:.3g}%"
+
+
+def _short(h: Any) -> str:
+    return str(h)[:12] if h else "—"
+
+
+@app.command("show", help="Show a scale file's manifest and per-layer scales and statistics.")
+def show_cmd(
+    scales: Path = typer.Argument(..., help="Scale file (.safetensors) written by `kvcal calibrate`."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+) -> None:
+    from kvcal.scales import load_scale_file
+
+    ss = load_scale_file(scales)
+    m = ss.manifest
+    if json_out:
+        print_json(
+            {
+                "file": str(scales),
+                "kv_format": ss.kv_format,
+                "granularity": ss.granularity,
+                "num_layers": ss.num_layers,
+                "k_scales": [t.tolist() for t in ss.k_scales],
+                "v_scales": [t.tolist() for t in ss.v_scales],
+                "manifest": m,
+            }
+        )
+        return
+    b = ss.binding
+    cal = m.get("calibration", {})
+    obs = m.get("observer", {})
+    params = ", ".join(f"{k}={v}" for k, v in (obs.get("params") or {}).items())
+    console.print(
+        f"[bold]{scales}[/bold]  (kvcal {m.get('kvcal_version')}, {m.get('created')})", highlight=False
+    )
+    console.print(
+        f"format [bold]{ss.kv_format}[/bold], granularity {ss.granularity}, observer {obs.get('name')}"
+        + (f" ({params})" if params else "")
+        + (f", engine {m['engine']}" if m.get("engine") else ""),
+        highlight=False,
+    )
+    console.print(
+        f"model {b.get('model')} ({b.get('model_type')}): {b.get('num_layers')} layers, "
+        f"{b.get('num_kv_heads')} KV heads, head_dim {b.get('head_dim')}; config {_short(b.get('config_sha256'))}, "
+        f"tokenizer {_short(b.get('tokenizer_sha256'))}, weights {_short(b.get('weights_sha256'))} "
+        f"({len(b.get('weight_files') or {})} files)",
+        highlight=False,
+    )
+    if cal:
+        console.print(
+            f"calibration: {cal.get('source', '—')}, {cal.get('num_samples', '—')} samples x "
+            f"{cal.get('seq_len', '—')} tokens, seed {cal.get('seed', '—')}, "
+            f"token ids {_short(cal.get('token_ids_sha256'))}",
+            highlight=False,
+        )
+    stats = {s.get("layer", i): s for i, s in enumerate(ss.layer_stats)}
+    types = b.get("layer_types") or []
+    table = Table(show_edge=False, header_style="bold")
+    for col in (
+        "layer",
+        "type",
+        "K scale",
+        "V scale",
+        "K amax",
+        "V amax",
+        "K clip",
+        "V clip",
+        "K SQNR dB",
+        "V SQNR dB",
+    ):
+        table.add_column(col, justify="left" if col == "type" else "right")
+    for i in range(ss.num_layers):
+        s = stats.get(i, {})
+        ltype = types[i] if i < len(types) else "—"
+        table.add_row(
+            str(i),
+            ltype.replace("_attention", ""),
+            _fmt_scale(ss.k_scales[i]),
+            _fmt_scale(ss.v_scales[i]),
+            _fmt_num(s.get("k_amax")),
+            _fmt_num(s.get("v_amax")),
+            _fmt_pct(s.get("k_clipped_fraction")),
+            _fmt_pct(s.get("v_clipped_fraction")),
+            _fmt_num(s.get("k_sqnr_db"), ".1f"),
+            _fmt_num(s.get("v_sqnr_db"), ".1f"),
+        )
+    console.print(table)
+
+
+@app.command("verify", help="Check that a scale file is bound to this checkpoint (exit 0) or stale (exit 1).")
+def verify_cmd(
+    scales: Path = typer.Argument(..., help="Scale file (.safetensors)."),
+    model: str = typer.Argument(..., help="Model: local Hugging Face folder (or what kvcal resolves)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+) -> None:
+    from kvcal.scales import binding_differences, load_scale_file, resolve_model_and_spec
+
+    ss = load_scale_file(scales)
+    model_dir, kv = resolve_model_and_spec(model)
+    diffs = binding_differences(ss, model, model_dir, kv)
+    if json_out:
+        print_json({"scales": str(scales), "model": model, "bound": not diffs, "differences": diffs})
+        if diffs:
+            raise typer.Exit(1)
+        return
+    if diffs:
+        raise KvcalError(
+            f"scale file '{scales}' is stale for '{model}': {'; '.join(diffs)}; "
+            "re-run `kvcal calibrate` on this checkpoint"
+        )
+    b = ss.binding
+    console.print(
+        f"bound: {scales} matches {model} (config.json, tokenizer, {len(b.get('weight_files') or {})} weight "
+        f"file(s), {ss.num_layers} layers)",
+        highlight=False,
+    )
+
+
+@app.command("export", help="Export scales as a vLLM checkpoint folder or an SGLang scale JSON (FP8 E4M3).")
+def export_cmd(
+    scales: Path = typer.Argument(..., help="Scale file (.safetensors)."),
+    model: str = typer.Argument(..., help="The model the scales were calibrated on."),
+    to: str = typer.Option(
+        ..., "--to", help="Target engine: vllm (checkpoint folder) or sglang (JSON file)."
+    ),
+    out: Path = typer.Option(..., "-o", "--output", help="vllm: new folder; sglang: JSON file."),
+    force: bool = typer.Option(
+        False, "--force", help="Export even if the scales are bound to another checkpoint."
+    ),
+    tp_size: int = typer.Option(1, "--tp-size", help="sglang: tensor-parallel size the JSON is written for."),
+    reduce_heads: bool = typer.Option(
+        False, "--reduce-heads", help="sglang: reduce per-head scales to one per layer (max over heads)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+) -> None:
+    from kvcal.calibrate.export import export_sglang, export_vllm
+    from kvcal.scales import load_scales_for_model, resolve_model_and_spec
+
+    engine = to.strip().lower()
+    if engine not in ("vllm", "sglang"):
+        raise UsageError(f"unknown export target '{to}'; use --to vllm or --to sglang")
+    model_dir, kv = resolve_model_and_spec(model)
+    ss = load_scales_for_model(scales, model, model_dir, kv, force=force)
+    for w in ss.binding_warnings:
+        warn(w)
+    if engine == "vllm":
+        summary = export_vllm(ss, model_dir, out)
+    else:
+        summary = export_sglang(ss, model_dir, out, tp_size=tp_size, reduce_heads=reduce_heads)
+        if ss.granularity == "head":
+            warn("per-head scales reduced to one per layer (max over heads) for SGLang")
+    summary["binding_warnings"] = ss.binding_warnings
+    if json_out:
+        print_json(summary)
+        return
+    if engine == "vllm":
+        console.print(
+            f"wrote {out}: {summary['num_layers']} layers of {summary['strategy']} FP8 scales in "
+            f"{summary['scale_shard']}; {summary['files_linked']} file(s) hard-linked (do not edit them in place), "
+            f"{summary['files_copied']} copied",
+            highlight=False,
+        )
+    else:
+        console.print(
+            f"wrote {out}: {summary['num_layers']} layers x {summary['tp_size']} TP rank(s), one scale per layer "
+            "= max(k_scale, v_scale)",
+            highlight=False,
+        )
+    console.print(f"serve: {summary['serve']}", highlight=False)

@@ -1,0 +1,303 @@
+"""Export a scale set for serving engines.
+
+`export_vllm`: an engine-ready checkpoint folder, laid out exactly as llm-compressor 0.14 / compressed-tensors
+0.19 write a `kv_cache_scheme` checkpoint (checked against a real `oneshot` run):
+- every file of the model folder, hard-linked where the file system allows, else copied;
+- the scales in an extra shard `kv_scales.safetensors` as `model.layers.{i}.self_attn.k_scale` / `v_scale`,
+  float32, shape (1,) for strategy "tensor" and (H_kv, 1, 1) for "attn_head" (compressed-tensors' attention
+  qparam shape; vLLM's loader and transformers' compressed-tensors path both take it);
+- `model.safetensors.index.json` created or extended to map every tensor; a single-file checkpoint's
+  model.safetensors is linked as model-00001-of-00001.safetensors, because transformers loads a folder's
+  model.safetensors alone when there is one and would never see the scale shard (vLLM reads the index either way);
+- config.json gaining `quantization_config` = {"quant_method": "compressed-tensors", "format": "dense",
+  "quantization_status": "compressed", "config_groups": {}, "ignore": [], "kv_cache_scheme": {"num_bits": 8,
+  "type": "float", "strategy": "tensor"|"attn_head", "dynamic": false, "symmetric": true, ...}, ...}.
+  vLLM's CompressedTensorsKVCacheMethod accepts type float / 8 bits / strategy tensor or attn_head / symmetric;
+  per-head scales need vLLM's Flash Attention backend (vLLM docs, "Quantized KV Cache"). Transformers 5.17 with
+  compressed-tensors installed attaches the scales as `self_attn.k_scale` / `v_scale` parameters on load.
+  The scales are stored float32 (llm-compressor stores them in the model dtype; float32 keeps them exact).
+
+`export_sglang`: the `--quantization-param-path` JSON of SGLang (QuantParamSchema / KVCacheQuantSchema):
+{"model_type": ..., "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {tp_rank: {layer: scale}}}}.
+SGLang reads ONE scale per layer and uses it for both K and V (`attn.k_scale = attn.v_scale = scaling_factor`),
+so kvcal writes max(k_scale, v_scale): neither K nor V then saturates earlier than calibrated (the smaller one
+loses a little resolution). The schema requires a map for every TP rank with every layer; per-tensor scales are
+the same on every rank. Per-head scale sets are refused unless `reduce_heads=True` (max over heads = the
+per-tensor minmax scale for a minmax observer; an upper bound for clipping observers).
+
+Only FP8 E4M3 exports: compressed-tensors' FP8 (type float, 8 bits) is E4M3 and SGLang's schema asserts dtype
+float8_e4m3fn. E5M2 caches and NVFP4 global scales have no checkpoint layout in these loaders; they are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcal.errors import KvcalError, UsageError
+from kvcal.io import atomic_write_json
+from kvcal.scales import K_NAME, V_NAME, ScaleSet, file_sha256
+
+SCALE_SHARD = "kv_scales.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_WEIGHTS = "model.safetensors"
+RENAMED_SINGLE = "model-00001-of-00001.safetensors"
+PROVENANCE = "kvcal_export.json"
+_WRITTEN = ("config.json", INDEX_NAME, SCALE_SHARD, PROVENANCE)
+_STRATEGY = {"tensor": "tensor", "head": "attn_head"}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+
+
+def _require_fp8_e4m3(ss: ScaleSet, engine: str) -> None:
+    if ss.kv_format == "fp8_e4m3":
+        return
+    if ss.kv_format == "nvfp4":
+        raise UsageError(
+            f"{engine} export holds FP8 E4M3 scales only: an NVFP4 global scale has no layout in "
+            f"{'compressed-tensors kv_cache_scheme' if engine == 'vLLM' else 'SGLang --quantization-param-path'}; "
+            "serve NVFP4 caches with the engine's own scales, or calibrate --kv-format fp8_e4m3 to export"
+        )
+    raise UsageError(
+        f"{engine} export holds FP8 E4M3 scales only ({ss.kv_format} has no scale layout in "
+        f"{'compressed-tensors (FP8 = E4M3)' if engine == 'vLLM' else 'SGLang (dtype float8_e4m3fn)'}); "
+        "calibrate with --kv-format fp8_e4m3"
+    )
+
+
+def kv_cache_scheme(granularity: str) -> dict[str, Any]:
+    """compressed-tensors' QuantizationArgs for an FP8 KV cache, as llm-compressor serializes it."""
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": None,
+        "num_bits": 8,
+        "observer": None,
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": _STRATEGY[granularity],
+        "symmetric": True,
+        "type": "float",
+        "zp_dtype": None,
+    }
+
+
+def quantization_config(granularity: str) -> dict[str, Any]:
+    """The config.json `quantization_config` of a KV-cache-only compressed-tensors checkpoint."""
+    try:
+        ct_version = importlib_metadata.version("compressed-tensors")
+    except importlib_metadata.PackageNotFoundError:
+        ct_version = "0.19.0"
+    return {
+        "config_groups": {},
+        "format": "dense",
+        "global_compression_ratio": None,
+        "ignore": [],
+        "kv_cache_scheme": kv_cache_scheme(granularity),
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": ct_version,
+    }
+
+
+def vllm_scale_tensors(ss: ScaleSet) -> dict[str, torch.Tensor]:
+    """Engine tensors: (1,) per tensor, (H_kv, 1, 1) per head (compressed-tensors' attn_head shape)."""
+    out = {}
+    for i in range(ss.num_layers):
+        for name, t in ((K_NAME.format(i=i), ss.k_scales[i]), (V_NAME.format(i=i), ss.v_scales[i])):
+            t = t.detach().to(torch.float32).reshape(-1)
+            out[name] = t.reshape(-1, 1, 1).contiguous() if ss.granularity == "head" else t.contiguous()
+    return out
+
+
+def _tensor_sizes(path: Path) -> dict[str, int]:
+    """name -> bytes of every tensor in a safetensors file (header only)."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = int(end) - int(begin)
+    return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> str:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+        return "linked"
+    except OSError:
+        shutil.copy2(src, dst)
+        return "copied"
+
+
+def export_vllm(
+    ss: ScaleSet, model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """Write an engine-ready checkpoint folder (see the module docstring). The folder appears complete or not at
+    all: it is built beside `out_dir` and renamed into place. Returns a summary dict."""
+    _require_fp8_e4m3(ss, "vLLM")
+    src = Path(model_dir)
+    out = Path(out_dir)
+    if out.exists():
+        raise UsageError(f"output folder '{out}' already exists; choose a new -o path or remove it")
+    if out.resolve().is_relative_to(src.resolve()):
+        raise UsageError(
+            f"output folder '{out}' lies inside the model folder '{src}'; choose a path outside it"
+        )
+    config_path = src / "config.json"
+    config = json.loads(config_path.read_text())
+    index_path = src / INDEX_NAME
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        weight_map: dict[str, str] = dict(index.get("weight_map", {}))
+        index_meta = dict(index.get("metadata", {}))
+        total = int(index_meta.get("total_size", 0))
+    elif (src / SINGLE_WEIGHTS).is_file():
+        # transformers loads a folder's model.safetensors alone whenever it exists (the index, and with it the
+        # scale shard, would be ignored), so a single-file checkpoint's weights are linked under a shard name.
+        sizes = _tensor_sizes(src / SINGLE_WEIGHTS)
+        weight_map = dict.fromkeys(sizes, RENAMED_SINGLE)
+        index_meta = {}
+        total = sum(sizes.values())
+    else:
+        raise UsageError(
+            f"model folder '{src}' has no {SINGLE_WEIGHTS} or {INDEX_NAME}; vLLM export needs safetensors weights"
+        )
+    scales = vllm_scale_tensors(ss)
+    clash = sorted(set(scales) & set(weight_map))
+    if clash:
+        raise UsageError(
+            f"model folder '{src}' already holds KV scales (e.g. {clash[0]}); export from the unquantized checkpoint"
+        )
+    qc = config.get("quantization_config")
+    if qc is not None and qc.get("quant_method") != "compressed-tensors":
+        raise UsageError(
+            f"model folder '{src}' is already quantized with '{qc.get('quant_method')}'; vLLM reads one "
+            "quantization_config, so KV scales can be added to unquantized or compressed-tensors checkpoints only"
+        )
+    new_qc = quantization_config(ss.granularity)
+    if qc is not None:  # a compressed-tensors weight checkpoint: keep its groups, add the KV cache scheme
+        new_qc = {**qc, "kv_cache_scheme": kv_cache_scheme(ss.granularity)}
+    config["quantization_config"] = new_qc
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        modes: dict[str, int] = {}
+        for f in sorted(src.rglob("*")):
+            rel = f.relative_to(src)
+            # Files this export writes itself are never linked: writing through a hard link would change the
+            # source checkpoint.
+            if not f.is_file() or rel.parts[0].startswith(".") or str(rel) in _WRITTEN:
+                continue
+            dest = tmp / (RENAMED_SINGLE if str(rel) == SINGLE_WEIGHTS and not index_path.is_file() else rel)
+            mode = _link_or_copy(f, dest)
+            modes[mode] = modes.get(mode, 0) + 1
+        from safetensors.torch import save_file
+
+        save_file(scales, str(tmp / SCALE_SHARD), metadata={"format": "pt"})
+        for name, t in scales.items():
+            weight_map[name] = SCALE_SHARD
+            total += t.numel() * t.element_size()
+        index_out = {
+            "metadata": {**index_meta, "total_size": total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (tmp / INDEX_NAME).write_text(json.dumps(index_out, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        provenance = {
+            "kvcal_version": ss.manifest.get("kvcal_version"),
+            "kv_format": ss.kv_format,
+            "granularity": ss.granularity,
+            "observer": ss.manifest.get("observer"),
+            "binding": ss.binding,
+            "calibration": ss.manifest.get("calibration"),
+            "scale_shard": SCALE_SHARD,
+            "scale_shard_sha256": file_sha256(tmp / SCALE_SHARD),
+        }
+        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        os.rename(tmp, out)
+    except OSError as exc:
+        raise KvcalError(
+            f"cannot write export folder '{out}': {exc.strerror or exc}; choose a writable path"
+        ) from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "engine": "vllm",
+        "out": str(out),
+        "kv_format": ss.kv_format,
+        "strategy": _STRATEGY[ss.granularity],
+        "num_layers": ss.num_layers,
+        "files_linked": modes.get("linked", 0),
+        "files_copied": modes.get("copied", 0),
+        "scale_shard": SCALE_SHARD,
+        "serve": f"vllm serve {out} --kv-cache-dtype fp8",
+    }
+
+
+def sglang_scales(ss: ScaleSet, reduce_heads: bool = False) -> list[float]:
+    """One scale per layer for SGLang: max(k_scale, v_scale) (SGLang applies one scale to both K and V)."""
+    _require_fp8_e4m3(ss, "SGLang")
+    if ss.granularity != "tensor" and not reduce_heads:
+        raise UsageError(
+            "SGLang's --quantization-param-path holds one scale per layer; this scale set is per KV head: "
+            "calibrate with --granularity tensor, or pass --reduce-heads to use the max over heads"
+        )
+    return [float(max(k.max().item(), v.max().item())) for k, v in zip(ss.k_scales, ss.v_scales, strict=True)]
+
+
+def export_sglang(
+    ss: ScaleSet,
+    model_dir: str | os.PathLike[str],
+    out_file: str | os.PathLike[str],
+    tp_size: int = 1,
+    reduce_heads: bool = False,
+) -> dict[str, Any]:
+    """Write SGLang's --quantization-param-path JSON atomically. Returns a summary dict.
+
+    `model_type` is config.json's top-level model_type: SGLang compares it with its config class's model_type."""
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    if tp_size < 1:
+        raise UsageError(f"--tp-size must be at least 1, got {tp_size}")
+    per_layer = sglang_scales(ss, reduce_heads=reduce_heads)
+    layer_map = {str(i): s for i, s in enumerate(per_layer)}
+    doc = {
+        "model_type": model_type,
+        "kv_cache": {
+            "dtype": "float8_e4m3fn",
+            "scaling_factor": {str(rank): dict(layer_map) for rank in range(tp_size)},
+        },
+    }
+    out = Path(out_file)
+    if out.is_dir():
+        raise UsageError(f"output path '{out}' is a folder; pass a file name like kv_scales.json")
+    try:
+        atomic_write_json(out, doc)
+    except OSError as exc:
+        raise KvcalError(
+            f"cannot write '{out}': {exc.strerror or exc}; choose a writable output path"
+        ) from exc
+    return {
+        "engine": "sglang",
+        "out": str(out),
+        "kv_format": ss.kv_format,
+        "num_layers": ss.num_layers,
+        "tp_size": tp_size,
+        "reduced_heads": ss.granularity == "head",
+        "serve": f"python -m sglang.launch_server --kv-cache-dtype fp8_e4m3 --quantization-param-path {out}",
+    }
