@@ -1,0 +1,203 @@
+"""kvcal's cache + attention against transformers' own attention on tiny random models of every supported family.
+
+How parity is judged (the choice, and why):
+- Machinery check, exact: the cache storing the model's own K/V (format 'auto' plans through kvcal's attention)
+  must reproduce transformers' reference attention to float32 rounding — logits and greedy generate() tokens.
+  This isolates cache bookkeeping, positions, masks, windows, GQA, softcap and sinks from quantization.
+- bf16 check: a float32 model with kvcal's `bf16` cache stores K/V rounded to bfloat16, so it cannot equal plain
+  sdpa (which reads float32 K/V), and a bf16 model would compare two different bf16 roundings of the attention
+  math. So the reference is transformers' attention reading a BF16 KV cache: a DynamicCache that rounds what it
+  stores to bfloat16 — what a BF16 server holds. Logits agree to float32 tolerance, tokens are identical.
+The reference attention is `sdpa`, except Gemma 2 (sdpa ignores its logit softcap) and gpt-oss (no sdpa: its
+sinks need eager), where transformers' `eager` is the reference.
+Left-padded batches of 2 with prompts longer than the window exercise padding and sliding windows in prefill and decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvcal import formats
+from kvcal.kernels.cache import QuantizedKVCache
+from kvcal.kernels.runtime import KVRuntime, install_plans
+
+WINDOW = 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: thread hand-offs cost more than the math (15x slower with 2 threads on a loaded machine).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+SWA3 = ["sliding_attention", "full_attention", "sliding_attention"]
+
+# name -> (config factory, model class, reference attention implementation)
+ARCHS = {
+    "llama": (lambda: LlamaConfig(**COMMON), LlamaForCausalLM, "sdpa"),
+    "qwen2": (lambda: Qwen2Config(**COMMON), Qwen2ForCausalLM, "sdpa"),
+    "mistral": (lambda: MistralConfig(sliding_window=WINDOW, **COMMON), MistralForCausalLM, "sdpa"),
+    "gemma2": (
+        lambda: Gemma2Config(
+            sliding_window=WINDOW,
+            layer_types=SWA3,
+            attn_logit_softcapping=0.5,  # small enough to bite on a random model
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=16,
+            **COMMON,
+        ),
+        Gemma2ForCausalLM,
+        "eager",
+    ),
+    "gemma3": (
+        lambda: Gemma3TextConfig(sliding_window=WINDOW, layer_types=SWA3, query_pre_attn_scalar=24, **COMMON),
+        Gemma3ForCausalLM,
+        "sdpa",
+    ),
+    "gpt_oss": (
+        lambda: GptOssConfig(
+            sliding_window=WINDOW, layer_types=SWA3, num_local_experts=4, num_experts_per_tok=2, **COMMON
+        ),
+        GptOssForCausalLM,
+        "eager",
+    ),
+}
+
+
+def build_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random float32 model of `arch` with its reference attention implementation."""
+    make_config, cls, ref_attn = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = make_config()
+    config._attn_implementation = ref_attn
+    model = cls(config).eval()
+    with torch.no_grad():
+        for mod in model.modules():  # gpt-oss: sinks of order 1 so they matter
+            if hasattr(mod, "sinks"):
+                mod.sinks.normal_(0.0, 1.0)
+    return model
+
+
+def batch(seed: int = 1, length: int = 13, pad: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts, the second left-padded by `pad` tokens: input_ids, attention_mask [2, length]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+class BF16DynamicCache(DynamicCache):
+    """transformers' DynamicCache holding K/V rounded to bfloat16 (a BF16 server's cache)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        r = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
+        return super().update(r(key_states), r(value_states), layer_idx, *args, **kwargs)
+
+
+def _real(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return logits[mask.bool()]  # [N_real, V]: padding positions carry no meaning
+
+
+def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    err = (a - b).abs().max().item()
+    assert err <= 2e-5 * max(1.0, b.abs().max().item()), err
+
+
+def _gen(model, ids, mask, cache) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=2 * WINDOW,
+            do_sample=False,
+            past_key_values=cache,
+            pad_token_id=0,
+        )
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_auto_plans_reproduce_transformers_exactly(arch: str) -> None:
+    model = build_model(arch)
+    ids, mask = batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+    ref_tokens = _gen(model, ids, mask, None)
+
+    rt = KVRuntime(model, "bf16", impl="torch")
+    auto = formats.get_format("auto")
+    plans = [replace(p, fmt=auto) for p in rt.plans]
+    install_plans(model, plans, "torch")
+    assert model.config._attn_implementation == "kvcal"
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=QuantizedKVCache(plans)).logits
+    _assert_close(_real(out, mask), _real(ref, mask))
+    assert _gen(model, ids, mask, QuantizedKVCache(plans)).tolist() == ref_tokens.tolist()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_bf16_cache_reproduces_transformers_with_bf16_kv(arch: str) -> None:
+    model = build_model(arch)
+    ids, mask = batch(seed=2)
+    with torch.no_grad():
+        ref = model(
+            input_ids=ids, attention_mask=mask, past_key_values=BF16DynamicCache(config=model.config)
+        ).logits
+    ref_tokens = _gen(model, ids, mask, BF16DynamicCache(config=model.config))
+
+    rt = KVRuntime(model, "bf16", impl="torch")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=rt.new_cache()).logits
+    _assert_close(_real(out, mask), _real(ref, mask))
+    assert _gen(model, ids, mask, rt.new_cache()).tolist() == ref_tokens.tolist()
+    # The bf16 cache is really not the float32 one (so the comparison above is not vacuous).
+    KVRuntime(model, "auto")
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+    assert (_real(plain, mask) - _real(out, mask)).abs().max() > 0
+
+
+def test_auto_leaves_model_untouched_and_restores() -> None:
+    model = build_model("llama")
+    original = model.config._attn_implementation
+    rt = KVRuntime(model, "auto")
+    assert model.config._attn_implementation == original
+    assert isinstance(rt.new_cache(), DynamicCache)
+    assert rt.describe()["impl"] == "transformers"
+    KVRuntime(model, "fp8_e4m3", impl="torch")
+    assert model.config._attn_implementation == "kvcal"
+    KVRuntime(model, "auto")
+    assert model.config._attn_implementation == original
+    assert not any(hasattr(m, "kvcal_config") for m in model.modules())
