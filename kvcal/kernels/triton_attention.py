@@ -335,7 +335,8 @@ def _attn_fwd_impl(
     r_last = tl.minimum(r_first + BLOCK_M, n_rows) - 1
     t_lo = r_first // G
     t_hi = r_last // G
-    chunk = tl.cdiv(tl.cdiv(TK, n_splits), BLOCK_N) * BLOCK_N
+    per_split = (TK + n_splits - 1) // n_splits
+    chunk = ((per_split + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, TK)
     if CAUSAL:
@@ -369,8 +370,8 @@ def _attn_fwd_impl(
         else:
             q_even = q_even.to(tl.bfloat16)
             q_odd = q_odd.to(tl.bfloat16)
-        acc_e = tl.zeros([BLOCK_M, DH_PAD], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_M, DH_PAD], dtype=tl.float32)
+        acc_e = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
+        acc_o = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
     else:
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < HEAD_DIM
@@ -381,10 +382,10 @@ def _attn_fwd_impl(
             qv = qv.to(tl.float32)
         else:
             qv = qv.to(tl.bfloat16)
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
 
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -440,11 +441,11 @@ def _attn_fwd_impl(
             vis = vis & (kp != 0)[None, :]
         s = tl.where(vis, s, float("-inf"))
         # ---- online softmax (exp2 domain) ----
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         m_i = m_new
         if FMT == 2:
             vs = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
@@ -555,13 +556,13 @@ def _combine_impl(
     s_ok = offs_s < n_splits
     m = tl.load(PART_ML + row * n_splits * 2 + offs_s * 2, mask=s_ok, other=float("-inf"))
     l_part = tl.load(PART_ML + row * n_splits * 2 + offs_s * 2 + 1, mask=s_ok, other=0.0)
-    m_max = tl.max(m, 0)
+    m_max = tl.reduce(m, 0, tl.standard._elementwise_max)
     if HAS_SINKS:
         sink = tl.load(SINKS + hq).to(tl.float32) * 1.4426950408889634
         m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)  # empty splits: exp2(-inf) = 0
-    l_tot = tl.sum(w * l_part, 0)
+    l_tot = tl.reduce(w * l_part, 0, tl.standard._sum_combine)
     if HAS_SINKS:
         l_tot += tl.exp2(sink - m_safe)
     offs_d = tl.arange(0, D_PAD)
@@ -571,7 +572,7 @@ def _combine_impl(
         mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    o = tl.sum(acc * w[:, None], 0)
+    o = tl.reduce(acc * w[:, None], 0, tl.standard._sum_combine)
     inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
     tl.store(
         OUT + b * stride_ob + hq * stride_oh + t * stride_ot + offs_d * stride_od,

@@ -1,0 +1,234 @@
+"""Triton fused-dequant attention vs the torch reference, on CPU under the Triton interpreter.
+
+Tolerance (scale-free): the kernel's max error against the float64 reference must be within C = 8 times the float32
+reference's own max error against the float64 reference, plus 4 float32 ulps of the output's magnitude (for cases
+where the float32 reference happens to be exact, e.g. a single visible key; one bf16 ulp for a bf16 output). Both references read the same
+quantized storage, so the comparison isolates the kernel's arithmetic.
+
+The interpreter runs each program instance in numpy, so sizes are tiny; the cases cover every format, decode
+(split-K and not) and prefill, lengths 1/17/257, GQA ratios 1/3/4/8, head_dim 64/128/256, sliding windows (with a
+window-sized cache, k_start > 0), softcap, sinks, key padding (including empty rows) and batch > 1, without the
+full cartesian product.
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvcal import formats  # noqa: E402
+from kvcal.errors import UsageError  # noqa: E402
+from kvcal.kernels import triton_attention as ta  # noqa: E402
+from kvcal.kernels.reference import quantized_attention_ref  # noqa: E402
+
+C_TOL = 8.0
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernels are created lazily for the current mode, so setting the variable per test is enough (and does not
+    # leak into other test modules). No pinned config from the caller's environment.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("KVCAL_TRITON_CONFIG", raising=False)
+    monkeypatch.delenv("KVCAL_TRITON_SPLITS", raising=False)
+
+
+@dataclass
+class Case:
+    fmt: str
+    tq: int
+    tk: int
+    group: int  # H_q // H_kv
+    d: int
+    h_kv: int = 1
+    b: int = 1
+    q_start: int | None = None  # default: the queries are the last Tq positions of the keys
+    k_start: int = 0
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    pad_left: tuple[int, ...] = ()  # per batch row: number of left-padding keys (key_padding False)
+    splits: int | None = None
+    per_head_scale: bool = False
+    q_dtype: torch.dtype = torch.float32
+    extra: dict = field(default_factory=dict)
+
+    def id(self) -> str:
+        parts = [self.fmt, f"q{self.tq}", f"k{self.tk}", f"g{self.group}", f"d{self.d}"]
+        for flag, name in (
+            (self.window, "win"),
+            (self.softcap, "cap"),
+            (self.sinks, "sink"),
+            (self.pad_left, "pad"),
+            (self.splits, "split"),
+            (self.per_head_scale, "headscale"),
+            (not self.causal, "noncausal"),
+            (self.b > 1, f"b{self.b}"),
+            (self.k_start, f"ks{self.k_start}"),
+            (self.q_dtype != torch.float32, "bf16q"),
+        ):
+            if flag:
+                parts.append(name)
+        return "-".join(parts)
+
+
+CASES = [
+    # ---- decode (Tq * G <= 64 rows: split-K path) ----
+    Case("bf16", 1, 257, 4, 128, h_kv=2, splits=3),
+    Case("fp8_e4m3", 1, 257, 8, 64, h_kv=2, splits=4, per_head_scale=True),
+    Case("fp8_e5m2", 1, 17, 3, 64, softcap=3.0),
+    Case("int8_per_token_head", 1, 257, 1, 128, softcap=4.0, splits=2),
+    Case("nvfp4", 1, 257, 4, 64, sinks=True, splits=3, per_head_scale=True),
+    Case("fp4_e2m1", 1, 17, 8, 256, sinks=True),
+    Case(
+        "mxfp4", 1, 64, 3, 128, k_start=300, window=64, splits=2
+    ),  # sliding cache: window-sized, k_start > 0
+    Case("auto", 1, 1, 1, 64),
+    Case("nvfp4", 1, 17, 2, 96),  # head_dim not a power of two (padded tiles)
+    Case("nvfp4", 2, 40, 4, 128, b=2, pad_left=(0, 7), splits=2),  # 2 new tokens (speculative-style decode)
+    Case("fp8_e4m3", 1, 17, 4, 64, q_dtype=torch.bfloat16),
+    # ---- prefill (many rows: row tiles, causal / window tile skipping) ----
+    Case("bf16", 17, 17, 3, 64, window=5),
+    Case("fp8_e4m3", 17, 257, 4, 128, softcap=5.0, sinks=True),  # chunked prefill: q_start = 240
+    Case("int8_per_token_head", 33, 33, 8, 64, window=8),
+    Case("nvfp4", 65, 65, 1, 64, b=2, pad_left=(3, 0), window=20),
+    Case("fp4_e2m1", 17, 17, 4, 256, softcap=2.0),
+    Case("mxfp4", 40, 40, 2, 64, sinks=True, h_kv=2),
+    Case("fp8_e5m2", 17, 30, 4, 64, causal=False),
+    Case("auto", 17, 17, 4, 128, pad_left=(5,)),  # left padding: the first 5 query rows see no key -> 0
+]
+
+
+def _run(case: Case) -> tuple[float, float, float]:
+    torch.manual_seed(zlib.crc32(case.id().encode()))
+    hq = case.h_kv * case.group
+    q = (torch.randn(case.b, hq, case.tq, case.d) * 1.5).to(case.q_dtype)
+    k = torch.randn(case.b, case.h_kv, case.tk, case.d) * 2.0
+    v = torch.randn(case.b, case.h_kv, case.tk, case.d)
+    scale = None
+    if case.per_head_scale:
+        amax = k.abs().amax(dim=(0, 2, 3))  # [H_kv]
+        scale = amax / 448.0 if case.fmt.startswith("fp8") else amax / (448.0 * 6.0)
+    kq = formats.quantize(k, case.fmt, scale=scale)
+    vq = formats.quantize(v, case.fmt, scale=None if scale is None else scale * 0.5)
+    q_start = case.q_start if case.q_start is not None else case.k_start + case.tk - case.tq
+    key_padding = None
+    if case.pad_left:
+        key_padding = torch.ones(case.b, case.tk, dtype=torch.bool)
+        for i, n in enumerate(case.pad_left):
+            key_padding[i, :n] = False
+    sinks = torch.randn(hq) if case.sinks else None
+    kw = dict(
+        scaling=case.d**-0.5,
+        q_start=q_start,
+        k_start=case.k_start,
+        causal=case.causal,
+        sliding_window=case.window,
+        softcap=case.softcap,
+        sinks=sinks,
+        key_padding=key_padding,
+    )
+    out = ta.attention(q, kq, vq, case.fmt, num_splits=case.splits, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    # references on float32 / float64 queries, so that a bf16 q does not round their outputs to bf16
+    r32 = quantized_attention_ref(q.float(), kq, vq, case.fmt, **kw)
+    r64 = quantized_attention_ref(q.double(), kq, vq, case.fmt, compute_dtype=torch.float64, **kw)
+    err = (out.double() - r64).abs().max().item()
+    err32 = (r32.double() - r64).abs().max().item()
+    return err, err32, r64.abs().max().item()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
+def test_kernel_matches_reference(case: Case) -> None:
+    err, err32, mag = _run(case)
+    # plus the output's own rounding: 4 float32 ulps, or one bf16 ulp when the output is bf16 (2x its max rounding)
+    eps = torch.finfo(case.q_dtype).eps * (4 if case.q_dtype == torch.float32 else 1)
+    assert err <= C_TOL * err32 + eps * mag, f"kernel err {err:.3e} vs float32 reference err {err32:.3e}"
+
+
+def test_empty_rows_are_exact_zeros() -> None:
+    # left-padded batch row: queries at padded positions see no key at all
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 64)
+    k = formats.quantize(torch.randn(1, 1, 6, 64), "nvfp4")
+    v = formats.quantize(torch.randn(1, 1, 6, 64), "nvfp4")
+    pad = torch.tensor([[False, False, False, True, True, True]])
+    sinks = torch.tensor([0.5, -1.0])
+    out = ta.quantized_attention_triton(
+        q, k, v, "nvfp4", scaling=0.125, q_start=0, k_start=0, key_padding=pad, sinks=sinks
+    )
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert (out[:, :, 3:].abs() > 0).any()
+
+
+def test_split_count_does_not_change_result() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(1, 4, 1, 64)
+    k = formats.quantize(torch.randn(1, 1, 130, 64), "fp8_e4m3", scale=0.01)
+    v = formats.quantize(torch.randn(1, 1, 130, 64), "fp8_e4m3", scale=0.01)
+    kw = dict(scaling=0.125, q_start=129, k_start=0, sinks=torch.randn(4))
+    # 5 splits of 32 keys over 130 keys: the last split is empty (exercises the reduction's empty partials)
+    outs = [ta.attention(q, k, v, "fp8_e4m3", num_splits=n, **kw) for n in (1, 2, 5)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_signature_matches_reference() -> None:
+    ref = inspect.signature(quantized_attention_ref).parameters
+    ker = inspect.signature(ta.quantized_attention_triton).parameters
+    ref_params = [(p.name, p.kind, p.default) for n, p in ref.items() if n != "compute_dtype"]
+    assert [(p.name, p.kind, p.default) for p in ker.values()] == ref_params
+
+
+def test_pinned_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(2)
+    q = torch.randn(1, 2, 1, 64)
+    k = formats.quantize(torch.randn(1, 1, 50, 64), "mxfp4")
+    v = formats.quantize(torch.randn(1, 1, 50, 64), "mxfp4")
+    kw = dict(scaling=0.125, q_start=49, k_start=0)
+    base = ta.quantized_attention_triton(q, k, v, "mxfp4", **kw)
+    monkeypatch.setenv("KVCAL_TRITON_CONFIG", "BLOCK_M=16,BLOCK_N=16,num_warps=2,num_stages=1")
+    monkeypatch.setenv("KVCAL_TRITON_SPLITS", "2")
+    pinned = ta.quantized_attention_triton(q, k, v, "mxfp4", **kw)
+    torch.testing.assert_close(pinned, base, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("KVCAL_TRITON_CONFIG", "BLOCK_N=24")
+    with pytest.raises(UsageError, match="power of two"):
+        ta.quantized_attention_triton(q, k, v, "mxfp4", **kw)
+    monkeypatch.setenv("KVCAL_TRITON_CONFIG", "TILE=16")
+    with pytest.raises(UsageError, match="malformed"):
+        ta.quantized_attention_triton(q, k, v, "mxfp4", **kw)
+
+
+def test_autotune_configs_are_valid() -> None:
+    for cfg in ta.decode_configs(16) + ta.prefill_configs():
+        for blk in (cfg.block_m, cfg.block_n):
+            assert blk >= 16 and blk & (blk - 1) == 0
+        assert cfg.num_warps in (2, 4, 8) and cfg.num_stages >= 1
+    assert all(c.block_m == 32 for c in ta.decode_configs(32))
+
+
+def test_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 2, 1, 64)
+    kq = formats.quantize(torch.randn(1, 1, 8, 64), "fp8_e4m3")
+    kw = dict(scaling=0.125, q_start=7, k_start=0)
+    with pytest.raises(UsageError, match="multiple of KV heads"):
+        ta.quantized_attention_triton(
+            torch.randn(1, 3, 1, 64), *[formats.quantize(torch.randn(1, 2, 8, 64), "bf16")] * 2, "bf16", **kw
+        )
+    with pytest.raises(UsageError, match="sinks"):
+        ta.quantized_attention_triton(q, kq, kq, "fp8_e4m3", sinks=torch.zeros(3), **kw)
+    # FP4 block scales need head_dim % block == 0: a 48-dim head is fine for nvfp4 (16) but not for mxfp4 (32)
+    packed = formats.quantize(torch.randn(1, 1, 8, 48), "nvfp4")
+    with pytest.raises(UsageError, match="block size 32"):
+        ta.quantized_attention_triton(torch.randn(1, 2, 1, 48), packed, packed, "mxfp4", **kw)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UsageError, match="CUDA"):
+        ta.quantized_attention_triton(q, kq, kq, "fp8_e4m3", **kw)
