@@ -1,0 +1,150 @@
+"""The torch reference (`kvcal.kernels.reference`) against a float64 loop written straight from its docstring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcal import formats
+from kvcal.errors import UsageError
+from kvcal.kernels.reference import attention_dense, quantized_attention_ref, visibility_mask
+
+
+def naive_attention(q, k, v, *, scaling, q_start, k_start, causal, window, softcap, sinks, key_padding):
+    """One query row at a time, in float64 Python scalars: the docstring's semantics, nothing clever."""
+    b_, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    out = torch.zeros(b_, hq, tq, d, dtype=torch.float64)
+    for b in range(b_):
+        for h in range(hq):
+            for i in range(tq):
+                qp = q_start + i
+                logits, vals = [], []
+                for j in range(tk):
+                    kp = k_start + j
+                    if causal and kp > qp:
+                        continue
+                    if window is not None and qp - kp >= window:
+                        continue
+                    if key_padding is not None and not bool(key_padding[b, j]):
+                        continue
+                    s = float(q[b, h, i].double() @ k[b, h // group, j].double()) * scaling
+                    if softcap is not None:
+                        s = softcap * math.tanh(s / softcap)
+                    logits.append(s)
+                    vals.append(v[b, h // group, j].double())
+                if not logits:
+                    continue
+                sink = [float(sinks[h])] if sinks is not None else []
+                m = max(logits + sink)
+                e = [math.exp(s - m) for s in logits]
+                den = sum(e) + sum(math.exp(s - m) for s in sink)
+                out[b, h, i] = sum(w * x for w, x in zip(e, vals, strict=True)) / den
+    return out
+
+
+CASES = [
+    # (hq, hkv, tq, tk, q_start, k_start, causal, window, softcap, sinks, padded)
+    (4, 4, 7, 7, 0, 0, True, None, None, False, False),  # prefill, MHA
+    (6, 2, 9, 9, 0, 0, True, 4, None, False, True),  # GQA 3, window, left padding (empty rows)
+    (8, 2, 1, 13, 12, 0, True, None, None, True, True),  # decode, GQA 4, sinks
+    (8, 1, 5, 11, 10, 4, True, 6, 2.0, True, False),  # MQA, window cache (k_start > 0), softcap + sinks
+    (4, 2, 6, 6, 0, 0, False, None, 1.5, False, True),  # non-causal, softcap
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_float64_loop(case) -> None:
+    hq, hkv, tq, tk, q_start, k_start, causal, window, softcap, with_sinks, padded = case
+    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    b, d = 2, 16
+    q = torch.randn(b, hq, tq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, tk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, tk, d, generator=g, dtype=torch.float64)
+    sinks = torch.randn(hq, generator=g, dtype=torch.float64) * 2 if with_sinks else None
+    kp = None
+    if padded:
+        kp = torch.ones(b, tk, dtype=torch.bool)
+        kp[1, : tk // 2 + 1] = False
+    kw = dict(
+        scaling=d**-0.5,
+        q_start=q_start,
+        k_start=k_start,
+        causal=causal,
+        sliding_window=window,
+        softcap=softcap,
+        sinks=sinks,
+        key_padding=kp,
+    )
+    want = naive_attention(
+        q, k, v, scaling=d**-0.5, q_start=q_start, k_start=k_start, causal=causal, window=window,
+        softcap=softcap, sinks=sinks, key_padding=kp,
+    )  # fmt: skip
+    got64 = attention_dense(q, k, v, **kw)
+    assert torch.allclose(got64, want, atol=1e-12, rtol=0)
+    # float32: the reference's own error, tiny on the scale of the outputs
+    got32 = attention_dense(
+        q.float(), k.float(), v.float(), **{**kw, "sinks": None if sinks is None else sinks.float()}
+    )
+    assert (got32.double() - want).abs().max() < 1e-5 * want.abs().max().clamp(min=1)
+    assert not torch.isnan(got32).any()
+    # rows that see no key (left-padding queries) are exactly zero, not NaN
+    empty = ~visibility_mask(tq, tk, q_start=q_start, k_start=k_start, causal=causal,
+                             sliding_window=window, key_padding=kp).any(-1)  # fmt: skip
+    empty = empty.expand(b, hq, tq)
+    assert torch.equal(got32[empty], torch.zeros_like(got32[empty]))
+    if case == CASES[1]:
+        assert empty.any()
+
+
+def test_sdpa_path_equals_explicit_path() -> None:
+    """A sink of -inf changes nothing mathematically but forces the explicit path: both paths must agree."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 9, 32, generator=g)
+    k = torch.randn(2, 2, 12, 32, generator=g)
+    v = torch.randn(2, 2, 12, 32, generator=g)
+    kp = torch.ones(2, 12, dtype=torch.bool)
+    kp[0, :5] = False
+    kw = dict(scaling=0.2, q_start=3, k_start=0, sliding_window=5, key_padding=kp)
+    fast = attention_dense(q, k, v, **kw)
+    explicit = attention_dense(q, k, v, sinks=torch.full((6,), -math.inf), **kw)
+    assert torch.allclose(fast, explicit, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"])
+def test_quantized_reference_is_attention_over_dequantized_values(fmt: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 3, 32, generator=g)
+    k = torch.randn(1, 2, 10, 32, generator=g) * 3
+    v = torch.randn(1, 2, 10, 32, generator=g)
+    kq, vq = formats.quantize(k, fmt), formats.quantize(v, fmt)
+    kw = dict(scaling=32**-0.5, q_start=7, k_start=0)
+    got = quantized_attention_ref(q, kq, vq, fmt, **kw)
+    want = attention_dense(q, formats.fake_quantize(k, fmt), formats.fake_quantize(v, fmt), **kw)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    got64 = quantized_attention_ref(q, kq, vq, fmt, compute_dtype=torch.float64, **kw)
+    assert (got64 - got).abs().max() < 1e-5
+    # the quantization is visible: not the same as attention over the unquantized K/V (fp4 especially)
+    exact = attention_dense(q, k, v, **kw)
+    assert (got - exact).abs().max() > 0
+
+
+def test_bad_shapes() -> None:
+    q = torch.randn(1, 3, 2, 16)
+    k = torch.randn(1, 2, 4, 16)
+    with pytest.raises(UsageError, match="multiple of KV heads"):
+        attention_dense(q, k, k, scaling=1.0, q_start=2, k_start=0)
+    with pytest.raises(UsageError, match="key_padding"):
+        attention_dense(
+            torch.randn(1, 4, 2, 16),
+            k,
+            k,
+            scaling=1.0,
+            q_start=2,
+            k_start=0,
+            key_padding=torch.ones(1, 3).bool(),
+        )
