@@ -1,0 +1,273 @@
+"""kvcal sweep: the matrix (scale variants only where meaningful), resume from what is on disk, and one real
+end-to-end sweep on a tiny random Gemma 3 (sliding layers) built here -> kvcal compare on its RUNS_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvcal.cli import app
+from kvcal.errors import UsageError
+from kvcal.evaluate import sweep
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+STUDY = {
+    "model": "/models/gemma-3-270m",
+    "tasks": ["kl", "wikitext"],
+    "formats": ["fp8", "nvfp4", "fp4_e2m1", "mxfp4", "int8_per_token_head"],
+    "scales": ["uncalibrated", "tensor", "head"],
+    "skip_layers": ["none", "sliding_window"],
+    "limit": 8,
+    "calibration": {"observer": "minmax", "num_samples": 16, "seq_len": 256},
+}
+
+
+def _mark(cell: sweep.Cell, cfg: sweep.SweepConfig, complete: bool = True, **override: object) -> None:
+    """Write what `kvcal eval` leaves in a run directory (config.yaml and, when finished, COMPLETE)."""
+    cell.path.mkdir(parents=True, exist_ok=True)
+    conf = {
+        "model": cfg.model,
+        "kv_format": cell.kv_format,
+        "scales_path": str(cell.calibration.path) if cell.calibration else None,
+        "skip_layers": "" if cell.skip == "none" else cell.skip,
+        "tasks": [cell.task],
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "impl": cfg.impl,
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+    }
+    conf.update(override)
+    (cell.path / "config.yaml").write_text(yaml.safe_dump(conf))
+    if complete:
+        (cell.path / "COMPLETE").write_text(json.dumps({"finished": "t", "config_hash": "x"}))
+
+
+def test_matrix_only_meaningful_variants(tmp_path: Path) -> None:
+    cfg = sweep.parse_sweep_config(STUDY)
+    assert cfg.formats == ["fp8_e4m3", "nvfp4", "fp4_e2m1", "mxfp4", "int8_per_token_head"]
+    plan = sweep.plan_sweep(cfg, tmp_path / "runs")
+    names = sorted({c.name for c in plan.cells})
+    # baseline 1 + fp8 (uncal, tensor, head) x 2 skips + nvfp4 x 6 + three dynamic formats x 2 skips
+    assert len(names) == 1 + 6 + 6 + 2 + 2 + 2
+    assert len(plan.cells) == len(names) * 2
+    assert "gemma-3-270m__bf16__none__skip-none" in names
+    assert "gemma-3-270m__fp8_e4m3__calib-head__skip-sliding_window" in names
+    assert "gemma-3-270m__mxfp4__none__skip-sliding_window" in names
+    assert not any(
+        n.startswith("gemma-3-270m__mxfp4__calib") or "bf16__none__skip-sliding" in n for n in names
+    )
+    baseline = [c for c in plan.cells if c.is_baseline]
+    assert [c.task for c in baseline] == ["kl", "wikitext"] and all(c.kv_format == "bf16" for c in baseline)
+    assert sorted(c.path.name for c in plan.calibrations) == [
+        "default__fp8_e4m3__head.safetensors",
+        "default__fp8_e4m3__tensor.safetensors",
+        "default__nvfp4__head.safetensors",
+        "default__nvfp4__tensor.safetensors",
+    ]
+    assert all(c.path.parent == tmp_path / "runs" / "wikitext" for c in plan.cells if c.task == "wikitext")
+    assert plan.n_done == 0 and len(plan.todo) == len(plan.cells) and plan.total_steps == 38 + 4
+    # two recipes: calibrated variants per recipe, tagged with the recipe name
+    two = dict(
+        STUDY,
+        formats=["fp8"],
+        calibration=[{"name": "c4", "num_samples": 8}, {"name": "wiki", "granularity": "tensor"}],
+    )
+    plan2 = sweep.plan_sweep(sweep.parse_sweep_config(two), tmp_path / "r2")
+    labels = sorted({c.scales_label for c in plan2.cells if c.kv_format == "fp8_e4m3"})
+    assert labels == ["calib-head-c4", "calib-tensor-c4", "calib-tensor-wiki", "uncalibrated"]
+
+
+def test_resume_status_from_disk(tmp_path: Path) -> None:
+    cfg = sweep.parse_sweep_config(STUDY)
+    root = tmp_path / "runs"
+    plan = sweep.plan_sweep(cfg, root)
+    by = {(c.name, c.task): c for c in plan.cells}
+    done = [c for c in plan.cells if c.kv_format in ("bf16", "mxfp4")]
+    for c in done:
+        _mark(c, cfg)
+    fp8_tensor = [c for c in plan.cells if c.scales_label == "calib-tensor" and c.kv_format == "fp8_e4m3"]
+    for c in fp8_tensor:
+        _mark(c, cfg)
+    partial = by[("gemma-3-270m__fp4_e2m1__none__skip-none", "kl")]
+    _mark(partial, cfg, complete=False)
+    stale = by[("gemma-3-270m__fp4_e2m1__none__skip-none", "wikitext")]
+    _mark(stale, cfg, limit=100)
+    replan = sweep.plan_sweep(cfg, root)
+    status = {(c.name, c.task): c.status for c in replan.cells}
+    assert all(status[(c.name, c.task)] == "complete" for c in done + fp8_tensor)
+    assert status[(partial.name, "kl")] == "partial"
+    assert status[(stale.name, "wikitext")] == "stale"
+    st = next(c for c in replan.cells if c.status == "stale")
+    assert "limit: 100 there, 8 here" in st.detail
+    assert replan.n_done == len(done) + len(fp8_tensor)
+    assert (
+        len(replan.todo) == len(replan.cells) - replan.n_done - 1
+    )  # the partial one resumes; stale never runs
+    # the fp8 per-tensor scale file is no longer needed: all its cells are complete
+    assert sorted(c.path.name for c in replan.calibrations_todo) == [
+        "default__fp8_e4m3__head.safetensors",
+        "default__nvfp4__head.safetensors",
+        "default__nvfp4__tensor.safetensors",
+    ]
+    # a grown matrix (one more task) runs only the new cells
+    grown = sweep.plan_sweep(sweep.parse_sweep_config(dict(STUDY, tasks=["kl", "wikitext", "gsm8k"])), root)
+    assert grown.n_done == replan.n_done
+    assert all(c.status == "todo" for c in grown.cells if c.task == "gsm8k")
+
+
+def test_bad_sweep_configs(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="unknown key"):
+        sweep.parse_sweep_config(dict(STUDY, formatz=["fp8"]))
+    with pytest.raises(UsageError, match="'formats' is required"):
+        sweep.parse_sweep_config({k: v for k, v in STUDY.items() if k != "formats"})
+    with pytest.raises(UsageError):
+        sweep.parse_sweep_config(dict(STUDY, formats=["fp7"]))
+    with pytest.raises(UsageError, match="scales must be"):
+        sweep.parse_sweep_config(dict(STUDY, scales=["per_channel"]))
+    with pytest.raises(UsageError, match="limit"):
+        sweep.parse_sweep_config(dict(STUDY, limit=0))
+    with pytest.raises(UsageError, match="does not exist"):
+        sweep.load_sweep_config(tmp_path / "nope.yaml")
+
+
+def test_shipped_configs_parse() -> None:
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("sweep*.yaml"))
+    assert len(configs) >= 2
+    for p in configs:
+        cfg = sweep.load_sweep_config(p)
+        assert cfg.formats and cfg.tasks
+
+
+def test_cli_dry_run_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = tmp_path / "s.yaml"
+    conf.write_text(yaml.safe_dump(STUDY))
+    with pytest.raises(SystemExit) as exc:
+        app(["sweep", str(conf), "-o", str(tmp_path / "runs"), "--dry-run", "--json"], prog_name="kvcal")
+    assert exc.value.code in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"] == {
+        "cells": 38,
+        "complete": 0,
+        "to_run": 38,
+        "stale": 0,
+        "scale_files": 4,
+        "to_calibrate": 4,
+    }
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+# ---- a real sweep on a tiny random model ---------------------------------------------------------------------
+
+CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "one two three four five six seven eight nine ten",
+    "a quick brown fox jumps over the lazy dog near the river bank",
+    "paris is the capital of france and rome is the capital of italy",
+]
+
+ROLL_TASK = """
+task: tiny_roll
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/roll.jsonl
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def _tiny_gemma3(path: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(str(path))
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # large K/V so that uncalibrated FP8 (scale 1.0) and FP4 measurably differ
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model.save_pretrained(str(path))
+    return path
+
+
+def test_real_sweep_resume_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kvcal.calibrate.run")
+    model = _tiny_gemma3(tmp_path / "model")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    (tasks / "tiny_roll.yaml").write_text(ROLL_TASK.format(dir=tasks))
+    conf = {
+        "model": str(model),
+        "tasks": ["tiny_roll"],
+        "include_path": str(tasks),
+        "formats": ["fp8_e4m3"],
+        "scales": ["tensor"],
+        "skip_layers": ["none"],
+        "calibration": {"num_samples": 4, "seq_len": 32},
+    }
+    runs = tmp_path / "runs"
+    events: list[dict] = []
+    res = sweep.execute_sweep(sweep.parse_sweep_config(conf), runs, progress=events.append)
+    assert res["failed"] == [], res["failed"]
+    assert res["ran"] == 2 and res["calibrated"] == 1
+    assert events[-1]["done"] == events[-1]["total"] == 3
+    assert (runs / "scales" / "default__fp8_e4m3__tensor.safetensors").is_file()
+    # the matrix grows (skip the sliding layers too): only the new cells run, the scale file is reused
+    conf["skip_layers"] = ["none", "sliding_window"]
+    cfg = sweep.parse_sweep_config(conf)
+    plan = sweep.plan_sweep(cfg, runs)
+    assert plan.n_done == 2 and len(plan.todo) == 1 and plan.calibrations_todo == []
+    res = sweep.execute_sweep(cfg, runs, plan=plan)
+    assert res["failed"] == [] and res["ran"] == 1 and res["skipped_complete"] == 2 and res["calibrated"] == 0
+    assert (runs / "tiny_roll" / "model__fp8_e4m3__calib-tensor__skip-sliding_window" / "COMPLETE").is_file()
+    assert sweep.plan_sweep(cfg, runs).todo == []
+    # compare the sweep's RUNS_DIR directly
+    from kvcal.evaluate.compare import compare_runs
+
+    cmp = compare_runs([runs], n_boot=200)
+    assert cmp.baseline == "model__bf16__none__skip-none"
+    assert len(cmp.configs) == 3
+    wp = {r.config: r for r in cmp.results if r.metric == "word_perplexity"}
+    assert len(wp) == 2
+    assert all(r.n == len(CORPUS) for r in wp.values())
+    caps = {c.label: c.capacity for c in cmp.configs}
+    assert caps["model__fp8_e4m3__calib-tensor__skip-none"] == pytest.approx(2.0)
+    # skipping the 2 sliding layers of 3 (equal size) keeps them at 16 bits: 3 / (2 + 8/16)
+    assert caps["model__fp8_e4m3__calib-tensor__skip-sliding_window"] == pytest.approx(1.2)
+    assert wp["model__fp8_e4m3__calib-tensor__skip-none"].diff != 0.0  # FP8 changes the model's outputs
