@@ -207,3 +207,113 @@ def test_auto_parity_with_lm_eval_hf(tiny: dict[str, Path], kind: str) -> None:
     # not vacuous: the rolling task produced a finite perplexity and the generation produced text
     assert ref["results"]["tiny_roll"]["word_perplexity,none"] > 1.0
     assert any(s["resps"][0][0] for s in ref["samples"]["tiny_gen"])
+
+
+def test_adapter_is_registered_with_lm_eval() -> None:
+    from lm_eval.api.registry import get_model
+
+    from kvcal.evaluate.adapter import KvcalLM
+
+    assert get_model("kvcal") is KvcalLM
+
+
+# ---- kvcal eval's run directory, through a quantized cache -----------------------------------------------------
+
+
+def _config(tiny: dict[str, Path], out: Path, **kw: Any) -> Any:
+    from kvcal.evaluate.run import EvalConfig
+
+    base = dict(
+        model=str(tiny["gemma3"]),
+        kv_format="fp8_e4m3",
+        tasks=["tiny_mc,tiny_roll,tiny_gen,kl"],
+        include_path=str(tiny["tasks"]),
+        limit=2,
+        kl_seq_len=16,
+        output=str(out),
+        batch_size=2,
+    )
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvcal.evaluate.run import run_eval
+
+    os.environ["KVCAL_CACHE"] = str(tmp_path_factory.mktemp("kvcal_cache"))
+    return run_eval(_config(tiny, tmp_path_factory.mktemp("runs") / "fp8"))
+
+
+def test_quantized_run_end_to_end(fp8_run: Path) -> None:
+    names = {p.name for p in fp8_run.iterdir()}
+    assert {"config.yaml", "env.json", "results.json", "metrics.json", "COMPLETE"} <= names
+    assert {f"samples_{t}.jsonl" for t in ("tiny_mc", "tiny_roll", "tiny_gen", "kl")} <= names
+    results = json.loads((fp8_run / "results.json").read_text())
+    assert set(results["results"]) == {"tiny_mc", "tiny_roll", "tiny_gen", "kl"}
+    assert {"configs", "versions", "n-shot", "n-samples"} <= set(results)
+    runtime = results["kvcal"]["runtime"]
+    assert runtime["kv_format"] == "fp8_e4m3" and runtime["attn_implementation"] == "kvcal"
+    kl = results["results"]["kl"]
+    assert kl["kl,none"] > 0 and 0 <= kl["top1_agree,none"] <= 1 and kl["ppl,none"] > 1
+    recs = [json.loads(line) for line in (fp8_run / "samples_kl.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 and set(recs[0]) == {"doc_id", "kl", "top1_agree", "nll", "n_tokens"}
+    metrics = json.loads((fp8_run / "metrics.json").read_text())
+    assert metrics["capacity_multiplier_vs_bf16"] == pytest.approx(2.0) and metrics["tokens_per_s"] > 0
+    roll = [json.loads(line) for line in (fp8_run / "samples_tiny_roll.jsonl").read_text().splitlines()]
+    assert len(roll) == 2 and "word_perplexity" in roll[0]
+
+
+def test_quantized_logits_differ_from_auto(tiny: dict[str, Path]) -> None:
+    from kvcal.evaluate.adapter import KvcalLM
+
+    ids = torch.tensor([[1, 5, 9, 12, 7, 30, 44, 2, 8, 19, 23]])
+    auto = KvcalLM(pretrained=str(tiny["gemma3"]), kv_format="auto", dtype="float32", device="cpu")
+    nv = KvcalLM(pretrained=str(tiny["gemma3"]), kv_format="nvfp4", dtype="float32", device="cpu")
+    a, q = auto._model_call(ids), nv._model_call(ids)
+    assert a.shape == q.shape and not torch.equal(a, q)
+    assert (a - q).abs().max() < 5.0  # quantization noise, not garbage
+
+
+def test_rerun_skips_resume_redoes_only_missing(tiny: dict[str, Path], fp8_run: Path) -> None:
+    from kvcal.evaluate.run import run_eval
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()}
+    assert run_eval(_config(tiny, fp8_run)) == fp8_run
+    assert {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()} == stamps
+    # interrupted: no marker, one task unfinished
+    (fp8_run / "COMPLETE").unlink()
+    (fp8_run / "tasks" / "tiny_gen.json").unlink()
+    run_eval(_config(tiny, fp8_run))
+    assert (fp8_run / "COMPLETE").is_file()
+    assert (fp8_run / "tasks" / "tiny_mc.json").stat().st_mtime_ns == stamps["tiny_mc.json"]
+    assert (fp8_run / "tasks" / "tiny_gen.json").stat().st_mtime_ns != stamps["tiny_gen.json"]
+
+
+def test_bad_input_leaves_the_run_untouched(tiny: dict[str, Path], fp8_run: Path) -> None:
+    from kvcal.errors import KvcalError, UsageError
+    from kvcal.evaluate.run import run_eval
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()}
+    with pytest.raises(KvcalError, match="different configuration"):
+        run_eval(_config(tiny, fp8_run, kv_format="nvfp4"))
+    with pytest.raises(UsageError, match="--limit"):
+        run_eval(_config(tiny, fp8_run, limit=0))
+    with pytest.raises(UsageError, match="did you mean"):
+        run_eval(_config(tiny, fp8_run, tasks=["tiny_mcc"]))
+    with pytest.raises(UsageError, match="quantized --kv-format"):
+        run_eval(_config(tiny, fp8_run, kv_format="auto", skip_layers="sliding_window"))
+    assert {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()} == stamps
+
+
+def test_kl_of_identical_runs_is_zero_and_baseline_is_cached(
+    tiny: dict[str, Path], fp8_run: Path, tmp_path: Path
+) -> None:
+    from kvcal.evaluate.run import run_eval
+
+    out = run_eval(_config(tiny, tmp_path / "bf16", kv_format="bf16", tasks=["kl"], limit=3))
+    res = json.loads((out / "results.json").read_text())
+    kl = res["results"]["kl"]
+    assert kl["kl,none"] == 0.0 and kl["top1_agree,none"] == 1.0
+    # the fp8 run already cached windows 0-1 of this model's BF16 baseline; window 2 is new
+    assert res["configs"]["kl"]["baseline_cache_hits"] == 2

@@ -21,6 +21,7 @@ import difflib
 import io
 import json
 import os
+import re
 import zipfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -153,24 +154,25 @@ def resolve_tasks(
             plan.lm_eval_specs[name] = name  # the user's YAML, exactly as lm_eval --include_path
             continue
         if name in BUILTIN_YAML:
-            cfg = load_task_yaml(lm_eval_tasks_dir() / BUILTIN_YAML[name])
+            yaml_path: Path | None = lm_eval_tasks_dir() / BUILTIN_YAML[name]
         else:
-            tm = _task_manager(inc, True)
-            entry = tm.task_index.get(name)
+            entry = lm_eval_task_index().get(name)
             if entry is None:
                 unknown.append(name)
                 continue
-            if ddir is None or entry.yaml_path is None or str(entry.kind).endswith("GROUP"):
+            kind, rel = entry
+            if kind != "task":  # a group or tag: lm-eval builds it by name from its full index
                 plan.lm_eval_specs[name] = name
                 continue
-            cfg = load_task_yaml(entry.yaml_path)
+            yaml_path = lm_eval_tasks_dir() / rel
+        cfg = load_task_yaml(yaml_path)
         if cfg.get("dataset_path") == "Idavidrein/gpqa":
             plan.private.add(name)
         if ddir is not None:
             cfg = offline_config(cfg, ddir, gpqa_password=gpqa_password)
         plan.lm_eval_specs[name] = cfg
     if unknown:
-        known = sorted(set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK} | user_names | _all_lm_eval_names(inc))
+        known = sorted(set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK} | user_names | set(lm_eval_task_index()))
         parts = []
         for name in unknown:
             close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
@@ -181,9 +183,63 @@ def resolve_tasks(
     return plan
 
 
-def _all_lm_eval_names(include_path: str | None) -> set[str]:
-    tm = _task_manager(include_path, True)
-    return set(tm.all_tasks) | set(tm.all_groups) | set(tm.all_tags)
+_NAME_LINE = re.compile(r"^(task|group|tag):[ \t]*([^#\n]*)$", re.M)
+_LIST_ITEM = re.compile(r"^[ \t]+-[ \t]*([^#\n\s]+)")
+
+
+@lru_cache(maxsize=1)
+def lm_eval_task_index() -> dict[str, tuple[str, str]]:
+    """name -> (kind 'task'|'group'|'tag', YAML path relative to lm_eval/tasks) for every task lm-eval ships.
+
+    A line scan of the YAML files (lm-eval's TaskManager parses all ~14k of them, which costs ~30 s on a small
+    machine); cached per lm-eval version under kvcal's cache folder. Only names come from the scan: a task is
+    still loaded by lm-eval's own YAML loader."""
+    import importlib.metadata as md
+
+    version = md.version("lm-eval")
+    cache = _cache_dir() / f"lm_eval_tasks-{version}.json"
+    try:
+        cached = json.loads(cache.read_text()) if cache.is_file() else None
+        if isinstance(cached, dict):
+            return {k: (v[0], v[1]) for k, v in cached.items()}
+    except (OSError, ValueError, IndexError):
+        pass
+    root = lm_eval_tasks_dir()
+    index: dict[str, tuple[str, str]] = {}
+    for path in sorted(root.rglob("*.yaml")):
+        try:
+            text = path.read_text(encoding="utf-8", errors="ignore")
+        except OSError:
+            continue
+        rel = str(path.relative_to(root))
+        lines = text.splitlines()
+        for m in _NAME_LINE.finditer(text):
+            kind, value = m.group(1), m.group(2).strip().strip("'\"")
+            values = [value] if value and not value.startswith("[") else []
+            if value.startswith("["):
+                values = [v.strip().strip("'\"") for v in value.strip("[]").split(",") if v.strip()]
+            if not value and kind == "tag":  # a YAML list on the following lines
+                start = text.count("\n", 0, m.start()) + 1
+                for line in lines[start:]:
+                    item = _LIST_ITEM.match(line)
+                    if not item:
+                        break
+                    values.append(item.group(1).strip("'\""))
+            for v in values:
+                if v and "{" not in v:
+                    index.setdefault(v, (kind if kind != "tag" else "tag", rel))
+    try:
+        from kvcal.io import atomic_write_json
+
+        atomic_write_json(cache, {k: list(v) for k, v in index.items()}, indent=None)
+    except OSError:
+        pass
+    return index
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KVCAL_CACHE")
+    return Path(base).expanduser() if base else Path.home() / ".cache" / "kvcal"
 
 
 # ---- offline overrides --------------------------------------------------------------------------------------
