@@ -35,6 +35,8 @@ bf16 (at most 6 significant bits; per-tensor scales are applied outside the dot)
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -160,21 +162,9 @@ def parse_config(spec: str) -> dict[str, int]:
 
 
 # Jit helpers, installed by `_kernels()`; the kernels look them up by name from this module's globals when traced.
-_e2m1: Any = None
 _e8m0: Any = None
 _tanh: Any = None
 _load_fp4_tile: Any = None
-
-
-def _e2m1_impl(c):
-    # c: int32 4-bit E2M1 codes -> fp32 values. |v| = (2*(e>0) + m) * 2**(max(e,1) - 2), e = bits 1-2, m = bit 0.
-    mag = c & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    mant = tl.where(e > 0, 2.0 + m, m)
-    fac = tl.where(e == 3, 2.0, tl.where(e == 2, 1.0, 0.5))
-    v = mant * fac
-    return tl.where((c & 8) != 0, -v, v)
 
 
 def _e8m0_impl(b):
@@ -223,11 +213,16 @@ def _load_fp4_tile_impl(
 ):
     # Packed bytes [BLOCK_N, D/2] -> (even-element values, odd-element values), each [BLOCK_N, D/2] fp32, with the
     # block scale applied (element 2i and 2i+1 both lie in block (2i) // BLOCK_SIZE = i // (BLOCK_SIZE // 2)).
+    # E2M1 -> fp16 by moving bits: sign to bit 15, the 3 exponent/mantissa bits to bits 9-11; the fp16 number is
+    # e2m1 * 2**-14 exactly (code 1 = 0.5 becomes the fp16 subnormal 2**-15). The 2**14 is folded into the
+    # per-program logit and output scales (FP4_UNIT), so decoding costs a few integer ops and one conversion.
     mask = n_mask[:, None] & i_mask[None, :]
     byte = tl.load(codes_base + offs_n[:, None] * stride_n + offs_i[None, :] * stride_c, mask=mask, other=0)
     byte = byte.to(tl.int32)
-    lo = _e2m1(byte & 15)
-    hi = _e2m1((byte >> 4) & 15)
+    lo = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (
+        (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    )
     blk = offs_i // (BLOCK_SIZE // 2)
     # no `other`: a float8 block scale cannot take an integer fill value; masked lanes are zeroed after decoding
     bsv = tl.load(bs_base + offs_n[:, None] * bs_stride_n + blk[None, :] * bs_stride_c, mask=mask)
@@ -318,14 +313,15 @@ def _attn_fwd_impl(
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     n_splits = tl.num_programs(2)
-    b = pid_bh // H_KV
-    h = pid_bh % H_KV
+    # int64: batch offsets of a multi-GB cache overflow int32 (e.g. 32 x 8 heads x 128k tokens x 128)
+    b = (pid_bh // H_KV).to(tl.int64)
+    h = (pid_bh % H_KV).to(tl.int64)
 
     # rows of this program: (token t, group head g) pairs of KV head h
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_rows = TQ * G
     row_ok = offs_m < n_rows
-    t = offs_m // G
+    t = (offs_m // G).to(tl.int64)
     g = offs_m % G
     hq = h * G + g
     q_pos = q_start + t  # [BLOCK_M]
@@ -355,6 +351,10 @@ def _attn_fwd_impl(
     if HAS_SCALAR_SCALE:
         qk_scale = qk_scale * tl.load(KSC + h * stride_ksc).to(tl.float32)
         v_scale = tl.load(VSC + h * stride_vsc).to(tl.float32)
+    if IS_FP4:
+        # FP4 tiles hold e2m1 * 2**-14 * block_scale (see _load_fp4_tile_impl)
+        qk_scale = qk_scale * 16384.0
+        v_scale = v_scale * 16384.0
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E  # work in the exp2 domain
 
@@ -548,7 +548,7 @@ def _combine_impl(
     HAS_SINKS: tl.constexpr,
 ):
     # one program per (b, h_q, t) row: merge the n_splits partial softmaxes (+ the sink) into the output
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     t = row % TQ
     hq = (row // TQ) % H_Q
     b = row // (TQ * H_Q)
@@ -601,7 +601,6 @@ def _kernels() -> _Kernels:
     if _KERNELS is None or _KERNELS.interpret != interp:
         g = globals()
         # helpers are looked up by name from this module's globals when a kernel is traced
-        g["_e2m1"] = triton.jit(_e2m1_impl)
         g["_e8m0"] = triton.jit(_e8m0_impl)
         g["_tanh"] = triton.jit(_tanh_impl)
         g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
@@ -628,6 +627,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -867,19 +867,35 @@ def attention(
         SPLIT=split,
         DOT_F32=dot_f32,
     )
+    guard = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _launch(kern, args, consts, pinned, decode, block_m, rows, m_tiles, b * hkv, num_splits)
+        if split:
+            kern.combine[(b * hq * tq,)](
+                part_ml, part_acc, sinks_t, out, hq, tq, num_splits, *out.stride(),
+                HEAD_DIM=d, D_PAD=d_pad, S_PAD=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
+            )  # fmt: skip
+    return out
+
+
+def _launch(
+    kern: _Kernels,
+    args: tuple,
+    consts: dict[str, Any],
+    pinned: dict[str, int],
+    decode: bool,
+    block_m: int,
+    rows: int,
+    m_tiles: int | None,
+    bh: int,
+    num_splits: int,
+) -> None:
     if pinned:
-        grid = (m_tiles, b * hkv, num_splits)
+        grid = (m_tiles, bh, num_splits)
         kern.attn[grid](
             *args, **consts, BLOCK_M=block_m, BLOCK_N=pinned.get("BLOCK_N", 32),
             num_warps=pinned.get("num_warps", 4), num_stages=pinned.get("num_stages", 2),
         )  # fmt: skip
     else:
         tuned = _tuned(kern, "decode" if decode else "prefill", block_m)
-        tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), b * hkv, num_splits)](*args, **consts)
-
-    if split:
-        kern.combine[(b * hq * tq,)](
-            part_ml, part_acc, sinks_t, out, hq, tq, num_splits, *out.stride(),
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
-        )  # fmt: skip
-    return out
+        tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), bh, num_splits)](*args, **consts)
