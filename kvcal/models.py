@@ -71,6 +71,14 @@ def _offline_env() -> None:
     return None
 
 
+def _real_name(model: str | os.PathLike[str]) -> str:
+    """'smollm2' / 'gemma3-270m' (kvcal's installed real models, unless such a path exists) -> their GGUF path."""
+    model_s = str(model)
+    if model_s in REAL_MODELS and not Path(model_s).exists():
+        return real_model(model_s)
+    return model_s
+
+
 def is_gguf(model: str | os.PathLike[str]) -> bool:
     return str(model).lower().endswith(".gguf")
 
@@ -79,7 +87,7 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
     """The transformers config of a local HF folder, a hub id, or a .gguf file (metadata only, no weights)."""
     from transformers import AutoConfig
 
-    model_s = str(model)
+    model_s = _real_name(model)
     path = Path(model_s)
     try:
         if is_gguf(model_s):
@@ -294,10 +302,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         except OSError:
             if not (out_dir / "config.json").is_file():  # lost a race to nobody: a real failure
                 raise
-    except (OSError, ValueError) as exc:
-        raise KvcalError(
-            f"cannot convert '{gguf}' to a safetensors folder: {str(exc).splitlines()[0]}"
-        ) from exc
+    except KvcalError:
+        raise
+    except Exception as exc:  # the GGUF reader raises ValueError, struct errors, KeyError, OSError ...
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise KvcalError(f"cannot convert '{gguf}' to a safetensors folder: {msg}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -305,7 +314,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A local HF folder for MODEL: the folder itself, a hub snapshot (honours HF_HUB_OFFLINE), or the cached
     safetensors conversion of a .gguf file (converted once, keyed by the file's sha256)."""
-    model_s = str(model)
+    model_s = _real_name(model)
     path = Path(model_s).expanduser()
     if is_gguf(model_s):
         if not path.is_file():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from test_calibrate_helpers import ARCHS, WINDOW, tiny_model
@@ -12,6 +14,15 @@ from kvcal.errors import KvcalError
 from kvcal.models import kv_spec
 
 T = 3 * WINDOW + 5  # longer than the sliding window: sliding layers keep only their tail
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # tiny models: one thread is much faster than two on a shared 2-core machine
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

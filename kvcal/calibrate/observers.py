@@ -150,7 +150,8 @@ class GroupedStats:
         thr = clip.double().unsqueeze(1)  # [G, 1]
         top = torch.minimum(hi.expand(thr.shape[0], -1), self.amax.double().unsqueeze(1))  # values <= amax
         frac = ((top.log2() - thr.log2()) / (top.log2() - lo.log2()).clamp(min=1e-12)).clamp(0, 1)
-        frac = torch.where(thr >= self.amax.double().unsqueeze(1), torch.zeros_like(frac), frac)
+        # a threshold within float32 rounding of amax (minmax: (amax / 448) * 448) clips nothing that matters
+        frac = torch.where(thr >= self.amax.double().unsqueeze(1) * (1 - 1e-6), torch.zeros_like(frac), frac)
         return (self.count * frac).sum(1)
 
 

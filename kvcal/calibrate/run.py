@@ -59,7 +59,9 @@ def check_output_path(output: str | os.PathLike[str] | None) -> Path | None:
     probe = parent
     while not probe.exists():
         probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+    if not probe.is_dir():
+        raise UsageError(f"cannot write '{out}': '{probe}' is a file, not a folder; choose another -o path")
+    if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write '{out}': folder '{probe}' is not writable; choose another -o path")
     return out
 
@@ -207,6 +209,8 @@ def calibrate(
     lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
     kv = kv_spec(lm.model.config)
     timings["load_s"] = time.perf_counter() - t0
+    if progress:
+        progress(1, 1, "load")
 
     t = time.perf_counter()
     source = load_texts(dataset)
