@@ -136,12 +136,12 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert err <= 2e-5 * max(1.0, b.abs().max().item()), err
 
 
-def _gen(model, ids, mask, cache) -> torch.Tensor:
+def _gen(model, ids, mask, cache, new_tokens: int = WINDOW + 2) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
             input_ids=ids,
             attention_mask=mask,
-            max_new_tokens=2 * WINDOW,
+            max_new_tokens=new_tokens,
             do_sample=False,
             past_key_values=cache,
             pad_token_id=0,
@@ -201,3 +201,23 @@ def test_auto_leaves_model_untouched_and_restores() -> None:
     KVRuntime(model, "auto")
     assert model.config._attn_implementation == original
     assert not any(hasattr(m, "kvcal_config") for m in model.modules())
+
+
+def test_triton_impl_through_the_model_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """impl='triton' (the kernels in Triton's CPU interpreter) on gpt-oss (sinks, sliding window, left padding)
+    with an FP4 cache: same logits as the torch reference to float32 rounding, same greedy tokens."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = build_model("gpt_oss")
+    ids, mask = batch(seed=3)
+    results = {}
+    for impl in ("torch", "triton"):
+        rt = KVRuntime(model, "nvfp4", impl=impl)
+        assert rt.describe()["impl"] == impl
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, past_key_values=rt.new_cache()).logits
+        tokens = _gen(model, ids, mask, rt.new_cache(), new_tokens=3)
+        results[impl] = (_real(logits, mask), tokens.tolist())
+    _assert_close(results["triton"][0], results["torch"][0])
+    assert results["triton"][1] == results["torch"][1]

@@ -48,7 +48,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if impl == "triton":
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
         if not (torch.cuda.is_available() or interpret):
             raise UsageError(
                 "--impl triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU "
