@@ -1,0 +1,183 @@
+"""KV-cache capacity: bytes per token per format and how many tokens fit, from a model config alone.
+
+bytes/token = sum over layers of 2 (K and V) x kv_heads x head_dim x bits/8, with `bits` from
+`kvcal.formats` (codes + block scales: fp8 8, int8 8 + 32/head_dim, nvfp4 / fp4_e2m1 4.5, mxfp4 4.25),
+skipped layers (--skip-layers) at 16 bits, and — when a context length N is given — each sliding-window layer
+weighted by min(N, window) / N (it holds at most `window` tokens of a sequence of N). Per-tensor / per-head
+scales are a few bytes per layer, not per token, and are not counted. `auto` stores the model's own dtype
+(16 bits, or 32 for a float32 checkpoint).
+
+tokens that fit = (GPU memory - weights) / bytes per token; weights from the checkpoint's files (.safetensors,
+else .bin/.pt/.pth, or the .gguf file) unless given. Nothing here loads weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from kvcal.errors import UsageError
+from kvcal.formats import FORMATS, KVFormat, get_format
+from kvcal.models import SLIDING, KVSpec, is_gguf, kv_spec, load_config, parse_skip_layers
+
+GIB = 2**30
+_WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",))
+
+
+def model_bits(kv: KVSpec) -> int:
+    """Bits per element of the model's own dtype (what `auto` stores)."""
+    return 32 if (kv.torch_dtype or "").replace("torch.", "") in ("float32", "float") else 16
+
+
+def kv_bytes_per_token(
+    kv: KVSpec,
+    fmt: str | KVFormat,
+    skip_layers: frozenset[int] = frozenset(),
+    context: int | None = None,
+) -> float:
+    """Cache bytes per token over all layers (see the module docstring)."""
+    f = get_format(fmt)
+    if context is not None and context < 1:
+        raise UsageError(f"--context must be a positive number of tokens, got {context}")
+    total = 0.0
+    for layer in kv.layers:
+        bits = 16.0 if layer.index in skip_layers else f.bits_per_element(layer.head_dim, model_bits(kv))
+        share = 1.0
+        if context is not None and layer.type == SLIDING and layer.window:
+            share = min(context, layer.window) / context
+        total += 2 * layer.kv_heads * layer.head_dim * bits / 8 * share
+    return total
+
+
+def weights_bytes(model: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(size in bytes, source) of a local checkpoint's weight files, or None when they cannot be found locally."""
+    path = Path(model).expanduser()
+    if is_gguf(str(model)) and path.is_file():
+        return path.stat().st_size, path.name
+    if not path.is_dir():
+        path = _cached_snapshot(str(model))
+        if path is None:
+            return None
+    for patterns in _WEIGHT_PATTERNS:
+        files = sorted({p for pat in patterns for p in path.rglob(pat) if p.is_file()})
+        if files:
+            kinds = ", ".join(sorted({p.suffix for p in files}))
+            return sum(p.stat().st_size for p in files), f"{len(files)} {kinds} file(s)"
+    return None
+
+
+def _cached_snapshot(model: str) -> Path | None:
+    """The locally cached hub snapshot of a hub id, without network access."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # not cached / not a hub id: the caller asks for --weights-gib
+        return None
+
+
+def capacity_table(
+    kv: KVSpec,
+    formats: list[str | KVFormat] | None = None,
+    skip_layers: frozenset[int] = frozenset(),
+    context: int | None = None,
+    gpu_mem_bytes: float | None = None,
+    weights_bytes: float | None = None,
+) -> dict[str, Any]:
+    """Per-format bytes per token, multiplier vs BF16 (and vs FP8) and, given GPU memory, the tokens that fit.
+
+    Returns {"formats": [{"kv_format", "bytes_per_token", "multiplier_vs_bf16", "multiplier_vs_fp8",
+    "bits_per_element", "max_tokens", "max_sequences"}, ...], plus the inputs}."""
+    fmts = [get_format(f) for f in (formats or list(FORMATS))]
+    fmts = list(dict.fromkeys(fmts))  # drop repeats, keep order
+    free = None
+    if gpu_mem_bytes is not None:
+        if gpu_mem_bytes <= 0:
+            raise UsageError(f"--gpu-mem-gib must be positive, got {gpu_mem_bytes / GIB:g}")
+        if weights_bytes is None:
+            raise UsageError(
+                "the weights' size is unknown; pass --weights-gib (GiB the weights take on the GPU)"
+            )
+        free = gpu_mem_bytes - weights_bytes
+        if free <= 0:
+            raise UsageError(
+                f"--gpu-mem-gib {gpu_mem_bytes / GIB:g} is not larger than the weights ({weights_bytes / GIB:.3g} "
+                "GiB); give the GPU's memory for this model, or --weights-gib if the weights are smaller on the GPU"
+            )
+    bf16 = kv_bytes_per_token(kv, "bf16", frozenset(), context)
+    fp8 = kv_bytes_per_token(kv, "fp8_e4m3", skip_layers, context)
+    elems = sum(2 * layer.kv_heads * layer.head_dim for layer in kv.layers)
+    rows = []
+    for f in fmts:
+        b = kv_bytes_per_token(kv, f, skip_layers, context)
+        max_tokens = None if free is None else math.floor(free / b)
+        rows.append(
+            {
+                "kv_format": f.name,
+                "bytes_per_token": b,
+                "multiplier_vs_bf16": bf16 / b,
+                "multiplier_vs_fp8": fp8 / b,
+                "bits_per_element": 8 * kv_bytes_per_token(kv, f, skip_layers) / elems,
+                "max_tokens": max_tokens,
+                "max_sequences": None if max_tokens is None or context is None else max_tokens // context,
+            }
+        )
+    return {
+        "model_type": kv.model_type,
+        "num_layers": kv.num_layers,
+        "kv_heads": sorted({layer.kv_heads for layer in kv.layers}),
+        "head_dim": sorted({layer.head_dim for layer in kv.layers}),
+        "sliding_layers": [layer.index for layer in kv.layers if layer.type == SLIDING],
+        "skip_layers": sorted(skip_layers),
+        "context": context,
+        "gpu_mem_bytes": gpu_mem_bytes,
+        "weights_bytes": weights_bytes,
+        "formats": rows,
+    }
+
+
+def resolve_model_ref(model: str) -> str:
+    """'smollm2' / 'gemma3-270m' (kvcal's installed real models) -> their GGUF path; anything else unchanged."""
+    from kvcal.models import REAL_MODELS, real_model
+
+    if model in REAL_MODELS and not Path(model).exists():
+        return real_model(model)
+    return model
+
+
+def model_capacity(
+    model: str,
+    formats: list[str] | None = None,
+    skip_layers: str | None = None,
+    context: int | None = None,
+    gpu_mem_gib: float | None = None,
+    weights_gib: float | None = None,
+) -> dict[str, Any]:
+    """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only."""
+    fmts = [get_format(f) for f in formats] if formats else None  # unknown names fail before any file is read
+    ref = resolve_model_ref(model)
+    kv = kv_spec(load_config(ref))
+    skip = parse_skip_layers(skip_layers, kv)
+    wbytes: float | None = None
+    source = None
+    if weights_gib is not None:
+        if weights_gib < 0:
+            raise UsageError(f"--weights-gib must not be negative, got {weights_gib:g}")
+        wbytes, source = weights_gib * GIB, "--weights-gib"
+    elif gpu_mem_gib is not None:
+        found = weights_bytes(ref)
+        if found is not None:
+            wbytes, source = found
+    table = capacity_table(
+        kv,
+        fmts,
+        skip,
+        context,
+        None if gpu_mem_gib is None else gpu_mem_gib * GIB,
+        wbytes,
+    )
+    table["model"] = ref
+    table["weights_source"] = source
+    return table
