@@ -73,6 +73,7 @@ class Case:
             (self.b > 1, f"b{self.b}"),
             (self.k_start, f"ks{self.k_start}"),
             (self.q_dtype != torch.float32, "bf16q"),
+            (self.extra.get("q_transposed"), "qT"),
         ):
             if flag:
                 parts.append(name)
@@ -95,7 +96,7 @@ CASES = [
     Case("nvfp4", 2, 40, 4, 128, b=2, pad_left=(0, 7), splits=2),  # 2 new tokens (speculative-style decode)
     Case("fp8_e4m3", 1, 17, 4, 64, q_dtype=torch.bfloat16),
     # ---- prefill (many rows: row tiles, causal / window tile skipping) ----
-    Case("bf16", 17, 17, 3, 64, window=5),
+    Case("bf16", 17, 17, 3, 64, window=5, extra={"q_transposed": True}),
     Case("fp8_e4m3", 17, 257, 4, 128, softcap=5.0, sinks=True),  # chunked prefill: q_start = 240
     Case("int8_per_token_head", 33, 33, 8, 64, window=8),
     Case("nvfp4", 65, 65, 1, 64, b=2, pad_left=(3, 0), window=20),
@@ -110,6 +111,10 @@ def _run(case: Case) -> tuple[float, float, float]:
     torch.manual_seed(zlib.crc32(case.id().encode()))
     hq = case.h_kv * case.group
     q = (torch.randn(case.b, hq, case.tq, case.d) * 1.5).to(case.q_dtype)
+    if case.extra.get(
+        "q_transposed"
+    ):  # transformers passes q as a [B, Tq, H, D] tensor transposed to [B, H, Tq, D]
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     k = torch.randn(case.b, case.h_kv, case.tk, case.d) * 2.0
     v = torch.randn(case.b, case.h_kv, case.tk, case.d)
     scale = None

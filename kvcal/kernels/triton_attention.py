@@ -11,8 +11,9 @@ No dequantized copy of K or V is ever written; each K/V tile is dequantized in r
   - int8_per_token_head: the per-(token, head) scale multiplies the logit columns (K) and the probabilities (V).
   - nvfp4 / fp4_e2m1 / mxfp4: two E2M1 codes per byte; the low nibbles (even elements) and the high nibbles (odd
     elements) are used as two half-width tiles, so QK^T = q_even . k_even + q_odd . k_odd and P.V fills the
-    even and odd output columns — no interleave. The block scale (E4M3, or E8M0 = 2**(e-127)) multiplies the tile;
-    nvfp4's global scale is folded like an fp8 scale.
+    even and odd output columns — no interleave. A code becomes an fp16 number by moving its bits (no lookup, no
+    branches); the block scale (E4M3, or E8M0 = 2**(e-127)) multiplies the tile; nvfp4's global scale is folded
+    like an fp8 scale.
   - bf16 / auto: plain loads.
 
 One kernel serves decode and prefill. The query rows of one program are the (query token, query head) pairs of
@@ -112,13 +113,10 @@ class KernelConfig:
 
 
 def decode_configs(block_m: int) -> list[KernelConfig]:
-    """Autotune candidates for the decode path (rows = Tq * G <= 64, padded to block_m >= 16)."""
-    return [
-        KernelConfig(block_m, bn, w, s)
-        for bn in (32, 64, 128)
-        for w in (4, 8)
-        for s in (2, 3)
-        if bn * 2 >= w * 8
+    """Autotune candidates for the decode path (rows = Tq * G <= 64, padded to block_m >= 16): memory-bound, so
+    the choice is the key tile (bytes in flight per program) and the pipeline depth."""
+    return [KernelConfig(block_m, 32, 4, 2)] + [
+        KernelConfig(block_m, bn, w, s) for bn in (64, 128) for w in (4, 8) for s in (2, 3)
     ]
 
 
@@ -157,8 +155,12 @@ def parse_config(spec: str) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernels (jit functions are created by `_kernels()`, so that the interpreter mode is read when they are first
-# needed, not when this module happens to be imported)
+# Kernels. The jit functions are created by `_kernels()` on first use, so the interpreter mode is read when a kernel
+# is needed, not when this module (or triton) happened to be imported. For the same reason the kernels call no
+# jit-decorated helpers of triton.language.standard (tl.max, tl.sum, tl.cdiv, tl.zeros): triton decorates those at
+# its own import, and a run where something imported triton before TRITON_INTERPRET=1 was set (transformers does)
+# would fail inside them. tl.reduce with the standard combine functions is used instead (the interpreter maps those
+# to numpy; on GPU it is exactly what tl.max / tl.sum do).
 
 
 # Jit helpers, installed by `_kernels()`; the kernels look them up by name from this module's globals when traced.
