@@ -275,12 +275,24 @@ def save_scale_file(path: str | os.PathLike[str], ss: ScaleSet) -> Path:
     if target.is_dir():
         raise UsageError(f"output path '{target}' is a folder; pass a file name like scales.safetensors")
     try:
-        atomic_write_with(target, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.chmod(tmp, public_mode(0o666))  # mkstemp made it 0600; a scale file is shared like weights
+
+        atomic_write_with(target, write)
     except OSError as exc:
         raise KvcalError(
             f"cannot write scale file '{target}': {exc.strerror or exc}; choose a writable output path"
         ) from exc
     return target
+
+
+def public_mode(mode: int) -> int:
+    """`mode` filtered by the process umask (what open() would have given a new file)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 def load_scale_file(path: str | os.PathLike[str]) -> ScaleSet:

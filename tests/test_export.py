@@ -4,6 +4,7 @@ and SGLang's --quantization-param-path JSON."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -155,6 +156,35 @@ def test_vllm_export_loads_with_transformers(tiny_model: Path, tmp_path: Path, g
     # and the weights are the original ones
     src = AutoModelForCausalLM.from_pretrained(tiny_model)
     torch.testing.assert_close(model.lm_head.weight, src.lm_head.weight, rtol=0, atol=0)
+
+
+def test_vllm_export_sharded_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
+    """A checkpoint that already has an index: the index is extended, the shards keep their names."""
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, sharded / name)
+    src_index = json.loads((sharded / INDEX_NAME).read_text())
+    assert len(set(src_index["weight_map"].values())) > 1
+    ss = scale_set(sharded)
+    export_vllm(ss, sharded, tmp_path / "out")
+    index = json.loads((tmp_path / "out" / INDEX_NAME).read_text())
+    assert index["weight_map"] == {
+        **src_index["weight_map"],
+        **{
+            f"model.layers.{i}.self_attn.{kind}_scale": SCALE_SHARD
+            for i in range(NUM_LAYERS)
+            for kind in "kv"
+        },
+    }
+    assert index["metadata"]["total_size"] == src_index["metadata"]["total_size"] + 2 * NUM_LAYERS * 4
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(model.model.layers[1].self_attn.v_scale.detach(), ss.v_scales[1])
 
 
 def test_vllm_export_refusals(tiny_model: Path, tmp_path: Path) -> None:

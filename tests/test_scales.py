@@ -127,6 +127,9 @@ def test_round_trip(tiny_model: Path, tmp_path: Path, granularity: str) -> None:
     ss = random_scale_set(tiny_model, granularity)
     path = save_scale_file(tmp_path / "s.safetensors", ss)
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temp file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
     back = load_scale_file(path)
     assert back.kv_format == "fp8_e4m3" and back.granularity == granularity
     assert back.manifest == ss.manifest

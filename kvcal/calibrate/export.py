@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.io import atomic_write_json
-from kvcal.scales import K_NAME, V_NAME, ScaleSet, file_sha256
+from kvcal.io import atomic_write_with
+from kvcal.scales import K_NAME, V_NAME, ScaleSet, file_sha256, public_mode
 
 SCALE_SHARD = "kv_scales.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -229,6 +229,9 @@ def export_vllm(
             "scale_shard_sha256": file_sha256(tmp / SCALE_SHARD),
         }
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+        os.chmod(tmp, public_mode(0o777))  # mkdtemp made it 0700
+        for name in _WRITTEN:
+            os.chmod(tmp / name, public_mode(0o666))
         os.rename(tmp, out)
     except OSError as exc:
         raise KvcalError(
@@ -287,7 +290,12 @@ def export_sglang(
     if out.is_dir():
         raise UsageError(f"output path '{out}' is a folder; pass a file name like kv_scales.json")
     try:
-        atomic_write_json(out, doc)
+
+        def write(tmp: Path) -> None:
+            tmp.write_text(json.dumps(doc, indent=2) + "\n")
+            os.chmod(tmp, public_mode(0o666))
+
+        atomic_write_with(out, write)
     except OSError as exc:
         raise KvcalError(
             f"cannot write '{out}': {exc.strerror or exc}; choose a writable output path"
