@@ -9,7 +9,7 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.kernels.reference import attention_dense, quantized_attention_ref, visibility_mask
+from kvcal.kernels.reference import attention_dense, dequantize_fast, quantized_attention_ref, visibility_mask
 
 
 def naive_attention(q, k, v, *, scaling, q_start, k_start, causal, window, softcap, sinks, key_padding):
@@ -148,3 +148,16 @@ def test_bad_shapes() -> None:
             k_start=0,
             key_padding=torch.ones(1, 3).bool(),
         )
+
+
+@pytest.mark.parametrize(
+    "fmt", ["auto", "bf16", "fp8_e5m2", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"]
+)
+def test_fast_dequantize_is_bit_identical(fmt: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 9, 64, generator=g) * torch.logspace(-6, 6, 64)  # tiny to huge, zeros below
+    x[0, 0, 0] = 0.0
+    scales = [None, torch.tensor([0.5, 2.0**-20, 3.0])] if fmt == "nvfp4" else [None]
+    for scale in scales:
+        q = formats.quantize(x, fmt, scale=scale)
+        assert torch.equal(dequantize_fast(q, fmt), formats.dequantize(q, fmt))
