@@ -93,6 +93,9 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
         if is_gguf(model_s):
             if not path.is_file():
                 raise UsageError(f"GGUF file '{model_s}' does not exist; pass an existing .gguf path")
+            converted = _gguf_cache_dir(path)
+            if (converted / "config.json").is_file():  # already converted: reading the GGUF takes ~a minute
+                return AutoConfig.from_pretrained(str(converted))
             return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         if path.exists():
             if not (path / "config.json").is_file():
@@ -311,6 +314,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _gguf_cache_dir(gguf: Path) -> Path:
+    """Where the safetensors conversion of a GGUF lives: keyed by the file's sha256."""
+    return cache_root() / "models" / f"{gguf.stem}-{_cached_sha256(gguf)[:16]}"
+
+
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A local HF folder for MODEL: the folder itself, a hub snapshot (honours HF_HUB_OFFLINE), or the cached
     safetensors conversion of a .gguf file (converted once, keyed by the file's sha256)."""
@@ -319,7 +327,7 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     if is_gguf(model_s):
         if not path.is_file():
             raise UsageError(f"GGUF file '{model_s}' does not exist; pass an existing .gguf path")
-        out = cache_root() / "models" / f"{path.stem}-{_cached_sha256(path)[:16]}"
+        out = _gguf_cache_dir(path)
         if not (out / "config.json").is_file():
             _convert_gguf(path, out)
         return out

