@@ -257,9 +257,9 @@ def _checksum(manifest_str: str, tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     h.update(manifest_str.encode("utf-8"))
     for name in sorted(tensors):
-        t = tensors[name].detach().to(torch.float32).contiguous()
-        h.update(b"\0" + name.encode("utf-8") + b"\0" + str(tuple(t.shape)).encode() + b"\0")
-        h.update(t.numpy().tobytes())
+        t = tensors[name].detach().cpu().contiguous()  # hashed as stored, whatever the dtype
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -302,9 +302,8 @@ def load_scale_file(path: str | os.PathLike[str]) -> ScaleSet:
     p = Path(path)
     fix = "re-run `kvcal calibrate` to regenerate it"
     if not p.is_file():
-        raise UsageError(
-            f"scale file '{p}' does not exist; pass the .safetensors file `kvcal calibrate` wrote"
-        )
+        what = "is a folder" if p.is_dir() else "does not exist"
+        raise UsageError(f"scale file '{p}' {what}; pass the .safetensors file `kvcal calibrate` wrote")
     try:
         with safe_open(str(p), framework="pt") as fh:
             metadata = fh.metadata() or {}

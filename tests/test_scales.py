@@ -224,10 +224,11 @@ def test_wrong_shape_and_layer_count_refused(tiny_model: Path, tmp_path: Path) -
         load_scale_file(tmp_path / "layers.safetensors")
     # a float16 scale
     t4 = dict(tensors)
-    t4[K_NAME.format(i=0)] = t4[K_NAME.format(i=0)].half()
-    write_raw(tmp_path / "dtype.safetensors", t4, manifest_str)
-    with pytest.raises(KvcalError, match="not a float32 tensor"):
-        load_scale_file(tmp_path / "dtype.safetensors")
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        t4[K_NAME.format(i=0)] = tensors[K_NAME.format(i=0)].to(dtype)
+        write_raw(tmp_path / "dtype.safetensors", t4, manifest_str)
+        with pytest.raises(KvcalError, match="not a float32 tensor"):
+            load_scale_file(tmp_path / "dtype.safetensors")
     # building with the wrong number of layers
     with pytest.raises(KvcalError, match="1 K and 1 V scale tensors for a model of 2 layers"):
         make_scale_set("fp8", "tensor", [0.1], [0.1], observer="minmax", binding=good.binding)
@@ -255,6 +256,8 @@ def test_manifest_refusals(tiny_model: Path, tmp_path: Path) -> None:
             load_scale_file(tmp_path / "m.safetensors")
     with pytest.raises(UsageError, match="does not exist"):
         load_scale_file(tmp_path / "missing.safetensors")
+    with pytest.raises(UsageError, match="is a folder"):
+        load_scale_file(tmp_path)
 
 
 def test_truncated_and_tampered_files_refused(tiny_model: Path, tmp_path: Path) -> None:

@@ -250,6 +250,13 @@ def export_vllm(
         "files_copied": modes.get("copied", 0),
         "scale_shard": SCALE_SHARD,
         "serve": f"vllm serve {out} --kv-cache-dtype fp8",
+        "notes": (
+            [
+                "per-head (attn_head) scales need vLLM's Flash Attention backend (vLLM docs, Quantized KV Cache)"
+            ]
+            if ss.granularity == "head"
+            else []
+        ),
     }
 
 

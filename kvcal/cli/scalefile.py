@@ -203,4 +203,6 @@ def export_cmd(
             "= max(k_scale, v_scale)",
             highlight=False,
         )
+    for note in summary.get("notes", []):
+        console.print(f"note: {note}", highlight=False)
     console.print(f"serve: {summary['serve']}", highlight=False)
