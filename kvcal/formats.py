@@ -41,12 +41,15 @@ Rounding and scales per format
   block_amax / 6)`, dequantizing with `block_scale / global_scale_ct`; the two agree bit for bit when g is a power
   of two and to within float32 rounding of the scale otherwise (tests/test_formats_peer.py). A block whose scale
   rounds to 0 stores codes 0 (compressed-tensors substitutes 0.125 for a zero scale; the values are 0 either way).
-- fp4_e2m1: reproduces SGLang's `KVFP4QuantizeUtil.batched_quantize` (python/sglang/srt/layers/quantization/
-  kvfp4_tensor.py): 16-element blocks, `scale_exp = ceil(log2(clamp(block_amax / 6, min=1e-10)))`, stored as the
-  UE8M0 byte `scale_exp + 127`; `scaled = x / 2**scale_exp`; sign bit `scaled < 0`; magnitude code =
-  `sum(|scaled| >= (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5))`, i.e. E2M1 ties round AWAY from zero (RNE would send
-  0.25, 1.25, 2.5 and 5 down); same packing. Computed in float32: identical to SGLang eager for float32 input and
-  to its torch.compile'd path (Inductor computes bf16 pointwise math in float32).
+- fp4_e2m1: reproduces SGLang's `KVFP4QuantizeUtil._batched_quantize_standard` (sgl-project/sglang,
+  python/sglang/srt/layers/quantization/kvfp4_tensor.py): 16-element blocks, `scale_exp = ceil(log2(clamp(
+  block_amax / 6, min=1e-10)))` stored as the UE8M0 byte `scale_exp + 127` (an all-zero block gets -33);
+  `scaled = x / 2**scale_exp`; sign bit `scaled < 0`; magnitude code = `sum(|scaled| >= (0.25, 0.75, 1.25, 1.75,
+  2.5, 3.5, 5))`, i.e. E2M1 ties round AWAY from zero (RNE would send 0.25, 1.25, 2.5 and 5 down); same packing.
+  kvcal computes in float32. SGLang's function is `@torch.compile`d, and Inductor computes that pointwise chain in
+  float32 for bf16 input too, so the results agree bit for bit (checked against torch.compile of the transcribed
+  function on CPU, bf16 input); SGLang's code run EAGERLY on bf16 would round block_amax/6 and its log2 to bf16 and
+  can pick an exponent one lower when block_amax/6 lies just above a power of two >= 16 (amax 97: 4 vs 5).
 - mxfp4 (OCP MX v1.0): 32-element blocks, shared exponent `floor(log2(block_amax)) - 2` (emax of E2M1 = 2),
   clamped to [-127, 127] (an all-zero block gets -127), stored as E8M0 (bias 127); elements = RNE to E2M1 of
   `x / 2**shared_exp`, saturating at +-6 (block maxima in [6, 8) * 2**shared_exp clip to 6, as the spec allows).
@@ -255,7 +258,7 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
     """Exact float32 2**e for integer e in [-127, 127] (built from bits; 2**-127 is the subnormal 0x00400000)."""
     e = e.to(torch.int32)
     normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
-    return torch.where(e == -127, torch.tensor(2.0**-127, dtype=torch.float32, device=e.device), normal)
+    return torch.where(e == -127, 2.0**-127, normal)
 
 
 def e8m0_to_float(byte: torch.Tensor) -> torch.Tensor:

@@ -437,6 +437,19 @@ def test_fp4_e2m1_matches_sglang_bit_for_bit() -> None:
     assert sf.view(8, 4, 8)[1, 1, 1].item() == 127 - 33
 
 
+def test_fp4_e2m1_bf16_input_is_computed_in_float32() -> None:
+    # SGLang's quantizer runs under torch.compile, whose kernels compute bf16 pointwise math in float32 (kvcal's
+    # choice). Eager bf16 differs for a block max just above 6 * 2**k, k >= 4: 97/6 rounds to 16.125 in bf16,
+    # whose bf16 log2 rounds to 4.0 (exponent 4); float32 gives ceil(log2(16.17)) = 5.
+    x = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    x[..., 0], x[..., 1] = 97.0, 1.0
+    q = quantize(x, "fp4_e2m1")
+    _, sf32 = _sglang_oracle(x.float())
+    _, sf_eager_bf16 = _sglang_oracle(x)
+    assert q.block_scales.item() - 127 == sf32.item() - 127 == 5
+    assert sf_eager_bf16.item() - 127 == 4
+
+
 def test_fp4_e2m1_ties_go_away_from_zero_unlike_rne() -> None:
     # block max 6 -> UE8M0 scale 2**0; nvfp4 with global 1/448 and block max 6 -> block scale 1.0 as well
     ties = torch.tensor([6.0, *TIES, *[-t for t in TIES], 0.0]).reshape(1, 1, 1, 16)
