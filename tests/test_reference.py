@@ -53,6 +53,9 @@ CASES = [
     (8, 2, 1, 13, 12, 0, True, None, None, True, True),  # decode, GQA 4, sinks
     (8, 1, 5, 11, 10, 4, True, 6, 2.0, True, False),  # MQA, window cache (k_start > 0), softcap + sinks
     (4, 2, 6, 6, 0, 0, False, None, 1.5, False, True),  # non-causal, softcap
+    (4, 2, 1, 9, 8, 0, True, None, None, False, False),  # decode, all keys visible: unmasked SDPA path
+    (4, 2, 1, 6, 8, 3, True, 6, None, False, False),  # decode in a full window: unmasked SDPA path
+    (4, 2, 2, 6, 8, 3, True, 6, None, False, False),  # two queries, oldest key leaves the window: masked
 ]
 
 
@@ -157,6 +160,7 @@ def test_fast_dequantize_is_bit_identical(fmt: str) -> None:
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 9, 64, generator=g) * torch.logspace(-6, 6, 64)  # tiny to huge, zeros below
     x[0, 0, 0] = 0.0
+    x[1, 2, 3] = torch.finfo(torch.float32).max * torch.sign(torch.randn(64, generator=g))  # saturation
     scales = [None, torch.tensor([0.5, 2.0**-20, 3.0])] if fmt == "nvfp4" else [None]
     for scale in scales:
         q = formats.quantize(x, fmt, scale=scale)
