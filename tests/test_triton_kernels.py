@@ -9,6 +9,10 @@ The interpreter runs each program instance in numpy, so sizes are tiny; the case
 (split-K and not) and prefill, lengths 1/17/257, GQA ratios 1/3/4/8, head_dim 64/128/256, sliding windows (with a
 window-sized cache, k_start > 0), softcap, sinks, key padding (including empty rows) and batch > 1, without the
 full cartesian product.
+
+TRITON_INTERPRET=1 is set per test (monkeypatch), not at import: `triton_attention` creates its jit kernels on first
+use for the current mode and calls none of the jit helpers that triton decorates at its own import, so it does not
+matter that other test modules (transformers) import triton first, and the setting does not leak into them.
 """
 
 from __future__ import annotations
@@ -237,3 +241,20 @@ def test_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UsageError, match="CUDA"):
         ta.quantized_attention_triton(q, kq, kq, "fp8_e4m3", **kw)
+
+
+def test_bench_cpu_part_runs(tmp_path) -> None:
+    # bench/attention.py's CPU part at a tiny context (the script is not a package: load it by path)
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
+    spec = importlib.util.spec_from_file_location("kvcal_bench_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "attention.json"
+    assert mod.main(["--device", "cpu", "--repeats", "1", "--contexts", "64", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["cpu"]["rows"]
+    assert {r["format"] for r in rows} == set(mod.CPU_FORMATS)
+    assert all(r["ref_ms"] > 0 and r["ratio_ref_over_sdpa"] > 0 for r in rows)
