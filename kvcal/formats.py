@@ -95,14 +95,14 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 # Midpoints between consecutive E2M1 magnitudes; bound i separates magnitude code i from i+1.
-_E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _CONST_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
 def _const(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     if key not in _CONST_CACHE:
-        _CONST_CACHE[key] = {"values": E2M1_VALUES, "bounds": _E2M1_BOUNDS}[name].to(device)
+        _CONST_CACHE[key] = {"values": E2M1_VALUES}[name].to(device)
     return _CONST_CACHE[key]
 
 
@@ -219,21 +219,17 @@ def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
 
     ties='even': round to nearest, ties to even mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
     ties='away': ties away from zero, SGLang's `sum(|y| >= bounds)` rule."""
-    bounds = _const("bounds", y.device)
-    a = y.abs().float()
-    # count of bounds <= a (ties go up = away from zero)
-    up = torch.bucketize(a, bounds, right=True)
-    if ties == "away":
-        mag = up
-    elif ties == "even":
-        # count of bounds < a (ties go down); at a tie (up != down) bound `down` separates codes down and down+1:
-        # the even code wins, i.e. go up exactly when `down` is odd.
-        down = torch.bucketize(a, bounds, right=False)
-        mag = torch.where((up != down) & (down % 2 == 1), up, down)
-    else:
+    if ties not in ("even", "away"):
         raise ValueError(f"ties must be 'even' or 'away', not {ties!r}")
+    a = y.abs().float()
+    # magnitude code = number of midpoints below a. At a tie (a == midpoint i, between codes i and i+1) 'away' goes
+    # up; 'even' goes up only to an even code, i.e. at the odd-indexed midpoints 0.75, 1.75, 3.5.
+    # (Seven elementwise compares: torch.bucketize is orders of magnitude slower on CPU.)
+    mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for i, b in enumerate(E2M1_MIDPOINTS):
+        mag += (a >= b) if (ties == "away" or i % 2 == 1) else (a > b)
     sign = (y < 0).to(torch.uint8) << 3
-    return sign | mag.to(torch.uint8)
+    return sign | mag
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
