@@ -52,6 +52,9 @@ def eval_cmd(
     batch_size: int = typer.Option(1, "--batch-size"),
     seed: int = typer.Option(0, "--seed", help="0 = lm-eval's default seeds"),
     kl_seq_len: int = typer.Option(256, "--kl-seq-len", help="tokens per kl window"),
+    max_gen_toks: int | None = typer.Option(
+        None, "--max-gen-toks", help="cap generated tokens (lm-eval's aime25 asks for 32768)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
     from kvcal.evaluate.run import EvalConfig, run_eval
@@ -75,6 +78,7 @@ def eval_cmd(
         batch_size=batch_size,
         seed=seed,
         kl_seq_len=kl_seq_len,
+        max_gen_toks=max_gen_toks,
     )
     if force_scales and scales:
         warn(

@@ -54,6 +54,7 @@ class EvalConfig:
     batch_size: int = 1
     seed: int = 0
     kl_seq_len: int = DEFAULT_SEQ_LEN
+    max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
 
 
 # ---- names --------------------------------------------------------------------------------------------------
@@ -116,6 +117,8 @@ def validate(config: EvalConfig) -> tuple[TaskPlan, str]:
         raise UsageError(f"--limit must be a positive number of samples, got {config.limit}")
     if config.num_fewshot is not None and config.num_fewshot < 0:
         raise UsageError(f"--num-fewshot must be 0 or more, got {config.num_fewshot}")
+    if config.max_gen_toks is not None and config.max_gen_toks < 1:
+        raise UsageError(f"--max-gen-toks must be at least 1, got {config.max_gen_toks}")
     if config.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {config.batch_size}")
     if config.dtype not in DTYPES:
@@ -189,6 +192,7 @@ def record_config(
         "batch_size": config.batch_size,
         "seed": config.seed,
         "kl_seq_len": config.kl_seq_len if plan.has_kl else None,
+        "max_gen_toks": config.max_gen_toks,
         "kvcal_version": __version__,
     }
 
@@ -498,6 +502,7 @@ def _run_lm_eval_task(
         limit=config.limit,
         log_samples=True,
         task_manager=task_manager_for(plan),
+        gen_kwargs={"max_gen_toks": config.max_gen_toks} if config.max_gen_toks else None,
         **_seeds(config.seed),
     )
     if res is None:
