@@ -22,7 +22,7 @@ from kvcal.calibrate.export import (
     quantization_config,
 )
 from kvcal.cli import app
-from kvcal.errors import UsageError
+from kvcal.errors import KvcalError, UsageError
 from kvcal.models import kv_spec, load_config
 from kvcal.scales import K_NAME, compute_binding, make_scale_set, save_scale_file
 
@@ -200,7 +200,12 @@ def test_vllm_export_refusals(tiny_model: Path, tmp_path: Path) -> None:
     export_vllm(scale_set(tiny_model), tiny_model, tmp_path / "once")
     with pytest.raises(UsageError, match="already holds KV scales"):
         export_vllm(scale_set(tiny_model), tmp_path / "once", tmp_path / "twice")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "once"]
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(KvcalError, match="cannot write export folder"):
+        export_vllm(scale_set(tiny_model), tiny_model, tmp_path / "file.txt" / "out")
+    with pytest.raises(KvcalError, match="cannot write"):
+        export_sglang(scale_set(tiny_model), tiny_model, tmp_path / "file.txt" / "kv.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "file.txt", "once"]
 
 
 def test_sglang_json(tiny_model: Path, tmp_path: Path) -> None:

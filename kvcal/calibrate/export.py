@@ -193,8 +193,13 @@ def export_vllm(
         new_qc = {**qc, "kv_cache_scheme": kv_cache_scheme(ss.granularity)}
     config["quantization_config"] = new_qc
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as exc:
+        raise KvcalError(
+            f"cannot write export folder '{out}': {exc.strerror or exc}; choose a writable path"
+        ) from exc
     try:
         modes: dict[str, int] = {}
         for f in sorted(src.rglob("*")):
