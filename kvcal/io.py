@@ -24,10 +24,18 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp_path, public_mode(0o666))  # mkstemp made it 0600; outputs are shared like any new file
         os.replace(tmp_path, target)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def public_mode(mode: int) -> int:
+    """`mode` filtered by the process umask (what open() would have given a new file)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -278,7 +278,6 @@ def save_scale_file(path: str | os.PathLike[str], ss: ScaleSet) -> Path:
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp), metadata=metadata)
-            os.chmod(tmp, public_mode(0o666))  # mkstemp made it 0600; a scale file is shared like weights
 
         atomic_write_with(target, write)
     except OSError as exc:
@@ -286,13 +285,6 @@ def save_scale_file(path: str | os.PathLike[str], ss: ScaleSet) -> Path:
             f"cannot write scale file '{target}': {exc.strerror or exc}; choose a writable output path"
         ) from exc
     return target
-
-
-def public_mode(mode: int) -> int:
-    """`mode` filtered by the process umask (what open() would have given a new file)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
 
 
 def load_scale_file(path: str | os.PathLike[str]) -> ScaleSet:

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.io import atomic_write_with
-from kvcal.scales import K_NAME, V_NAME, ScaleSet, file_sha256, public_mode
+from kvcal.io import atomic_write_text, public_mode
+from kvcal.scales import K_NAME, V_NAME, ScaleSet, file_sha256
 
 SCALE_SHARD = "kv_scales.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -303,11 +303,7 @@ def export_sglang(
         raise UsageError(f"output path '{out}' is a folder; pass a file name like kv_scales.json")
     try:
 
-        def write(tmp: Path) -> None:
-            tmp.write_text(json.dumps(doc, indent=2) + "\n")
-            os.chmod(tmp, public_mode(0o666))
-
-        atomic_write_with(out, write)
+        atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         raise KvcalError(
             f"cannot write '{out}': {exc.strerror or exc}; choose a writable output path"
