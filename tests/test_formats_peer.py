@@ -6,7 +6,8 @@ Deliberate differences, tested below:
   dequantizes with `block_scale * scale`. Same codes and block scales; values equal bit for bit when the global
   scale is a power of two, else within float32 rounding of the effective scale (a relative 2**-22).
 - compressed-tensors replaces a zero block scale (all-zero block, or a block scale that underflows E4M3) with 0.125;
-  kvcal stores 0. The codes of such blocks are 0 either way, so the values agree.
+  kvcal stores 0. The values of such blocks are 0 either way (kvcal writes code +0; compressed-tensors -0 for
+  negative inputs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from kvcal.formats import dequantize, e2m1_decode, fake_quantize, quantize, unpack_fp4
 
 ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import (  # noqa: E402
     fake_quantize as ct_fake_quantize,
@@ -81,6 +83,13 @@ def test_nvfp4_power_of_two_global_scale_is_bit_identical(k: int) -> None:
     assert torch.equal(e2m1_decode(unpack_fp4(q.codes)), ct_codes)
     assert torch.equal(dequantize(q, "nvfp4"), ct_fq)
     assert torch.equal(fake_quantize(x, "nvfp4", g), ct_fq)
+    # packed storage: the same codes as compressed-tensors' checkpoint packing (element 2j in the low nibble,
+    # small negatives as -0 = code 8), except in zero-scale blocks: kvcal writes +0 there, compressed-tensors
+    # (dividing by its 0.125 substitute) -0 for negatives
+    ours_codes, ct_packed = unpack_fp4(q.codes), unpack_fp4(pack_fp4_to_uint8(ct_codes))
+    live = (ours > 0).repeat_interleave(16, dim=-1)
+    assert torch.equal(ours_codes[live], ct_packed[live])
+    assert (ours_codes[~live] == 0).all() and ((ct_packed[~live] & 7) == 0).all()
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])
