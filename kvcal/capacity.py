@@ -4,8 +4,9 @@ bytes/token = sum over layers of 2 (K and V) x kv_heads x head_dim x bits/8, wit
 `kvcal.formats` (codes + block scales: fp8 8, int8 8 + 32/head_dim, nvfp4 / fp4_e2m1 4.5, mxfp4 4.25),
 skipped layers (--skip-layers) at 16 bits, and — when a context length N is given — each sliding-window layer
 weighted by min(N, window) / N (it holds at most `window` tokens of a sequence of N). Per-tensor / per-head
-scales are a few bytes per layer, not per token, and are not counted. `auto` stores the model's own dtype
-(16 bits, or 32 for a float32 checkpoint).
+scales are a few bytes per layer, not per token, and are not counted. `auto` is counted at 16 bits: what an
+engine stores for `--kv-cache-dtype auto` (vLLM's `--dtype auto` serves a float32 checkpoint, such as a converted
+GGUF, in 16 bits).
 
 tokens that fit = (GPU memory - weights) / bytes per token; weights from the checkpoint's files (.safetensors,
 else .bin/.pt/.pth, or the .gguf file) unless given. Nothing here loads weights.
@@ -26,24 +27,20 @@ GIB = 2**30
 _WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",))
 
 
-def model_bits(kv: KVSpec) -> int:
-    """Bits per element of the model's own dtype (what `auto` stores)."""
-    return 32 if (kv.torch_dtype or "").replace("torch.", "") in ("float32", "float") else 16
-
-
 def kv_bytes_per_token(
     kv: KVSpec,
     fmt: str | KVFormat,
     skip_layers: frozenset[int] = frozenset(),
     context: int | None = None,
+    auto_bits: int = 16,
 ) -> float:
-    """Cache bytes per token over all layers (see the module docstring)."""
+    """Cache bytes per token over all layers (see the module docstring); `auto_bits`: what `auto` stores."""
     f = get_format(fmt)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens, got {context}")
     total = 0.0
     for layer in kv.layers:
-        bits = 16.0 if layer.index in skip_layers else f.bits_per_element(layer.head_dim, model_bits(kv))
+        bits = 16.0 if layer.index in skip_layers else f.bits_per_element(layer.head_dim, auto_bits)
         share = 1.0
         if context is not None and layer.type == SLIDING and layer.window:
             share = min(context, layer.window) / context

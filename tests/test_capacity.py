@@ -97,11 +97,11 @@ def test_sglang_published_multipliers_head_dim_128() -> None:
     assert all(r["max_tokens"] is None for r in rows.values())
 
 
-def test_auto_stores_the_model_dtype() -> None:
-    kv = _spec(2, 2, 64)
-    assert kv_bytes_per_token(kv, "auto") == kv_bytes_per_token(kv, "bf16")
-    kv32 = KVSpec("test", kv.layers, None, "float32")
-    assert kv_bytes_per_token(kv32, "auto") == 2 * kv_bytes_per_token(kv32, "bf16")
+def test_auto_is_counted_at_16_bits() -> None:
+    # vLLM's --dtype auto serves even a float32 checkpoint in 16 bits, and --kv-cache-dtype auto follows it
+    kv32 = KVSpec("test", _spec(2, 2, 64).layers, None, "float32")
+    assert kv_bytes_per_token(kv32, "auto") == kv_bytes_per_token(kv32, "bf16")
+    assert kv_bytes_per_token(kv32, "auto", auto_bits=32) == 2 * kv_bytes_per_token(kv32, "bf16")
 
 
 def test_skip_layers_and_context_on_a_gemma3_like_config(tmp_path: Path) -> None:
