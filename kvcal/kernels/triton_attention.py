@@ -28,8 +28,9 @@ Configs: `decode_configs()` / `prefill_configs()` list the autotune candidates (
 interpreter (`TRITON_INTERPRET=1`, how the tests run on CPU) a fixed small config is used unless pinned.
 `KVCAL_TRITON_SPLITS` pins the number of key splits of the decode path (tests use it to exercise the reduction).
 
-Dots: float32 (`input_precision="ieee"`) when q is float32 or under the interpreter (whose bf16 dot is broken);
-otherwise bf16 operands with fp32 accumulation. Dequantized FP8 / INT8 / FP4-with-block-scale values are exact in
+Dots: float32 when q is float32 or under the interpreter (whose bf16 dot is broken) — exact ("ieee") under the
+interpreter, 3xTF32 on CUDA (plain float32 dots spill registers there); otherwise bf16 operands with fp32
+accumulation. Dequantized FP8 / INT8 / FP4-with-block-scale values are exact in
 bf16 (at most 6 significant bits; per-tensor scales are applied outside the dot), so the bf16 path rounds only q
 (when q is not already bf16) and the probabilities P.
 """
@@ -121,8 +122,12 @@ def decode_configs(block_m: int) -> list[KernelConfig]:
 
 
 def prefill_configs() -> list[KernelConfig]:
-    """Autotune candidates for the prefill path (many rows; causal/sliding tiles skipped)."""
-    return [KernelConfig(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3)]
+    """Autotune candidates for the prefill path (many rows; causal/sliding tiles skipped). The small first config
+    is the fallback of float32 dots (float32 q on CUDA), which spill registers at the larger tiles; configs that
+    exceed shared memory (head_dim 256 at 128 x 64) fail to launch and are skipped by the autotuner."""
+    return [KernelConfig(32, 32, 4, 2)] + [
+        KernelConfig(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for s in (2, 3)
+    ]
 
 
 def _interpreter_config(block_m: int) -> KernelConfig:
@@ -302,6 +307,7 @@ def _attn_fwd_impl(
     HAS_KPAD: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -409,8 +415,8 @@ def _attn_fwd_impl(
                 BLOCK_SIZE,
             )
             if DOT_F32:
-                s = tl.dot(q_even, tl.trans(k_e), input_precision="ieee")
-                s += tl.dot(q_odd, tl.trans(k_o), input_precision="ieee")
+                s = tl.dot(q_even, tl.trans(k_e), input_precision=DOT_PREC)
+                s += tl.dot(q_odd, tl.trans(k_o), input_precision=DOT_PREC)
             else:
                 s = tl.dot(q_even, tl.trans(k_e.to(tl.bfloat16)))
                 s += tl.dot(q_odd, tl.trans(k_o.to(tl.bfloat16)))
@@ -421,7 +427,7 @@ def _attn_fwd_impl(
                 other=0.0,
             )
             if DOT_F32:
-                s = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                s = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision=DOT_PREC)
             else:
                 s = tl.dot(qv, tl.trans(kt.to(tl.bfloat16)))
         s = s * qk_scale
@@ -471,8 +477,8 @@ def _attn_fwd_impl(
             acc_e = acc_e * alpha[:, None]
             acc_o = acc_o * alpha[:, None]
             if DOT_F32:
-                acc_e += tl.dot(p, v_e, input_precision="ieee")
-                acc_o += tl.dot(p, v_o, input_precision="ieee")
+                acc_e += tl.dot(p, v_e, input_precision=DOT_PREC)
+                acc_o += tl.dot(p, v_o, input_precision=DOT_PREC)
             else:
                 pb = p.to(tl.bfloat16)
                 acc_e += tl.dot(pb, v_e.to(tl.bfloat16))
@@ -485,7 +491,7 @@ def _attn_fwd_impl(
             )
             acc = acc * alpha[:, None]
             if DOT_F32:
-                acc += tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(p, vt.to(tl.float32), input_precision=DOT_PREC)
             else:
                 acc += tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16))
 
@@ -868,6 +874,9 @@ def attention(
         HAS_KPAD=key_padding is not None,
         SPLIT=split,
         DOT_F32=dot_f32,
+        # float32 dots: exact under the interpreter; on CUDA 3xTF32 (tensor cores, about float32 accuracy) — plain
+        # "ieee" float32 dots spill hundreds of registers at every tile size
+        DOT_PREC="ieee" if kern.interpret else "tf32x3",
     )
     guard = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     with guard:
