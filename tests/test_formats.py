@@ -134,6 +134,16 @@ def test_fake_quantize_keeps_dtype_and_shape(name: str, dtype: torch.dtype) -> N
     assert y.dtype == dtype and y.shape == x.shape
 
 
+def test_non_contiguous_input_matches_contiguous() -> None:
+    # K/V arrive as views (transformers transposes [B, T, H, D] -> [B, H, T, D])
+    views = [_rand(2, 5, 3, 64).transpose(1, 2), _rand(2, 64, 4, 3).permute(0, 3, 2, 1)]
+    for x in views:
+        assert not x.is_contiguous()
+        for name in QUANTIZED:
+            assert torch.equal(fake_quantize(x, name), fake_quantize(x.contiguous(), name)), name
+    assert get_format(FORMATS["nvfp4"]) is FORMATS["nvfp4"]
+
+
 def test_head_dim_must_fit_the_block() -> None:
     with pytest.raises(UsageError, match="block size 32"):
         quantize(_rand(1, 1, 1, 48), "mxfp4")
