@@ -214,3 +214,26 @@ def test_non_finite_activations_name_the_layer(tmp_path: Path) -> None:
     assert not torch.isnan(
         model.model.layers[1].self_attn.v_proj.weight
     ).any()  # the shared fixture is intact
+
+
+def test_sensitivity_isolates_one_layer(llama_dir: Path, tmp_path: Path) -> None:
+    from kvcal.calibrate.sensitivity import layer_sensitivity, sensitivity
+    from kvcal.formats import get_format
+    from kvcal.models import kv_spec
+
+    lm = load_model(llama_dir)
+    good = calibrate(lm, "fp8", num_samples=3, seq_len=16)
+    data, kv, fmt = good.samples.samples, kv_spec(lm.model.config), get_format("fp8")
+    ks, vs = good.scale_set.k_scales, good.scale_set.v_scales
+    base = layer_sensitivity(lm.model, data, kv, fmt, ks, vs)
+    broken_vs = [v.clone() for v in vs]
+    broken_vs[1] = broken_vs[1] * 1e-3  # layer 1's values saturate at 0.1 % of their range
+    broken = layer_sensitivity(lm.model, data, kv, fmt, ks, broken_vs)
+    assert broken["layers"][1]["kl"] > 10 * base["layers"][1]["kl"] > 0
+    for i in (0, 2):  # quantizing one layer leaves the others' measurements untouched
+        assert broken["layers"][i]["kl"] == pytest.approx(base["layers"][i]["kl"], rel=1e-9)
+    assert broken["worst"][0] == 1 and "1" in (broken["advice"]["skip_layers"] or "")
+    out = tmp_path / "sens.json"
+    full = sensitivity(lm, "fp4_e2m1", num_samples=2, seq_len=16, output=str(out))
+    assert json.loads(out.read_text())["kv_format"] == "fp4_e2m1" and len(full["layers"]) == kv.num_layers
+    assert all(r["kl"] > 0 for r in full["layers"]) and full["all_layers"]["kl"] > 0

@@ -1,0 +1,210 @@
+"""Per-layer sensitivity: how much does quantizing ONE layer's KV cache move the model's next-token distribution?
+
+For each sample: one reference forward (K/V untouched), one forward with every layer's K/V fake-quantized, and one
+forward per layer with only that layer quantized. A `DynamicCache` subclass fake-quantizes K/V inside `update`
+(kvcal.formats.fake_quantize, with the calibrated scales), so every attention read of the prefill sees the
+quantized cache, exactly as it would in an engine that stores the format. Damage = mean KL(reference || quantized)
+over the sample's tokens (nats), and the share of tokens whose top-1 prediction changes.
+
+Advice: layers whose damage exceeds `factor` x the median layer's are the skip-layer candidates; when the
+sliding-window layers as a group take more damage per layer than the full-attention ones, `sliding_window` (vLLM's
+`--kv-cache-dtype-skip-layers` name) is suggested.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvcal.calibrate.hooks import ProgressFn
+from kvcal.formats import KVFormat, fake_quantize
+from kvcal.models import SLIDING, KVSpec
+
+
+class FakeQuantCache(DynamicCache):
+    """Prefill-only cache that returns fake-quantized K/V for the chosen layers (nothing is stored)."""
+
+    def __init__(
+        self,
+        config: Any,
+        fmt: KVFormat,
+        layers: frozenset[int],
+        k_scales: Sequence[torch.Tensor | None],
+        v_scales: Sequence[torch.Tensor | None],
+    ) -> None:
+        super().__init__(config=config)
+        self.fmt, self.quant_layers, self.k_scales, self.v_scales = fmt, layers, k_scales, v_scales
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [B, H_kv, T, D]
+        if layer_idx in self.quant_layers:
+            key_states = fake_quantize(key_states, self.fmt, scale=_scale_arg(self.k_scales[layer_idx]))
+            value_states = fake_quantize(value_states, self.fmt, scale=_scale_arg(self.v_scales[layer_idx]))
+        return key_states, value_states
+
+
+def _scale_arg(s: torch.Tensor | None) -> torch.Tensor | None:
+    if s is None:
+        return None
+    return s.reshape(()) if s.numel() == 1 else s
+
+
+def _logprobs(model: Any, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return torch.log_softmax(out.logits.float(), dim=-1)  # [1, T, V]
+
+
+def _damage(ref: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """mean KL(ref || q) per token (nats) and top-1 agreement; both [1, T, V] log-probabilities."""
+    kl = (ref.exp() * (ref - q)).sum(-1)  # [1, T]
+    agree = (ref.argmax(-1) == q.argmax(-1)).float()
+    return float(kl.mean()), float(agree.mean())
+
+
+def layer_sensitivity(
+    model: Any,
+    samples: Sequence[torch.Tensor],
+    kv: KVSpec,
+    fmt: KVFormat,
+    k_scales: Sequence[torch.Tensor | None],
+    v_scales: Sequence[torch.Tensor | None],
+    progress: ProgressFn | None = None,
+    factor: float = 2.0,
+) -> dict[str, Any]:
+    """Per-layer KL / top-1 damage of quantizing one layer's KV cache, the all-layer damage, and advice."""
+    n_layers = kv.num_layers
+    device = next(model.parameters()).device
+    kl = torch.zeros(n_layers + 1, dtype=torch.float64)  # last entry: all layers quantized
+    agree = torch.zeros(n_layers + 1, dtype=torch.float64)
+    total = len(samples) * (n_layers + 2)
+    done = 0
+    all_layers = frozenset(range(n_layers))
+    with torch.no_grad():
+        for ids in samples:
+            ids = ids.reshape(1, -1).to(device)
+            ref = _logprobs(model, ids, FakeQuantCache(model.config, fmt, frozenset(), k_scales, v_scales))
+            done += 1
+            for j, layers in enumerate([frozenset([i]) for i in range(n_layers)] + [all_layers]):
+                q = _logprobs(model, ids, FakeQuantCache(model.config, fmt, layers, k_scales, v_scales))
+                d_kl, d_agree = _damage(ref, q)
+                kl[j] += d_kl
+                agree[j] += d_agree
+                done += 1
+                if progress:
+                    progress(done, total, "sensitivity")
+    kl /= len(samples)
+    agree /= len(samples)
+    layers = [
+        {"layer": i, "type": kv.layers[i].type, "kl": float(kl[i]), "top1_agree": float(agree[i])}
+        for i in range(n_layers)
+    ]
+    med = statistics.median(r["kl"] for r in layers)
+    worst = sorted(layers, key=lambda r: -r["kl"])
+    skip = sorted(r["layer"] for r in layers if med > 0 and r["kl"] > factor * med)
+    by_type: dict[str, dict[str, float]] = {}
+    for t in sorted({r["type"] for r in layers}):
+        rows = [r for r in layers if r["type"] == t]
+        by_type[t] = {"layers": len(rows), "mean_kl": statistics.fmean(r["kl"] for r in rows)}
+    reasons = []
+    suggestion = ",".join(map(str, skip))
+    if SLIDING in by_type and len(by_type) > 1:
+        s, f = by_type[SLIDING]["mean_kl"], by_type["full_attention"]["mean_kl"]
+        if s > factor * f:
+            suggestion = "sliding_window"
+            reasons.append(
+                f"sliding-window layers take {s / max(f, 1e-30):.1f}x the damage of full-attention layers"
+            )
+    if skip:
+        reasons.append(f"layers {skip} exceed {factor}x the median layer damage ({med:.3g} nats)")
+    return {
+        "all_layers": {"kl": float(kl[n_layers]), "top1_agree": float(agree[n_layers])},
+        "layers": layers,
+        "by_type": by_type,
+        "worst": [r["layer"] for r in worst[:5]],
+        "advice": {"skip_layers": suggestion or None, "reasons": reasons or ["no layer stands out"]},
+    }
+
+
+def sensitivity(
+    model: Any,
+    kv_format: str,
+    scales: str | None = None,
+    dataset: str | None = None,
+    num_samples: int = 8,
+    seq_len: int = 256,
+    seed: int = 0,
+    output: str | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    text_field: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    factor: float = 2.0,
+) -> dict[str, Any]:
+    """Load, sample, get scales (a scale file, or minmax on the same samples for calibratable formats), measure."""
+    from kvcal.calibrate.data import build_samples, load_texts, max_model_len
+    from kvcal.calibrate.hooks import observe
+    from kvcal.calibrate.observers import get_observer
+    from kvcal.calibrate.run import _Collector, _EvalSink, check_output_path, scales_from_stats
+    from kvcal.errors import UsageError
+    from kvcal.formats import get_format
+    from kvcal.io import atomic_write_json
+    from kvcal.models import LoadedModel, kv_spec, load_model
+
+    fmt = get_format(kv_format)
+    if fmt.element == "auto":
+        raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
+    out = check_output_path(output)
+    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    kv = kv_spec(lm.model.config)
+    data = build_samples(
+        load_texts(dataset), lm.tokenizer, num_samples, seq_len, seed=seed, text_field=text_field,
+        max_len=max_model_len(lm.model.config),
+    )  # fmt: skip
+    n = kv.num_layers
+    k_scales: list[torch.Tensor | None] = [None] * n
+    v_scales: list[torch.Tensor | None] = [None] * n
+    scale_source = "dynamic (format has no static scales)"
+    if fmt.calibratable:
+        if scales:
+            from kvcal.scales import load_scales_for_model
+
+            ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
+            k_scales, v_scales = list(ss.k_scales), list(ss.v_scales)
+            scale_source = f"scale file {scales}"
+        else:
+            collector = _Collector()
+            observe(lm.model, data.samples, collector, n, progress=progress, phase="observe")
+
+            def second_pass(evals: dict) -> None:
+                observe(lm.model, data.samples, _EvalSink(evals), n, progress=progress, phase="evaluate")
+
+            ks, vs, _ = scales_from_stats(
+                collector.stats, kv, fmt, "tensor", get_observer("minmax"), second_pass=second_pass
+            )
+            k_scales, v_scales = list(ks), list(vs)
+            scale_source = "minmax per tensor on the same samples"
+    elif scales:
+        raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
+    result = layer_sensitivity(
+        lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor
+    )
+    report = {
+        "model": lm.ref,
+        "model_type": kv.model_type,
+        "kv_format": fmt.name,
+        "scales": scale_source,
+        "calibration": data.manifest(),
+        "metric": "mean per-token KL(reference || quantized) in nats; top-1 agreement",
+        **result,
+        "warnings": data.warnings,
+    }
+    if out is not None:
+        atomic_write_json(out, report)
+    return report
