@@ -6,7 +6,8 @@
 Each run is a fresh child process (same model, data, seed, FP8-E4M3 per-tensor minmax / static_minmax), runs are
 interleaved (native, llmcompressor, native, ...) so machine load hits both alike; per run: wall time of the whole
 child (imports + load + data + calibration), the calibration pass alone, and the child's peak RSS
-(getrusage ru_maxrss). `--trap` adds llm-compressor with its DEFAULT observer ('minmax', a moving average) and
+(getrusage ru_maxrss) and CPU time (user + sys: the fairer number on a shared machine). `--trap` adds
+llm-compressor with its DEFAULT observer ('minmax', a moving average) and
 reports its scales relative to the true amax. Prints a table; writes bench/out/calibrate.json.
 """
 
@@ -29,6 +30,9 @@ OUT = ROOT / "bench" / "out"
 
 def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(args.threads)
     from kvcal.calibrate.run import calibrate
 
     out = OUT / f"scales_{args.engine}_{args.llmc_observer}.safetensors"
@@ -46,6 +50,7 @@ def child(args: argparse.Namespace) -> None:
         llmc_observer=args.llmc_observer,
     )
     wall = time.perf_counter() - t0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     ss = res.scale_set
     print(
         "BENCH_RESULT "
@@ -57,7 +62,8 @@ def child(args: argparse.Namespace) -> None:
                 "calibrate_s": res.timings["observe_s"],
                 "load_s": res.timings["load_s"],
                 "timings": res.timings,
-                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+                "peak_rss_mib": usage.ru_maxrss / 1024,
                 "num_samples": res.samples.num_samples,
                 "num_tokens": res.samples.num_tokens,
                 "token_ids_sha256": res.samples.token_sha256,
@@ -78,7 +84,7 @@ def run_child(args: argparse.Namespace, engine: str, llmc_observer: str = "stati
     cmd = [
         sys.executable, __file__, "--child", "--engine", engine, "--llmc-observer", llmc_observer,
         "--model", args.model, "--dataset", str(args.dataset),
-        "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+        "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--threads", str(args.threads),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
@@ -101,6 +107,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
+        "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")), help="torch threads"
+    )
+    p.add_argument(
         "--trap", action="store_true", help="also run llm-compressor's default (moving-average) observer"
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -120,7 +129,7 @@ def main() -> None:
             r["repeat"] = rep
             runs.append(r)
             print(f"  run {rep} {engine:14s} wall {r['process_wall_s']:7.1f} s  calibration {r['calibrate_s']:7.1f} s  "
-                  f"peak RSS {r['peak_rss_mib']:7.0f} MiB", flush=True)  # fmt: skip
+                  f"CPU {r['cpu_s']:7.1f} s  peak RSS {r['peak_rss_mib']:7.0f} MiB", flush=True)  # fmt: skip
     if args.trap:
         r = run_child(args, "llmcompressor", "minmax")
         r["repeat"] = 0
@@ -132,6 +141,7 @@ def main() -> None:
             "runs": len(rs),
             "wall_s_median": statistics.median(r["process_wall_s"] for r in rs),
             "calibrate_s_median": statistics.median(r["calibrate_s"] for r in rs),
+            "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
             "peak_rss_mib_max": max(r["peak_rss_mib"] for r in rs),
             "max_clipped_fraction": max(r["max_clipped_fraction"] for r in rs),
         }
@@ -155,6 +165,7 @@ def main() -> None:
         "llmcompressor_static_minmax": llmc,
         "speedup_wall": llmc["wall_s_median"] / native["wall_s_median"],
         "speedup_calibration": llmc["calibrate_s_median"] / native["calibrate_s_median"],
+        "speedup_cpu": llmc["cpu_s_median"] / native["cpu_s_median"],
         "scale_max_rel_diff": rel,
         "machine": {
             "platform": platform.platform(),
@@ -179,15 +190,19 @@ def main() -> None:
     print()
     print(f"{args.model}: {report['num_samples']} samples x <= {args.seq_len} tokens ({report['num_tokens']} tokens), "
           f"fp8_e4m3 per tensor, same token ids: {report['same_tokens']}")  # fmt: skip
-    print(f"{'engine':32s} {'wall s':>8s} {'calib s':>8s} {'peak RSS MiB':>13s} {'max clipped':>12s}")
+    print(
+        f"{'engine':32s} {'wall s':>8s} {'calib s':>8s} {'CPU s':>8s} {'peak RSS MiB':>13s} {'max clipped':>12s}"
+    )
     rows = [("kvcal native (minmax)", native), ("llm-compressor (static_minmax)", llmc)]
     if args.trap:
         rows.append(("llm-compressor (default minmax)", report["llmcompressor_default_minmax"]))
     for name, s in rows:
-        print(f"{name:32s} {s['wall_s_median']:8.1f} {s['calibrate_s_median']:8.1f} {s['peak_rss_mib_max']:13.0f} "
+        print(f"{name:32s} {s['wall_s_median']:8.1f} {s['calibrate_s_median']:8.1f} {s['cpu_s_median']:8.1f} "
+              f"{s['peak_rss_mib_max']:13.0f} "
               f"{s['max_clipped_fraction']:12.2e}")  # fmt: skip
-    print(f"native is {report['speedup_wall']:.2f}x faster (whole process), {report['speedup_calibration']:.2f}x "
-          f"(calibration pass); scales agree to {rel:.1e} relative")  # fmt: skip
+    print(f"native is {report['speedup_wall']:.2f}x faster (whole process wall), {report['speedup_calibration']:.2f}x "
+          f"(calibration pass wall), {report['speedup_cpu']:.2f}x (process CPU time); "
+          f"scales agree to {rel:.1e} relative")  # fmt: skip
     if args.trap:
         d = report["llmcompressor_default_minmax"]
         print(f"llm-compressor default observer: scales {d['scale_over_true_amax_min']:.2f}-"
