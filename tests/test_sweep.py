@@ -119,6 +119,12 @@ def test_resume_status_from_disk(tmp_path: Path) -> None:
         "default__nvfp4__head.safetensors",
         "default__nvfp4__tensor.safetensors",
     ]
+    # a per-task limit: only the wikitext cells change
+    per_task = sweep.plan_sweep(sweep.parse_sweep_config(dict(STUDY, limit={"kl": 8, "wikitext": 2})), root)
+    assert {
+        c.status for c in per_task.cells if c.task == "wikitext" and c.name in {d.name for d in done}
+    } == {"stale"}
+    assert all(c.status == "complete" for c in per_task.cells if c.task == "kl" and c.kv_format == "mxfp4")
     # a grown matrix (one more task) runs only the new cells
     grown = sweep.plan_sweep(sweep.parse_sweep_config(dict(STUDY, tasks=["kl", "wikitext", "gsm8k"])), root)
     assert grown.n_done == replan.n_done
@@ -136,6 +142,12 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
         sweep.parse_sweep_config(dict(STUDY, scales=["per_channel"]))
     with pytest.raises(UsageError, match="limit"):
         sweep.parse_sweep_config(dict(STUDY, limit=0))
+    with pytest.raises(UsageError, match="limit"):
+        sweep.parse_sweep_config(dict(STUDY, limit={"kl": -1}))
+    assert (
+        sweep.parse_sweep_config(dict(STUDY, limit={"gpqa_diamond": 5})).limit_for("gpqa_diamond_zeroshot")
+        == 5
+    )
     with pytest.raises(UsageError, match="does not exist"):
         sweep.load_sweep_config(tmp_path / "nope.yaml")
 

@@ -483,41 +483,31 @@ def describe_skip(cfg: dict[str, Any]) -> str:
 
 
 def _capacity_of(run: Run) -> float | None:
+    """KV tokens that fit vs a BF16 cache: from kvcal.capacity on the run's model config (skipped layers at
+    16 bits) when the model folder is readable here, else what the run recorded in metrics.json."""
+    from_model = _capacity_from_model(run)
+    if from_model is not None:
+        return from_model
     m = run.metrics
-    for k in ("capacity_vs_bf16", "capacity_multiplier_vs_bf16", "capacity_multiplier", "capacity"):
+    for k in ("capacity_multiplier_vs_bf16", "capacity_vs_bf16", "multiplier_vs_bf16", "capacity_multiplier"):
         v = m.get(k)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
-        if isinstance(v, dict):
-            for kk in ("vs_bf16", "multiplier_vs_bf16", "multiplier"):
-                if isinstance(v.get(kk), (int, float)):
-                    return float(v[kk])
-    cache = m.get("cache")
-    if isinstance(cache, dict):
-        for kk in ("capacity_vs_bf16", "multiplier_vs_bf16", "capacity_multiplier"):
-            if isinstance(cache.get(kk), (int, float)):
-                return float(cache[kk])
-    return _capacity_from_model(run)
+    return None
 
 
 def _capacity_from_model(run: Run) -> float | None:
-    """Token capacity vs BF16 from kvcal.capacity (skipped layers at 16 bits), when the model config is readable."""
-    try:
-        from kvcal import capacity as cap_mod  # engineer A's module; optional at this floor
-        from kvcal.models import kv_spec, load_config, parse_skip_layers
-    except Exception:
-        return None
-    model_dir = run.config.get("model_dir") or run.config.get("model")
-    fn = getattr(cap_mod, "capacity_multiplier", None)
-    if not model_dir or fn is None:
+    model_dir = run.config.get("model_dir")
+    if not model_dir or not (Path(str(model_dir)) / "config.json").is_file():
         return None
     try:
+        from kvcal.capacity import kv_bytes_per_token
+        from kvcal.models import kv_spec, load_config
+
         kv = kv_spec(load_config(str(model_dir)))
-        skip = parse_skip_layers(
-            None if describe_skip(run.config) == "none" else describe_skip(run.config), kv
-        )
-        return float(fn(kv, run.kv_format, skip_layers=skip))
-    except Exception:
+        skip = frozenset(int(i) for i in (run.config.get("skip_layer_indices") or []))
+        return kv_bytes_per_token(kv, "bf16") / kv_bytes_per_token(kv, run.kv_format, skip)
+    except (KvcalError, ValueError, OSError, ImportError):
         return None
 
 

@@ -73,7 +73,7 @@ class SweepConfig:
     scales: list[str] = field(default_factory=lambda: ["uncalibrated", "tensor"])
     skip_layers: list[str] = field(default_factory=lambda: ["none"])
     recipes: list[Recipe] = field(default_factory=lambda: [Recipe()])
-    limit: int | None = None
+    limit: int | dict[str, int] | None = None  # samples per task; a mapping gives each task its own
     num_fewshot: int | None = None
     data_dir: str | None = None
     include_path: str | None = None
@@ -84,6 +84,11 @@ class SweepConfig:
     seed: int = 0
     kl_seq_len: int | None = None
     baseline: str = "bf16"
+
+    def limit_for(self, task: str) -> int | None:
+        if isinstance(self.limit, dict):
+            return self.limit.get(task, self.limit.get("default"))
+        return self.limit
 
 
 @dataclass
@@ -281,8 +286,15 @@ def parse_sweep_config(raw: dict[str, Any], base_dir: Path | None = None) -> Swe
     if len(set(names)) != len(names):
         raise UsageError(f"sweep config: calibration recipe names must be unique, got {names}")
     limit = raw.get("limit")
-    if limit is not None and (not isinstance(limit, int) or limit <= 0):
-        raise UsageError(f"sweep config: limit must be a positive integer, got {limit!r}")
+    if isinstance(limit, dict):
+        limit = {("default" if k == "default" else parse_task_list([str(k)])[0]): v for k, v in limit.items()}
+        values = list(limit.values())
+    else:
+        values = [limit]
+    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0) for v in values):
+        raise UsageError(
+            f"sweep config: limit must be a positive integer or a mapping task: integer, got {raw.get('limit')!r}"
+        )
     return SweepConfig(
         model=str(raw["model"]),
         tasks=tasks,
@@ -371,7 +383,7 @@ def _cell_state(cell: Cell, cfg: SweepConfig) -> tuple[str, str]:
         return "stale", f"{conf} does not parse; move {d} aside"
     want: dict[str, Any] = {
         "kv_format": cell.kv_format,
-        "limit": cfg.limit,
+        "limit": cfg.limit_for(cell.task),
         "num_fewshot": cfg.num_fewshot,
         "dtype": cfg.dtype,
         "device": cfg.device,
@@ -587,7 +599,7 @@ def execute_sweep(
             scales=str(cell.calibration.path) if cell.calibration else None,
             skip_layers=None if cell.skip == "none" else cell.skip,
             include_path=cfg.include_path,
-            limit=cfg.limit,
+            limit=cfg.limit_for(cell.task),
             num_fewshot=cfg.num_fewshot,
             data_dir=cfg.data_dir,
             gpqa_password=gpqa_password,
