@@ -174,6 +174,24 @@ def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv() -> None:
     assert torch.allclose(no_cache[real], with_cache[real], atol=1e-5, rtol=0)
 
 
+def test_generate_without_a_cache_uses_a_kvcal_cache() -> None:
+    """lm-eval calls generate() without past_key_values: the runtime supplies its own cache (nvfp4's dynamic global
+    fixed at prefill would differ if every step re-quantized a transformers cache)."""
+    model = gemma3()
+    ids, mask = batch(seed=8)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    rt = KVRuntime(model, "nvfp4", impl="torch")
+    with torch.no_grad():
+        want = model.generate(
+            past_key_values=rt.new_cache(), **kw, output_scores=True, return_dict_in_generate=True
+        )
+        got = model.generate(**kw, output_scores=True, return_dict_in_generate=True)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    KVRuntime(model, "auto")
+    assert "_prepare_cache_for_generation" not in vars(model)
+
+
 def test_beam_search_reorders_the_quantized_cache() -> None:
     model = gemma3()
     ids, mask = batch(seed=7)

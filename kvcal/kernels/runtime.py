@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,7 @@ from kvcal.models import KVSpec, kv_spec, parse_skip_layers
 
 IMPLS = ("auto", "torch", "triton")
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
+_GEN_HOOK = "_prepare_cache_for_generation"  # instance attribute set by install_generate_cache
 
 
 def triton_available() -> bool:
@@ -159,6 +161,23 @@ def install_plans(
         mod.kvcal_config = ModuleConfig(plan=plans[idx], impl=impl)
 
 
+def install_generate_cache(model: torch.nn.Module, new_cache: Any) -> None:
+    """Make `model.generate()` called WITHOUT `past_key_values` (lm-eval's generate_until does that) decode with a
+    fresh kvcal cache instead of transformers' DynamicCache, so every step appends codes exactly as with
+    `past_key_values=runtime.new_cache()`. Done by wrapping transformers' `_prepare_cache_for_generation` on this
+    model instance only; a cache passed by the caller is left alone."""
+    original = type(model)._prepare_cache_for_generation
+
+    def _prepare(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        user_cache = model_kwargs.get("past_key_values") is not None
+        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        if not user_cache and type(model_kwargs.get("past_key_values")) is DynamicCache:
+            model_kwargs["past_key_values"] = new_cache()
+        return result
+
+    setattr(model, _GEN_HOOK, types.MethodType(_prepare, model))
+
+
 class KVRuntime:
     """The quantized-KV configuration of one model (see the module docstring)."""
 
@@ -223,6 +242,7 @@ class KVRuntime:
 
     def _install(self, mods: dict[int, torch.nn.Module]) -> None:
         install_plans(self.model, self.plans, self.impl, mods)
+        install_generate_cache(self.model, self.new_cache)
 
     def _uninstall(self) -> None:
         """Put a model a previous runtime changed back to its own attention implementation."""
@@ -231,6 +251,8 @@ class KVRuntime:
         if original is None:
             return
         model.set_attn_implementation(original)
+        if _GEN_HOOK in vars(model):
+            delattr(model, _GEN_HOOK)
         for mod in attention_modules(model).values():
             if hasattr(mod, "kvcal_config"):
                 del mod.kvcal_config
