@@ -161,6 +161,19 @@ def test_model_reads_quantized_kv_in_prefill_and_decode(fmt: str) -> None:
     assert (out[real] - plain[real]).abs().max() > 0  # quantization is visible in the prefill logits
 
 
+def test_chunked_prefill_past_the_window() -> None:
+    """A second multi-token chunk after the window is full reads the kept window plus the whole chunk."""
+    model = gemma3()
+    ids, mask = batch(seed=9, length=16)
+    rt = KVRuntime(model, "mxfp4", impl="torch")
+    outs = []
+    for cache in (FakeQuantDynamicCache("mxfp4", config=model.config), rt.new_cache()):
+        with torch.no_grad():
+            model(input_ids=ids[:, :9], attention_mask=mask[:, :9], past_key_values=cache)
+            outs.append(model(input_ids=ids[:, 9:], attention_mask=mask, past_key_values=cache).logits)
+    assert torch.allclose(outs[1], outs[0], atol=2e-5, rtol=0)
+
+
 def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv() -> None:
     model = gemma3()
     ids, mask = batch(seed=6)

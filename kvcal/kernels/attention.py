@@ -3,10 +3,11 @@
 Every attention read goes through the quantized cache, prefill included: `QuantizedKVCache.update` hands the
 attention the layer's K/V storage (codes + scales, `cache.KVRead` on placeholder tensors) and this function runs
 the torch reference (dequantize, exact float32 attention) or the Triton kernel (dequantization inside the kernel)
-on it. When a model running kvcal attention is called WITHOUT a kvcal cache (e.g. transformers created its own
-DynamicCache, as lm-eval's plain `model(input_ids)` does), the K/V tensors it is given are quantized on the fly
-with the layer's format and scales: identical to a fresh kvcal cache for a single forward (loglikelihood scoring);
-for multi-step decoding with such a cache, use `KVRuntime.new_cache()` instead.
+on it. When a model running kvcal attention is called WITHOUT a kvcal cache (lm-eval's plain `model(input_ids)`
+makes transformers create its own DynamicCache), the K/V tensors it is given are quantized on the fly with the
+layer's format and scales: identical to a fresh kvcal cache for a single forward (loglikelihood scoring).
+`generate()` without `past_key_values` gets a kvcal cache from the runtime (`runtime.install_generate_cache`); only
+a hand-written decode loop over a transformers cache would re-quantize its past each step.
 
 Masks: transformers builds no mask for an attention implementation its `AttentionMaskInterface` does not know,
 so "kvcal" registers `kvcal_mask` there too. It returns the compact form the kernels take — the 2-D key padding

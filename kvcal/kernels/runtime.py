@@ -6,7 +6,8 @@
 
 kv_format 'auto' leaves the model as loaded (transformers' own attention + DynamicCache): the parity reference.
 Any other format switches the model's attention implementation to "kvcal" (`kvcal.kernels.attention`) and gives
-each attention module its layer plan (format, window, static scales) and the implementation ('torch' | 'triton').
+each attention module its layer plan (format, window, static scales) and the implementation ('torch' | 'triton'),
+and makes `generate()` without `past_key_values` use `new_cache()` (so lm-eval's generate_until decodes with it).
 A model carries one runtime at a time: building a new one (including 'auto') replaces the previous one.
 """
 
