@@ -351,3 +351,23 @@ def test_unsupported_architectures_name_their_type() -> None:
     )
     with pytest.raises(UsageError, match="'bert'"):
         KVRuntime(bert, "fp8")
+
+
+def test_mask_function_and_4d_masks_reduce_to_key_padding() -> None:
+    from kvcal.kernels.attention import _key_padding, kvcal_mask
+    from kvcal.kernels.reference import visibility_mask
+
+    am = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    # a sliding layer that keeps 3 tokens, reading them plus 2 new ones: keys 1..5 of a 6-token 2-D mask
+    assert kvcal_mask(2, 2, kv_length=5, kv_offset=1, attention_mask=am).tolist() == [
+        [False, True, True, True, True],
+        [True] * 5,
+    ]
+    assert kvcal_mask(2, 2, kv_length=5, kv_offset=1, attention_mask=torch.ones(2, 6)) is None
+    # a 2-D mask shorter than the keys: tokens it does not cover are real
+    assert kvcal_mask(2, 1, kv_length=7, kv_offset=0, attention_mask=am).shape == (2, 7)
+    pad = am.bool()
+    full = visibility_mask(6, 6, q_start=0, k_start=0, sliding_window=3, key_padding=pad)  # [2, 1, 6, 6]
+    assert torch.equal(_key_padding(full, 2, 6), pad)
+    additive = torch.zeros(full.shape).masked_fill(~full, torch.finfo(torch.float32).min)
+    assert torch.equal(_key_padding(additive, 2, 6), pad)
