@@ -216,6 +216,20 @@ def test_pinned_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
         ta.quantized_attention_triton(q, k, v, "mxfp4", **kw)
 
 
+def test_dot_operand_dtype_is_exact_for_the_inputs() -> None:
+    kind = ta._dot_kind
+    assert (
+        kind(True, torch.bfloat16, torch.bfloat16, ta.FMT_PLAIN) == ta.DOT_F32
+    )  # interpreter: always float32
+    assert kind(False, torch.bfloat16, torch.float8_e4m3fn, ta.FMT_FP8) == ta.DOT_BF16
+    assert kind(False, torch.bfloat16, torch.uint8, ta.FMT_NVFP4) == ta.DOT_BF16
+    assert kind(False, torch.bfloat16, torch.float16, ta.FMT_PLAIN) == ta.DOT_F32  # fp16 cache, bf16 q
+    assert kind(False, torch.float16, torch.float16, ta.FMT_PLAIN) == ta.DOT_F16
+    assert kind(False, torch.float16, torch.int8, ta.FMT_INT8) == ta.DOT_F16
+    assert kind(False, torch.float16, torch.uint8, ta.FMT_MXFP4) == ta.DOT_F32  # E8M0 range exceeds fp16
+    assert kind(False, torch.float32, torch.float8_e5m2, ta.FMT_FP8) == ta.DOT_F32
+
+
 def test_autotune_configs_are_valid() -> None:
     for cfg in ta.decode_configs(16) + ta.prefill_configs():
         for blk in (cfg.block_m, cfg.block_n):
@@ -267,18 +281,9 @@ def test_bench_cpu_part_runs(tmp_path) -> None:
 _AOT_VARIANTS = {
     # name: (FMT, HEAD_DIM, SPLIT, flags, BLOCK_M, BLOCK_N, num_warps, num_stages, code pointer type)
     "nvfp4-decode-split-sinks": (ta.FMT_NVFP4, 128, True, ("sinks",), 16, 64, 4, 2, "*u8"),
-    "fp8-prefill-window-softcap-padding": (
-        ta.FMT_FP8,
-        128,
-        False,
-        ("window", "softcap", "kpad"),
-        64,
-        64,
-        4,
-        2,
-        "*fp8e4nv",
-    ),
-}
+    "fp8-prefill-window-softcap-padding": (ta.FMT_FP8, 128, False, ("window", "softcap", "kpad"), 64, 64, 4, 2, "*fp8e4nv"),
+    "fp16-auto-decode-fp16-dots": (ta.FMT_PLAIN, 64, True, (), 16, 64, 4, 2, "*fp16"),
+}  # fmt: skip
 
 
 _POINTERS = ("Q", "K", "V", "KBS", "VBS", "KSC", "VSC", "SINKS", "KPAD", "OUT", "PART_ML", "PART_ACC")
@@ -304,11 +309,13 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     consts: dict = dict(
         FMT=fmt, BLOCK_SIZE=16 if fmt == ta.FMT_NVFP4 else 2, HEAD_DIM=d, D_PAD=d, CAUSAL=True,
         HAS_WINDOW="window" in flags, HAS_SOFTCAP="softcap" in flags, HAS_SINKS="sinks" in flags,
-        HAS_KPAD="kpad" in flags, SPLIT=split, DOT_F32=False, DOT_PREC="tf32x3", BLOCK_M=bm, BLOCK_N=bn,
+        HAS_KPAD="kpad" in flags, SPLIT=split, DOT_PREC="tf32x3", BLOCK_M=bm, BLOCK_N=bn,
+        DOT_KIND=ta.DOT_F16 if code_t == "*fp16" else ta.DOT_BF16,
     )  # fmt: skip
+    q_t = "*fp16" if code_t == "*fp16" else "*bf16"
     ptr_types = {
-        "Q": "*bf16",
-        "OUT": "*bf16",
+        "Q": q_t,
+        "OUT": q_t,
         "K": code_t,
         "V": code_t,
         "KBS": bs_t,

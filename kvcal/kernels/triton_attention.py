@@ -28,11 +28,11 @@ Configs: `decode_configs()` / `prefill_configs()` list the autotune candidates (
 interpreter (`TRITON_INTERPRET=1`, how the tests run on CPU) a fixed small config is used unless pinned.
 `KVCAL_TRITON_SPLITS` pins the number of key splits of the decode path (tests use it to exercise the reduction).
 
-Dots: float32 when q is float32 or under the interpreter (whose bf16 dot is broken) — exact ("ieee") under the
-interpreter, 3xTF32 on CUDA (plain float32 dots spill registers there); otherwise bf16 operands with fp32
-accumulation. Dequantized FP8 / INT8 / FP4-with-block-scale values are exact in
-bf16 (at most 6 significant bits; per-tensor scales are applied outside the dot), so the bf16 path rounds only q
-(when q is not already bf16) and the probabilities P.
+Dots (`_dot_kind`): bf16 or fp16 operands with fp32 accumulation where q and every dequantized tile value are
+exact in that type — dequantized FP8 / INT8 / FP4-with-block-scale values have at most 6 significant bits and
+per-tensor scales are applied outside the dot — so a 16-bit dot rounds only the probabilities P. Otherwise (float32
+q, fp16 q over FP4 or BF16 codes, bf16 q over fp16 codes) float32 dots: 3xTF32 on CUDA (plain float32 dots spill
+registers there), exact ("ieee") under the interpreter, which always uses float32 (its bf16 dot is broken).
 """
 
 from __future__ import annotations
@@ -172,6 +172,20 @@ def parse_config(spec: str) -> dict[str, int]:
 _e8m0: Any = None
 _tanh: Any = None
 _load_fp4_tile: Any = None
+_to_dot: Any = None
+
+# Dot operand dtypes (constexpr DOT_KIND): the narrowest type in which q and the dequantized tile values are exact.
+DOT_F32, DOT_BF16, DOT_F16 = 0, 1, 2
+
+
+def _to_dot_impl(x, DOT_KIND: tl.constexpr):
+    if DOT_KIND == 1:
+        y = x.to(tl.bfloat16)
+    elif DOT_KIND == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 def _e8m0_impl(b):
@@ -306,7 +320,7 @@ def _attn_fwd_impl(
     HAS_SINKS: tl.constexpr,
     HAS_KPAD: tl.constexpr,
     SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -372,12 +386,8 @@ def _attn_fwd_impl(
         qm = row_ok[:, None] & i_ok[None, :]
         q_even = tl.load(q_row[:, None] + (2 * offs_i)[None, :] * stride_qd, mask=qm, other=0.0)
         q_odd = tl.load(q_row[:, None] + (2 * offs_i + 1)[None, :] * stride_qd, mask=qm, other=0.0)
-        if DOT_F32:
-            q_even = q_even.to(tl.float32)
-            q_odd = q_odd.to(tl.float32)
-        else:
-            q_even = q_even.to(tl.bfloat16)
-            q_odd = q_odd.to(tl.bfloat16)
+        q_even = _to_dot(q_even, DOT_KIND)
+        q_odd = _to_dot(q_odd, DOT_KIND)
         acc_e = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
         acc_o = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
     else:
@@ -386,10 +396,7 @@ def _attn_fwd_impl(
         qv = tl.load(
             q_row[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0
         )
-        if DOT_F32:
-            qv = qv.to(tl.float32)
-        else:
-            qv = qv.to(tl.bfloat16)
+        qv = _to_dot(qv, DOT_KIND)
         acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -414,22 +421,15 @@ def _attn_fwd_impl(
                 FMT,
                 BLOCK_SIZE,
             )
-            if DOT_F32:
-                s = tl.dot(q_even, tl.trans(k_e), input_precision=DOT_PREC)
-                s += tl.dot(q_odd, tl.trans(k_o), input_precision=DOT_PREC)
-            else:
-                s = tl.dot(q_even, tl.trans(k_e.to(tl.bfloat16)))
-                s += tl.dot(q_odd, tl.trans(k_o.to(tl.bfloat16)))
+            s = tl.dot(q_even, tl.trans(_to_dot(k_e, DOT_KIND)), input_precision=DOT_PREC)
+            s += tl.dot(q_odd, tl.trans(_to_dot(k_o, DOT_KIND)), input_precision=DOT_PREC)
         else:
             kt = tl.load(
                 k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
                 mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            if DOT_F32:
-                s = tl.dot(qv, tl.trans(kt.to(tl.float32)), input_precision=DOT_PREC)
-            else:
-                s = tl.dot(qv, tl.trans(kt.to(tl.bfloat16)))
+            s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
         s = s * qk_scale
         if FMT == 2:
             ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
@@ -476,13 +476,9 @@ def _attn_fwd_impl(
             )
             acc_e = acc_e * alpha[:, None]
             acc_o = acc_o * alpha[:, None]
-            if DOT_F32:
-                acc_e += tl.dot(p, v_e, input_precision=DOT_PREC)
-                acc_o += tl.dot(p, v_o, input_precision=DOT_PREC)
-            else:
-                pb = p.to(tl.bfloat16)
-                acc_e += tl.dot(pb, v_e.to(tl.bfloat16))
-                acc_o += tl.dot(pb, v_o.to(tl.bfloat16))
+            pd = _to_dot(p, DOT_KIND)
+            acc_e += tl.dot(pd, _to_dot(v_e, DOT_KIND), input_precision=DOT_PREC)
+            acc_o += tl.dot(pd, _to_dot(v_o, DOT_KIND), input_precision=DOT_PREC)
         else:
             vt = tl.load(
                 v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
@@ -490,10 +486,7 @@ def _attn_fwd_impl(
                 other=0.0,
             )
             acc = acc * alpha[:, None]
-            if DOT_F32:
-                acc += tl.dot(p, vt.to(tl.float32), input_precision=DOT_PREC)
-            else:
-                acc += tl.dot(p.to(tl.bfloat16), vt.to(tl.bfloat16))
+            acc += tl.dot(_to_dot(p, DOT_KIND), _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
 
     if SPLIT:
         # partials of split pid_s: m (exp2 domain), l, and acc * v_scale, for the reduction kernel
@@ -612,6 +605,7 @@ def _kernels() -> _Kernels:
         g["_e8m0"] = triton.jit(_e8m0_impl)
         g["_tanh"] = triton.jit(_tanh_impl)
         g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
+        g["_to_dot"] = triton.jit(_to_dot_impl)
         _KERNELS = _Kernels(interp, triton.jit(_attn_fwd_impl), triton.jit(_combine_impl), {})
     return _KERNELS
 
@@ -622,7 +616,7 @@ def _tuned(kern: _Kernels, kind: str, block_m: int) -> Any:
         cfgs = decode_configs(block_m) if kind == "decode" else prefill_configs()
         kern.tuned[key] = triton.autotune(
             configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in cfgs],
-            key=["FMT", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_F32", "HAS_SOFTCAP"],
+            key=["FMT", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"],
         )(kern.attn)
     return kern.tuned[key]
 
@@ -678,6 +672,19 @@ def _block_scale_strides(
     if bs is None:
         return dummy, (0, 0, 0, 0)
     return bs, tuple(bs.stride())  # type: ignore[return-value]
+
+
+def _dot_kind(interpret: bool, q_dtype: torch.dtype, code_dtype: torch.dtype, fmt_id: int) -> int:
+    """Dot operand dtype: bf16 / fp16 only where q and every dequantized tile value are exact in it (FP8 and int8
+    codes fit both; FP4 times a block scale, and BF16 codes, need bf16's exponent range; fp16 codes need fp16's
+    mantissa); float32 otherwise, and always under the interpreter (its bf16 dot is broken)."""
+    if interpret:
+        return DOT_F32
+    if q_dtype == torch.bfloat16 and (fmt_id != FMT_PLAIN or code_dtype == torch.bfloat16):
+        return DOT_BF16
+    if q_dtype == torch.float16 and (fmt_id in (FMT_FP8, FMT_INT8) or code_dtype == torch.float16):
+        return DOT_F16
+    return DOT_F32
 
 
 def _check_inputs(
@@ -811,7 +818,7 @@ def attention(
         kp, kp_st = torch.zeros(1, dtype=torch.uint8, device=dev), (0, 0)
 
     d_pad = max(32, _next_pow2(d))  # FP4 half tiles need D_PAD/2 >= 16 for tl.dot
-    dot_f32 = kern.interpret or q.dtype == torch.float32 or k.codes.dtype in (torch.float32, torch.float64)
+    dot_kind = _dot_kind(kern.interpret, q.dtype, k.codes.dtype, fmt_id)
     rows = tq * group
     decode = rows <= _DECODE_MAX_ROWS
     block_m = max(16, _next_pow2(rows)) if decode else 64
@@ -873,7 +880,7 @@ def attention(
         HAS_SINKS=sinks is not None,
         HAS_KPAD=key_padding is not None,
         SPLIT=split,
-        DOT_F32=dot_f32,
+        DOT_KIND=dot_kind,
         # float32 dots: exact under the interpreter; on CUDA 3xTF32 (tensor cores, about float32 accuracy) — plain
         # "ieee" float32 dots spill hundreds of registers at every tile size
         DOT_PREC="ieee" if kern.interpret else "tf32x3",
