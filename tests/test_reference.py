@@ -103,6 +103,17 @@ def test_reference_matches_float64_loop(case) -> None:
         assert empty.any()
 
 
+def test_explicit_path_chunks_query_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvcal.kernels.reference as ref
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+    kw = dict(scaling=0.3, q_start=0, k_start=0, softcap=2.0, sinks=torch.tensor([0.5, -1.0]))
+    whole = attention_dense(q, k, v, **kw)
+    monkeypatch.setattr(ref, "_LOGITS_BUDGET", 2 * 9 * 2)  # two query rows per chunk
+    assert torch.allclose(attention_dense(q, k, v, **kw), whole, atol=1e-6, rtol=0)
+
+
 def test_sdpa_path_equals_explicit_path() -> None:
     """A sink of -inf changes nothing mathematically but forces the explicit path: both paths must agree."""
     g = torch.Generator().manual_seed(3)

@@ -51,8 +51,9 @@ from kvcal.errors import UsageError
 # E8M0 byte -> 2**(byte - 127).
 _LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
-# Query rows processed per chunk in the explicit (softcap / sinks) path, to bound the [B, H, Tq, Tk] logits buffer.
-_QUERY_CHUNK = 512
+# Logit elements per chunk in the explicit (softcap / sinks) path: query rows are processed in chunks so the
+# [B, H, rows, Tk] float buffer stays near 2**25 elements (128 MiB in float32) whatever the batch and context.
+_LOGITS_BUDGET = 1 << 25
 
 
 def visibility_mask(
@@ -157,8 +158,9 @@ def attention_dense(
     vg = v[:, :, None]
     sink = None if sinks is None else sinks.to(q.dtype).view(1, hkv, group, 1, 1)
     out = q.new_empty(b, hkv, group, tq, d)
-    for s0 in range(0, tq, _QUERY_CHUNK):
-        s1 = min(tq, s0 + _QUERY_CHUNK)
+    rows = max(1, min(tq, _LOGITS_BUDGET // max(1, b * hq * tk)))
+    for s0 in range(0, tq, rows):
+        s1 = min(tq, s0 + rows)
         logits = torch.matmul(qg[:, :, :, s0:s1], kg.transpose(-1, -2)) * scaling  # [B, H_kv, G, tq', Tk]
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
