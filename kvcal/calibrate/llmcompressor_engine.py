@@ -91,6 +91,11 @@ def llmcompressor_scales(
         "observer": observer,
     }
     recipe = QuantizationModifier(kv_cache_scheme=scheme)
+    from loguru import logger
+
+    # llm-compressor logs INFO lines through loguru; kvcal reports progress itself (stderr stays readable)
+    for name in ("llmcompressor", "compressed_tensors"):
+        logger.disable(name)
     try:
         oneshot(
             model=model,
@@ -105,6 +110,8 @@ def llmcompressor_scales(
     finally:
         for h in handles:
             h.remove()
+        for name in ("llmcompressor", "compressed_tensors"):
+            logger.enable(name)
     k_scales, v_scales = [], []
     for idx, module in attn:
         k = getattr(module, "k_scale", None)
