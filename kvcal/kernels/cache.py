@@ -73,10 +73,13 @@ def _cat(a: QTensor | None, b: QTensor) -> QTensor:
     return QTensor(codes=torch.cat([a.codes, b.codes], dim=-2), block_scales=bs, scale=b.scale)
 
 
-def _slice_t(q: QTensor, start: int | None = None, stop: int | None = None) -> QTensor:
-    """Keep tokens [start:stop) (dim -2)."""
+def _slice_t(q: QTensor, start: int | None = None, stop: int | None = None, clone: bool = False) -> QTensor:
+    """Keep tokens [start:stop) (dim -2); a view unless `clone`."""
+    codes = q.codes[..., start:stop, :]
     bs = None if q.block_scales is None else q.block_scales[..., start:stop, :]
-    return QTensor(codes=q.codes[..., start:stop, :], block_scales=bs, scale=q.scale)
+    if clone:
+        codes, bs = codes.clone(), None if bs is None else bs.clone()
+    return QTensor(codes=codes, block_scales=bs, scale=q.scale)
 
 
 def _map_batch(q: QTensor | None, fn) -> QTensor | None:
@@ -154,7 +157,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.cumulative_length += t_new
         w = self.plan.window
         if w is not None and full_k.codes.shape[-2] > w:
-            self.k, self.v = _slice_t(full_k, -w), _slice_t(full_v, -w)
+            # copy the window out, so the chunk's full buffer is freed after this forward
+            self.k, self.v = _slice_t(full_k, -w, clone=True), _slice_t(full_v, -w, clone=True)
         else:
             self.k, self.v = full_k, full_v
         read = KVRead(
