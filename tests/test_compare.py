@@ -349,3 +349,21 @@ def test_gpqa_and_aime_key_metrics(tmp_path: Path, data: dict) -> None:
     a = next(r for r in res.results if r.task == "aime25")
     assert a.mdd > 0.2
     assert re.search(r"could miss drops below 0\.2\d\d", a.verdict)
+
+
+def test_kl_against_bf16_cache_uses_absolute_threshold(tmp_path: Path) -> None:
+    """kvcal's kl of the BF16 run is measured against a BF16 cache: 0. No relative change then; the gate
+    compares the absolute KL (nats) with --max-drop."""
+    n = 40
+    zeros, ones = np.zeros(n), np.ones(n)
+    rng = np.random.default_rng(5)
+    write_run(tmp_path, "base", "bf16", {"kl": kl_records(zeros, ones)})
+    write_run(tmp_path, "fp8", "fp8_e4m3", {"kl": kl_records(rng.uniform(0.002, 0.004, n), ones)})
+    write_run(tmp_path, "fp4", "fp4_e2m1", {"kl": kl_records(rng.uniform(0.03, 0.05, n), ones - 0.01)})
+    c = cmpmod.compare_runs([tmp_path], n_boot=300)
+    kl = {r.config: r for r in c.results if r.metric == "kl"}
+    assert kl["fp8"].rel_change is None and kl["fp8"].worse and not kl["fp8"].gate_fail
+    assert kl["fp4"].rel_change is None and kl["fp4"].gate_fail
+    assert kl["fp4"].diff == pytest.approx(kl["fp4"].score)
+    assert {f.config for f in c.failures} == {"fp4"}
+    assert "within the gate threshold" in c.config_verdict("fp8")

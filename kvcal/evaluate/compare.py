@@ -13,11 +13,14 @@ Any other task: its first metric, every filter.
 Significance: McNemar's exact test (p < alpha) for binary per-sample metrics, the paired bootstrap interval
 excluding 0 for everything else. The gate fails a (configuration, task, metric) when the change is a significant
 degradation AND larger than the threshold: absolute for higher-is-better metrics (0.02 = 2 points of accuracy),
-relative for lower-is-better ones (0.02 = perplexity or KL up by 2%).
+relative for lower-is-better ones (0.02 = perplexity or KL up by 2%). Where the baseline is ~0 (kvcal's kl of
+a BF16 run, which is measured against a BF16 cache) there is no relative change and the threshold is absolute
+(0.02 nats of KL).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -39,6 +42,8 @@ _NON_METRIC_KEYS = {
     "prompt_hash", "target_hash", "n_tokens", "task", "window", "start", "end",
 }  # fmt: skip
 _TOKEN_WEIGHTED = {"kl", "top1_agree", "nll"}
+# Below this the baseline counts as zero: no relative change, the gate compares absolute differences.
+NEAR_ZERO_BASELINE = 1e-4
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -553,7 +558,7 @@ def config_verdict(key_results: list[MetricResult], max_drop: float) -> str:
     better = [r for r in key_results if r.better]
     parts: list[str] = []
     for r in worse:
-        over = " — over the gate threshold" if r.gate_fail else " — within the gate threshold"
+        over = " (over the gate threshold)" if r.gate_fail else " (within the gate threshold)"
         parts.append(r.verdict + over)
     if not worse:
         mdds = []
@@ -770,6 +775,10 @@ def _compare_task(
         no, do = _arrays(orecs, spec)
         tf = stats.TRANSFORMS[spec.transform]
         pdiff = stats.paired_bootstrap(nb, no, db, do, tf, n_boot=n_boot, seed=seed)
+        if abs(pdiff.base) < NEAR_ZERO_BASELINE:
+            # e.g. kvcal's kl of the BF16 run, measured against a BF16 cache: ~0, so a relative change means
+            # nothing; the difference (and the gate) stay absolute (nats for kl)
+            pdiff = dataclasses.replace(pdiff, rel_change=None, rel_ci_low=None, rel_ci_high=None)
         n = len(keys)
         binary = spec.weighted == "none" and stats.is_binary(nb) and stats.is_binary(no)
         identical = bool(np.array_equal(nb, no) and np.array_equal(db, do))
@@ -788,7 +797,9 @@ def _compare_task(
         else:
             mdd = stats.mdd_continuous(pdiff.se_diff, alpha=alpha)
             significant = (pdiff.ci_low > 0 or pdiff.ci_high < 0) and not identical
-        mdd_rel = mdd / abs(pdiff.base) if (not spec.higher_is_better and pdiff.base) else None
+        mdd_rel = (
+            mdd / abs(pdiff.base) if (not spec.higher_is_better and pdiff.rel_change is not None) else None
+        )
         degrade = -pdiff.diff if spec.higher_is_better else pdiff.diff
         worse = significant and degrade > 0
         better = significant and degrade < 0

@@ -187,6 +187,11 @@ def render_markdown(cmp: Comparison) -> str:
         "excludes 0."
     )
     add(
+        "- **relative change** (lower-is-better metrics): configuration / baseline - 1; the gate threshold is relative "
+        "for these, except where the baseline is ~0 (kvcal's `kl` of a BF16 run, measured against a BF16 cache): "
+        "there the threshold applies to the absolute difference (nats)."
+    )
+    add(
         "- **min. detectable**: the smallest change this many samples would detect with 80% power at "
         f"alpha {cmp.alpha} (relative for lower-is-better metrics). *No significant change* is not *no change*: a "
         "drop smaller than this can go unnoticed."
