@@ -2,6 +2,7 @@
 
 Runs lm-eval's `wikitext` (perplexity, loglikelihood_rolling) on the same model, dtype and limit through:
   hf            lm-eval's HFLM (the reference)
+  kvcal-auto    kvcal's adapter, cache untouched (parity: same perplexity as hf, to the last bit)
   kvcal-bf16    kvcal's adapter with a BF16 cache
   kvcal-fp8     ... fp8_e4m3 (uncalibrated)
   kvcal-nvfp4   ... nvfp4
@@ -30,7 +31,13 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-CONFIGS = [("hf", None), ("kvcal-bf16", "bf16"), ("kvcal-fp8", "fp8_e4m3"), ("kvcal-nvfp4", "nvfp4")]
+CONFIGS = [
+    ("hf", None),
+    ("kvcal-auto", "auto"),  # parity: must equal hf exactly
+    ("kvcal-bf16", "bf16"),
+    ("kvcal-fp8", "fp8_e4m3"),
+    ("kvcal-nvfp4", "nvfp4"),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvcal.io import atomic_write_json
 
         atomic_write_json(args.output, out)
+    out["auto_equals_hf"] = ppl["kvcal-auto"] == ppl["hf"]
+    print(f"parity: kvcal-auto word_perplexity == hf: {out['auto_equals_hf']}")
     print(json.dumps(out))
     return 0
 

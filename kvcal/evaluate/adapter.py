@@ -55,12 +55,10 @@ def resolve_pretrained(model: str) -> tuple[str, Path]:
 
 
 def parse_kv_format(name: str) -> str:
-    """Canonical format name ('auto' passes through even without kvcal.formats)."""
-    if name is None or str(name).strip().lower() in ("", "auto"):
-        return "auto"
-    from kvcal.formats import get_format  # engineer A's module: canonical names + aliases
+    """Canonical format name (kept in kvcal.evaluate.run so validation never imports lm-eval)."""
+    from kvcal.evaluate.run import parse_kv_format as parse
 
-    return get_format(str(name)).name
+    return parse(name)
 
 
 @register_model("kvcal")

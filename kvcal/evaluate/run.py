@@ -57,6 +57,15 @@ class EvalConfig:
     max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
 
 
+def parse_kv_format(name: str | None) -> str:
+    """Canonical format name ('auto' for empty / auto); UsageError listing the valid names otherwise."""
+    if name is None or str(name).strip().lower() in ("", "auto"):
+        return "auto"
+    from kvcal.formats import get_format
+
+    return get_format(str(name)).name
+
+
 # ---- names --------------------------------------------------------------------------------------------------
 
 
@@ -92,8 +101,6 @@ def skip_tag(skip_layers: str | None) -> str:
 def run_dir_name(config: EvalConfig) -> str:
     """`{model_short}__{kv_format}__{scales_tag}__skip-{skip_tag}`, e.g.
     `gemma3-270m__fp8_e4m3__calib-tensor__skip-sliding_window`."""
-    from kvcal.evaluate.adapter import parse_kv_format
-
     fmt = parse_kv_format(config.kv_format)
     return f"{model_short(config.model)}__{fmt}__{scales_tag(config.scales)}__skip-{skip_tag(config.skip_layers)}"
 
@@ -110,9 +117,7 @@ def _sha256(path: str | Path) -> str:
 
 
 def validate(config: EvalConfig) -> tuple[TaskPlan, str]:
-    """Check the cheap things first. Returns (task plan, canonical kv format)."""
-    from kvcal.evaluate.adapter import parse_kv_format
-
+    """Check the cheap things first (nothing here imports lm-eval's model code). Returns (task plan, format)."""
     if config.limit is not None and config.limit <= 0:
         raise UsageError(f"--limit must be a positive number of samples, got {config.limit}")
     if config.num_fewshot is not None and config.num_fewshot < 0:
