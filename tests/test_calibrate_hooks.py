@@ -61,6 +61,13 @@ def test_observed_kv_equals_dynamic_cache(arch: str) -> None:
         torch.testing.assert_close(v[..., T - n :, :], stored_v, rtol=0, atol=0)
     if arch in ("qwen2", "mistral", "gemma2", "gemma3", "gpt_oss"):
         assert sliding_seen > 0
+    # the streamed path (ends each forward right after the last layer's K/V write) sees the same tensors
+    streamed: dict[int, list[torch.Tensor]] = {}
+    observe(
+        model, [ids[0], ids[1]], lambda i, k, v: streamed.setdefault(i, []).append(k.clone()), kv.num_layers
+    )
+    for i, (k, _v) in seen.items():
+        torch.testing.assert_close(torch.cat(streamed[i], 0), k, rtol=1e-6, atol=1e-6)
 
 
 def test_observe_streams_and_reports_progress() -> None:

@@ -32,13 +32,19 @@ KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 ProgressFn = Callable[[int, int, str], None]
 
 
-class ObservingCache(DynamicCache):
-    """A DynamicCache that shows every K/V write to `sink`; with store=False it keeps nothing (prefill only)."""
+class _StopForward(Exception):
+    """Raised after the last layer's K/V write: the rest of the forward (its attention, MLP, norm) is not needed."""
 
-    def __init__(self, config: Any, sink: KVSink, store: bool = False) -> None:
+
+class ObservingCache(DynamicCache):
+    """A DynamicCache that shows every K/V write to `sink`; with store=False it keeps nothing (prefill only).
+    `stop_after`: raise _StopForward once that layer's K/V has been observed (the caller catches it)."""
+
+    def __init__(self, config: Any, sink: KVSink, store: bool = False, stop_after: int | None = None) -> None:
         super().__init__(config=config)
         self._sink = sink
         self._store = store
+        self._stop_after = stop_after
         self.seen_layers: set[int] = set()
 
     def update(
@@ -47,6 +53,8 @@ class ObservingCache(DynamicCache):
         # key_states, value_states: [B, H_kv, T, D] (post-RoPE, post-k-norm)
         self._sink(layer_idx, key_states, value_states)
         self.seen_layers.add(layer_idx)
+        if layer_idx == self._stop_after:
+            raise _StopForward
         if self._store:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return key_states, value_states
@@ -59,12 +67,17 @@ def _backbone(model: Any) -> Any:
     return base if base is not None and base is not model else model
 
 
-def forward_observed(model: Any, input_ids: torch.Tensor, sink: KVSink) -> set[int]:
-    """One prefill of `input_ids` [B, T] through the model's backbone; returns the layer indices that wrote K/V."""
-    cache = ObservingCache(model.config, sink, store=False)
+def forward_observed(
+    model: Any, input_ids: torch.Tensor, sink: KVSink, stop_after: int | None = None
+) -> set[int]:
+    """One prefill of `input_ids` [B, T] through the model's backbone; returns the layer indices that wrote K/V.
+    `stop_after`: the last layer index to observe; the forward ends right after its K/V write."""
+    cache = ObservingCache(model.config, sink, store=False, stop_after=stop_after)
     device = next(model.parameters()).device
     try:
         _backbone(model)(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True)
+    except _StopForward:
+        pass
     except TypeError as exc:
         if "past_key_values" in str(exc) or "use_cache" in str(exc):
             raise KvcalError(
@@ -93,7 +106,7 @@ def observe(
         progress(0, total, phase)
     with torch.no_grad():
         for i, ids in enumerate(samples):
-            seen = forward_observed(model, ids.reshape(1, -1), sink)
+            seen = forward_observed(model, ids.reshape(1, -1), sink, stop_after=expected_layers - 1)
             if i == 0 and len(seen) < expected_layers:
                 missing = sorted(set(range(expected_layers)) - seen)
                 if not seen:
