@@ -16,7 +16,17 @@ def _unigram_json(pieces: list[str]) -> dict:
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [],
+        "added_tokens": [
+            {
+                "id": 1,
+                "content": "<bos>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
         "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
         "pre_tokenizer": None,
         "post_processor": None,
