@@ -317,3 +317,47 @@ def test_kl_of_identical_runs_is_zero_and_baseline_is_cached(
     assert kl["kl,none"] == 0.0 and kl["top1_agree,none"] == 1.0
     # the fp8 run already cached windows 0-1 of this model's BF16 baseline; window 2 is new
     assert res["configs"]["kl"]["baseline_cache_hits"] == 2
+
+
+def test_scales_bound_to_another_checkpoint(tiny: dict[str, Path], fp8_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from kvcal.errors import KvcalError
+    from kvcal.evaluate.run import run_eval
+    from kvcal.models import kv_spec, load_config
+    from kvcal.scales import compute_binding, make_scale_set, save_scale_file
+
+    kv = kv_spec(load_config(tiny["gemma3"]))
+    # a second checkpoint of the same geometry: same config and tokenizer, perturbed weights
+    other = tmp_path / "gemma3_other"
+    shutil.copytree(tiny["gemma3"], other)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(other / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 0.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    binding = compute_binding(str(other), other, kv)
+    n = kv.num_layers
+    scales = tmp_path / "fp8.safetensors"
+    save_scale_file(
+        scales,
+        make_scale_set("fp8_e4m3", "tensor", [0.01] * n, [0.01] * n, observer="minmax", binding=binding),
+    )
+
+    cfg = dict(kv_format="fp8_e4m3", tasks=["kl"], limit=1, scales=str(scales))
+    with pytest.raises(KvcalError, match="--force|force"):
+        run_eval(_config(tiny, tmp_path / "refused", **cfg))
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(KvcalError, match="nvfp4"):
+        run_eval(_config(tiny, tmp_path / "fmt", **{**cfg, "kv_format": "nvfp4"}))
+    out = run_eval(_config(tiny, tmp_path / "forced", force_scales=True, **cfg))
+    import yaml
+
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["force_scales"] is True and recorded["scales"]["binding_differences"]
+    assert "WARNING" in recorded["scales"] and recorded["scales"]["granularity"] == "tensor"
+    # bound to its own checkpoint: accepted without force, and the run reads the static scales
+    out2 = run_eval(_config(tiny, tmp_path / "bound", **{**cfg, "model": str(other)}))
+    res = json.loads((out2 / "results.json").read_text())
+    assert res["kvcal"]["runtime"]["scale_source"].startswith("scale file")
