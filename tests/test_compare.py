@@ -367,3 +367,13 @@ def test_kl_against_bf16_cache_uses_absolute_threshold(tmp_path: Path) -> None:
     assert kl["fp4"].diff == pytest.approx(kl["fp4"].score)
     assert {f.config for f in c.failures} == {"fp4"}
     assert "within the gate threshold" in c.config_verdict("fp8")
+
+
+def test_same_model_folder_under_another_name_is_one_model(tmp_path: Path, data: dict) -> None:
+    t = {"gsm8k": gsm8k_records(data["correct"])}
+    base = write_run(tmp_path, "base", "bf16", t)
+    other = write_run(tmp_path, "fp8", "fp8_e4m3", t)
+    cfg = yaml.safe_load((other / "config.yaml").read_text())
+    cfg["model"] = "gemma3-270m"  # the short name of the same converted folder
+    (other / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert cmpmod.compare_runs([base, other], n_boot=100).model == MODEL

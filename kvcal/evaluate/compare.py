@@ -77,6 +77,11 @@ class Run:
         return str(ref)
 
     @property
+    def model_dir(self) -> str | None:
+        d = self.config.get("model_dir")
+        return str(d) if d else None
+
+    @property
     def limit(self) -> Any:
         return self.config.get("limit")
 
@@ -621,10 +626,16 @@ def compare_runs(
     if not runs:
         raise KvcalError("no usable run directories to compare")
 
-    models = sorted({r.model for r in runs})
-    if len(models) > 1:
+    # One model: the same reference, or the same local folder (a .gguf and its cached conversion, say).
+    first = runs[0]
+    strangers = [
+        r for r in runs if r.model != first.model and (not r.model_dir or r.model_dir != first.model_dir)
+    ]
+    if strangers:
+        models = sorted({r.model for r in runs})
         detail = "; ".join(f"{m}: {', '.join(r.name for r in runs if r.model == m)}" for m in models)
         raise UsageError(f"runs of different models cannot be compared ({detail}); compare runs of one model")
+    models = [first.model]
 
     # Group run dirs into configurations: same directory name and disjoint tasks -> one configuration
     # (a sweep writes one directory per task); a name clash on the same task -> separate, labelled by parent.
