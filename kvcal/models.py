@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.gguf_tokenizer import repair_tokenizer_json
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -297,6 +298,10 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         del loaded
         fresh.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        # transformers' GGUF SentencePiece conversion splits Gemma 3 text into characters; rebuild it as
+        # score-ranked BPE, the way llama.cpp tokenizes it (kvcal/gguf_tokenizer.py).
+        if (tmp / "tokenizer.json").is_file():
+            repair_tokenizer_json(tmp / "tokenizer.json", bos_token=getattr(tokenizer, "bos_token", None))
         (tmp / "kvcal_source.json").write_text(
             json.dumps({"gguf": str(gguf), "sha256": _cached_sha256(gguf)}, indent=2) + "\n"
         )
@@ -314,9 +319,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Bumped whenever the conversion changes, so an older cached folder is never reused.
+_CONVERSION_VERSION = 2
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
     """Where the safetensors conversion of a GGUF lives: keyed by the file's sha256."""
-    return cache_root() / "models" / f"{gguf.stem}-{_cached_sha256(gguf)[:16]}"
+    return cache_root() / "models" / f"{gguf.stem}-{_cached_sha256(gguf)[:16]}-c{_CONVERSION_VERSION}"
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
