@@ -10,8 +10,9 @@ Prompts, few-shot, filters and metrics stay exactly lm-eval's: we load the task 
   touches the disk.
 
 The resulting dicts go to lm-eval's TaskManager as inline configs (a dict with an `include:` key is rejected by
-lm-eval, so includes are resolved here). Built-in tasks we know are loaded straight from their YAML files, so the
-common path never pays for indexing lm-eval's ~15k task files; other lm-eval names fall back to the full index.
+lm-eval, so includes are resolved here). Every lm-eval task is loaded straight from its YAML file (names come from
+a cached line scan, `lm_eval_task_index`), so no run pays ~30 s for lm-eval's TaskManager to parse its ~14k task
+files; only groups and tags (which lm-eval expands itself) use lm-eval's full index.
 """
 
 from __future__ import annotations
