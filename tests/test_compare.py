@@ -177,6 +177,12 @@ def test_perplexity_statistic_matches_lm_eval(tmp_path: Path, data: dict) -> Non
     kl = next(r for r in c.results if r.task == "kl" and r.metric == "kl")
     assert kl.base == pytest.approx(data["kl"].mean())  # equal token weights
     assert kl.rel_change == pytest.approx(2.0) and kl.gate_fail
+    ppl = next(
+        r for r in c.results if r.task == "kl" and r.metric == "ppl"
+    )  # kvcal kl: exp(sum nll / tokens)
+    assert (
+        ppl.base == pytest.approx(np.exp(3.0 * 60 / (64 * 60))) and not ppl.key and not ppl.higher_is_better
+    )
 
 
 def test_planted_regression_fails_gate(

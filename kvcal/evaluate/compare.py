@@ -41,7 +41,7 @@ _NON_METRIC_KEYS = {
     "doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics", "doc_hash",
     "prompt_hash", "target_hash", "n_tokens", "task", "window", "start", "end",
 }  # fmt: skip
-_TOKEN_WEIGHTED = {"kl", "top1_agree", "nll"}
+_TOKEN_WEIGHTED = {"kl", "top1_agree"}
 # Below this the baseline counts as zero: no relative change, the gate compares absolute differences.
 NEAR_ZERO_BASELINE = 1e-4
 
@@ -209,9 +209,16 @@ def load_run(path: str | Path) -> Run:
                     if not isinstance(r, dict) or "doc_id" not in r:
                         raise BadRunError(f"run {p} is corrupt: {f.name} line {lineno} has no doc_id")
                     names = r.get("metrics")
+                    vals: dict[str, Any] = {}
                     if not isinstance(names, list):
                         names = [k for k, v in r.items() if k not in _NON_METRIC_KEYS and _metric_value_ok(v)]
-                    vals: dict[str, Any] = {}
+                        if "nll" in names and isinstance(r.get("n_tokens"), (int, float)):
+                            # kvcal's kl windows: nll is the window's summed NLL; as lm-eval's [ll, count] pair
+                            # it gives the token perplexity exp(sum nll / sum n_tokens), kl's "ppl"
+                            names = [m for m in names if m != "nll"]
+                            vals["ppl"] = [-float(r["nll"]), float(r["n_tokens"])]
+                            if "ppl" not in order:
+                                order.append("ppl")
                     for m in names:
                         if m in r and _metric_value_ok(r[m]):
                             vals[m] = r[m]
@@ -289,7 +296,9 @@ def metric_specs(run: Run, task: str) -> list[MetricSpec]:
         sample_val = next((r[m] for r in recs.values() if m in r), first.get(m))
         if isinstance(sample_val, (list, tuple)):
             weighted = "pair"
-            transform = "bits" if "bits" in m else ("exp" if "perplexity" in m else "identity")
+            transform = (
+                "bits" if "bits" in m else ("exp" if ("perplexity" in m or m == "ppl") else "identity")
+            )
         elif m in _TOKEN_WEIGHTED and "_n_tokens" in first:
             weighted = "tokens"
             transform = "identity"
