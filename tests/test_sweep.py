@@ -237,6 +237,7 @@ def _tiny_gemma3(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_real_sweep_resume_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("kvcal.calibrate.run")
     model = _tiny_gemma3(tmp_path / "model")
