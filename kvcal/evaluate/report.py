@@ -88,11 +88,6 @@ def _md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
 
-def _key_result(cmp: Comparison, config: str, task: str) -> MetricResult | None:
-    """The first key metric of a task for a configuration (what the plots show)."""
-    return next((r for r in cmp.results if r.config == config and r.task == task and r.key), None)
-
-
 def render_markdown(cmp: Comparison) -> str:
     """The report as Markdown."""
     gate = "PASSED" if not cmp.failures else f"FAILED ({len(cmp.failures)} regression(s))"
@@ -226,63 +221,73 @@ def _plot_values(r: MetricResult) -> tuple[float, float, float, str]:
     return r.diff, r.ci_low, r.ci_high, "difference"
 
 
+def _threshold(cmp: Comparison, r: MetricResult) -> float:
+    """Where the gate line goes in the units `_plot_values` uses for this metric (signed: the bad side)."""
+    if r.higher_is_better:
+        return -cmp.max_drop
+    return 100 * cmp.max_drop if r.rel_change is not None else cmp.max_drop
+
+
+def _key_panels(cmp: Comparison) -> list[tuple[str, str]]:
+    panels: list[tuple[str, str]] = []
+    for r in cmp.results:
+        if r.key and (r.task, r.label) not in panels:
+            panels.append((r.task, r.label))
+    return panels
+
+
+def _find(cmp: Comparison, config: str, task: str, label: str) -> MetricResult | None:
+    return next((x for x in cmp.results if x.config == config and x.task == task and x.label == label), None)
+
+
 def pareto_png(cmp: Comparison) -> str | None:
-    """Capacity multiplier (x) vs difference on each task's first key metric (y), one panel per task."""
+    """Capacity multiplier (x) vs the change in each key metric (y), one panel per (task, key metric)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = [t for t in cmp.tasks if any(r.task == t and r.key for r in cmp.results)]
-    if not tasks:
+    panels = _key_panels(cmp)
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
-    cmap = plt.get_cmap("tab10")
-    for ax, task in zip(axes[0], tasks, strict=True):
-        unit = "difference"
-        metric = ""
-        for i, c in enumerate(cmp.configs[1:]):
-            r = _key_result(cmp, c.label, task)
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.4 * ncol, 4.2 * nrow), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    others = cmp.configs[1:]
+    for k, (task, label) in enumerate(panels):
+        ax = axes[k // ncol][k % ncol]
+        unit, thr, better = "difference", None, ""
+        for i, c in enumerate(others):
+            r = _find(cmp, c.label, task, label)
             if r is None or c.capacity is None:
                 continue
             y, lo, hi, unit = _plot_values(r)
-            metric = r.label
+            thr = _threshold(cmp, r)
+            better = "higher is better" if r.higher_is_better else "lower is better"
             marker = "X" if r.gate_fail else ("o" if c.skip == "none" else "s")
             ax.errorbar(
-                c.capacity, y, yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt=marker, color=cmap(i % 10),
+                c.capacity, y, yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt=marker, color=cmap(i % 20),
                 capsize=3, markersize=7, label=c.label,
             )  # fmt: skip
-        base_cap = cmp.configs[0].capacity or 1.0
-        ax.scatter(
-            [base_cap], [0.0], marker="*", s=160, color="black", zorder=5, label=f"{cmp.baseline} (baseline)"
-        )
+        ax.scatter([cmp.configs[0].capacity or 1.0], [0.0], marker="*", s=160, color="black", zorder=5,
+                   label=f"{cmp.baseline} (baseline)")  # fmt: skip
         ax.axhline(0, color="grey", lw=0.8)
-        r_any = next((r for r in cmp.results if r.task == task and r.key), None)
-        if r_any is not None:
-            thr = cmp.max_drop * (100 if not r_any.higher_is_better else 1)
-            ax.axhline(
-                thr if not r_any.higher_is_better else -thr,
-                color="red",
-                ls="--",
-                lw=0.8,
-                label="gate threshold",
-            )
+        if thr is not None:
+            ax.axhline(thr, color="red", ls="--", lw=0.8, label="gate threshold")
         ax.set_xlabel("KV tokens that fit vs BF16 (x)")
-        ax.set_ylabel(f"{metric} {unit}")
-        better = "higher is better" if (r_any is None or r_any.higher_is_better) else "lower is better"
-        ax.set_title(f"{task} ({better})")
+        ax.set_ylabel(f"{label} {unit}")
+        ax.set_title(f"{task} · {label} ({better})", fontsize=10)
         ax.grid(alpha=0.3)
+    for k in range(len(panels), nrow * ncol):
+        axes[k // ncol][k % ncol].axis("off")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(
-        handles,
-        labels,
-        loc="lower center",
-        ncol=min(3, len(labels)),
-        fontsize=8,
-        bbox_to_anchor=(0.5, -0.02 - 0.045 * math.ceil(len(labels) / 3)),
-    )
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.legend(handles, labels, loc="upper center", ncol=min(3, len(labels)), fontsize=8,
+               bbox_to_anchor=(0.5, 0.0))  # fmt: skip
     fig.suptitle(
-        "Capacity vs accuracy (Pareto view): up-right is better for accuracy, down-right for perplexity/KL"
+        "Capacity vs quality (Pareto view): right = more tokens; circles keep every layer quantized, squares skip "
+        "layers, X fails the gate"
     )
     return _png(fig)
 
@@ -294,28 +299,24 @@ def forest_png(cmp: Comparison) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels: list[tuple[str, str]] = []
-    for r in cmp.results:
-        if r.key and (r.task, r.label) not in panels:
-            panels.append((r.task, r.label))
+    panels = _key_panels(cmp)
     if not panels:
         return None
     others = [c.label for c in cmp.configs[1:]]
     ncol = min(3, len(panels))
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(
-        nrow, ncol, figsize=(5.5 * ncol, 0.45 * len(others) * nrow + 1.6 * nrow), squeeze=False
+        nrow, ncol, figsize=(5.8 * ncol, 0.42 * len(others) * nrow + 1.6 * nrow), squeeze=False
     )
     for k, (task, label) in enumerate(panels):
         ax = axes[k // ncol][k % ncol]
-        unit = "difference"
+        unit, thr = "difference", None
         for i, cfg in enumerate(others):
-            r = next(
-                (x for x in cmp.results if x.config == cfg and x.task == task and x.label == label), None
-            )
+            r = _find(cmp, cfg, task, label)
             if r is None:
                 continue
             y, lo, hi, unit = _plot_values(r)
+            thr = _threshold(cmp, r)
             color = (
                 "#c0392b"
                 if r.gate_fail
@@ -323,19 +324,19 @@ def forest_png(cmp: Comparison) -> str | None:
             )
             ax.errorbar(y, i, xerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", color=color, capsize=3)
         ax.axvline(0, color="grey", lw=0.8)
-        r0 = next(x for x in cmp.results if x.task == task and x.label == label)
-        thr = cmp.max_drop * (100 if not r0.higher_is_better else 1)
-        ax.axvline(thr if not r0.higher_is_better else -thr, color="red", ls="--", lw=0.8)
+        if thr is not None:
+            ax.axvline(thr, color="red", ls="--", lw=0.8)
         ax.set_yticks(range(len(others)))
-        ax.set_yticklabels(others, fontsize=7)
+        ax.set_yticklabels(others if k % ncol == 0 else [""] * len(others), fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{task} · {label}", fontsize=9)
-        ax.set_xlabel(f"{unit} vs {cmp.baseline}", fontsize=8)
+        ax.set_xlabel(f"{unit} vs baseline", fontsize=8)
         ax.grid(alpha=0.3, axis="x")
     for k in range(len(panels), nrow * ncol):
         axes[k // ncol][k % ncol].axis("off")
     fig.suptitle(
-        "Differences from the baseline with 95% paired-bootstrap intervals (red dashed: gate threshold)"
+        "Differences from the baseline with 95% paired-bootstrap intervals "
+        "(red: over the gate, orange: significant, dashed: gate threshold)"
     )
     fig.tight_layout()
     return _png(fig)
