@@ -383,3 +383,12 @@ def test_same_model_folder_under_another_name_is_one_model(tmp_path: Path, data:
     cfg["model"] = "gemma3-270m"  # the short name of the same converted folder
     (other / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert cmpmod.compare_runs([base, other], n_boot=100).model == MODEL
+
+
+def test_small_sample_warning(tmp_path: Path, data: dict) -> None:
+    t = {"gsm8k": gsm8k_records(data["correct"][:5])}
+    write_run(tmp_path, "base", "bf16", t)
+    write_run(tmp_path, "fp8", "fp8_e4m3", t)
+    c = cmpmod.compare_runs([tmp_path], n_boot=100)
+    assert any("only 5 paired samples" in w for w in c.warnings)
+    assert "## Warnings" in render_markdown(c)

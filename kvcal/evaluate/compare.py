@@ -44,6 +44,8 @@ _NON_METRIC_KEYS = {
 _TOKEN_WEIGHTED = {"kl", "top1_agree"}
 # Below this the baseline counts as zero: no relative change, the gate compares absolute differences.
 NEAR_ZERO_BASELINE = 1e-4
+# Below this many paired samples the report warns that the statistics are rough.
+SMALL_N = 20
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -718,6 +720,13 @@ def compare_runs(
             if res:
                 any_common = True
             results.extend(res)
+    for task in base_cfg.tasks:
+        ns = [r.n for r in results if r.task == task and r.key]
+        if ns and min(ns) < SMALL_N:
+            _warn(
+                f"{task}: only {min(ns)} paired samples; bootstrap intervals are too narrow and p-values rough "
+                f"below ~{SMALL_N} (raise --limit)"
+            )
     if len(configs) < 2:
         raise UsageError(
             f"only the baseline ({base_cfg.label}) was given; pass at least one more run directory"

@@ -69,7 +69,7 @@ def _rel(r: MetricResult) -> str:
 def _mdd(r: MetricResult) -> str:
     if not r.higher_is_better and r.mdd_rel is not None:
         return f"{r.mdd_rel:.2%}"
-    return _f(r.mdd) if abs(r.base) <= 1 else _sig(r.mdd)
+    return _f(r.mdd) if (r.higher_is_better and abs(r.base) <= 1) else _sig(r.mdd)
 
 
 def _status(r: MetricResult) -> str:
