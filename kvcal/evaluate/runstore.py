@@ -32,8 +32,9 @@ METRICS = "metrics.json"
 COMPLETE = "COMPLETE"
 TASKS_DIR = "tasks"
 
-# Config keys that do not change what is measured (a rerun with another value is the same run).
-NON_IDENTITY_KEYS = frozenset({"kvcal_version", "run_dir", "scales_path", "scales_note"})
+# Config keys that do not change what is measured (a rerun with another value is the same run). model_dir is where
+# kvcal's cache happens to hold a converted GGUF (its name can change between kvcal versions); `model` names it.
+NON_IDENTITY_KEYS = frozenset({"kvcal_version", "run_dir", "scales_path", "model_dir"})
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
