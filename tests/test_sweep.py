@@ -253,6 +253,7 @@ def test_real_sweep_resume_and_compare(tmp_path: Path, capsys: pytest.CaptureFix
         "scales": ["tensor"],
         "skip_layers": ["none"],
         "calibration": {"num_samples": 4, "seq_len": 32},
+        "max_gen_toks": 7,
     }
     runs = tmp_path / "runs"
     events: list[dict] = []
@@ -261,6 +262,10 @@ def test_real_sweep_resume_and_compare(tmp_path: Path, capsys: pytest.CaptureFix
     assert res["ran"] == 2 and res["calibrated"] == 1
     assert events[-1]["done"] == events[-1]["total"] == 3
     assert (runs / "scales" / "default__fp8_e4m3__tensor.safetensors").is_file()
+    run_cfg = yaml.safe_load(
+        (runs / "tiny_roll" / "model__fp8_e4m3__calib-tensor__skip-none" / "config.yaml").read_text()
+    )
+    assert run_cfg["max_gen_toks"] == 7  # the sweep passes generation caps through to every run
     # the matrix grows (skip the sliding layers too): only the new cells run, the scale file is reused
     conf["skip_layers"] = ["none", "sliding_window"]
     cfg = sweep.parse_sweep_config(conf)

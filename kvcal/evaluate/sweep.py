@@ -37,7 +37,7 @@ from kvcal.io import atomic_write_json, atomic_write_text
 SCALE_VARIANTS = ("uncalibrated", "tensor", "head")
 _TOP_KEYS = {
     "model", "tasks", "formats", "scales", "skip_layers", "calibration", "limit", "num_fewshot", "data_dir",
-    "include_path", "dtype", "device", "impl", "batch_size", "seed", "kl_seq_len", "baseline",
+    "include_path", "dtype", "device", "impl", "batch_size", "seed", "kl_seq_len", "max_gen_toks", "baseline",
 }  # fmt: skip
 _RECIPE_KEYS = {
     "name", "observer", "granularity", "dataset", "num_samples", "seq_len", "seed", "engine", "observer_params",
@@ -83,6 +83,7 @@ class SweepConfig:
     batch_size: int = 1
     seed: int = 0
     kl_seq_len: int | None = None
+    max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     baseline: str = "bf16"
 
     def limit_for(self, task: str) -> int | None:
@@ -312,6 +313,7 @@ def parse_sweep_config(raw: dict[str, Any], base_dir: Path | None = None) -> Swe
         batch_size=int(raw.get("batch_size", 1)),
         seed=int(raw.get("seed", 0)),
         kl_seq_len=raw.get("kl_seq_len"),
+        max_gen_toks=int(raw["max_gen_toks"]) if raw.get("max_gen_toks") is not None else None,
         baseline=str(raw.get("baseline", "bf16")),
     )
 
@@ -611,6 +613,7 @@ def execute_sweep(
         )
         if cfg.kl_seq_len is not None:
             ec.kl_seq_len = int(cfg.kl_seq_len)
+        ec.max_gen_toks = cfg.max_gen_toks
         try:
             run_eval(ec, progress=lambda m, _l=label: step(f"{_l}: {m}", False))
             cell.status = "complete"
@@ -638,7 +641,7 @@ def _config_dict(cfg: SweepConfig) -> dict[str, Any]:
     d: dict[str, Any] = {
         k: getattr(cfg, k)
         for k in ("model", "tasks", "formats", "scales", "skip_layers", "limit", "num_fewshot", "data_dir",
-                  "include_path", "dtype", "device", "impl", "batch_size", "seed", "kl_seq_len", "baseline")
+                  "include_path", "dtype", "device", "impl", "batch_size", "seed", "kl_seq_len", "max_gen_toks", "baseline")
     }  # fmt: skip
     d["calibration"] = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.__dict__.items() if v is not None}
