@@ -236,28 +236,50 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _cached_sha256(path: Path) -> str:
-    """sha256 of a (large) file, remembered by path + size + mtime so repeated resolves are instant."""
+def hash_cache_path() -> Path:
+    """kvcal's one content-hash cache: {absolute path: {size, mtime_ns, sha256}}."""
+    return cache_root() / "file_hashes.json"
+
+
+def cached_sha256(paths: list[Path]) -> list[tuple[str, bool]]:
+    """(sha256, was_cached) per file. Large files (weights, GGUFs) are streamed once and remembered by absolute
+    path while their size and mtime stay the same, so re-verification and re-resolution are instant."""
     import json
 
     from kvcal.io import atomic_write_json
 
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    index_path = cache_root() / "sha256_index.json"
+    index_path = hash_cache_path()
     try:
         index = json.loads(index_path.read_text()) if index_path.is_file() else {}
     except (OSError, ValueError):
         index = {}
-    if key in index:
-        return str(index[key])
-    digest = sha256_file(path)
-    index[key] = digest
-    try:
-        atomic_write_json(index_path, index)
-    except OSError:
-        pass  # a read-only cache only costs a re-hash next time
-    return digest
+    if not isinstance(index, dict):
+        index = {}
+    out: list[tuple[str, bool]] = []
+    for path in paths:
+        st = path.stat()
+        key = str(path.resolve())
+        entry = index.get(key)
+        if (
+            isinstance(entry, dict)
+            and entry.get("size") == st.st_size
+            and entry.get("mtime_ns") == st.st_mtime_ns
+        ):
+            out.append((str(entry["sha256"]), True))
+            continue
+        digest = sha256_file(path)
+        index[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+        out.append((digest, False))
+    if not all(hit for _, hit in out):
+        try:
+            atomic_write_json(index_path, index, indent=1)
+        except OSError:
+            pass  # a read-only cache only costs a re-hash next time
+    return out
+
+
+def _cached_sha256(path: Path) -> str:
+    return cached_sha256([path])[0][0]
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

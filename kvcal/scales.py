@@ -34,8 +34,9 @@ import torch
 
 from kvcal import __version__
 from kvcal.errors import KvcalError, UsageError
-from kvcal.io import atomic_write_json, atomic_write_with
-from kvcal.models import KVSpec, kv_spec, load_config
+from kvcal.io import atomic_write_with
+from kvcal.models import KVSpec, cached_sha256, kv_spec, load_config
+from kvcal.models import sha256_file as file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_CHUNK = 8 << 20  # bytes per read when hashing weights
 
 
 @dataclass
@@ -344,48 +344,7 @@ def load_scale_file(path: str | os.PathLike[str]) -> ScaleSet:
     return ss
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file, streamed (e.g. to record which scale file a run used)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ----------------------------------------------------------------------------------------------- binding
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVCAL_CACHE") or Path.home() / ".cache" / "kvcal")
-
-
-def hash_cache_path() -> Path:
-    return cache_dir() / "file_hashes.json"
-
-
-def _read_hash_cache() -> dict[str, Any]:
-    try:
-        data = json.loads(hash_cache_path().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def cached_file_sha256(path: Path, cache: dict[str, Any]) -> tuple[str, bool]:
-    """(sha256, was_cached). The cache key is the absolute path; an entry is valid while size and mtime match."""
-    st = path.stat()
-    key = str(path.resolve())
-    entry = cache.get(key)
-    if (
-        isinstance(entry, dict)
-        and entry.get("size") == st.st_size
-        and entry.get("mtime_ns") == st.st_mtime_ns
-    ):
-        return str(entry["sha256"]), True
-    digest = file_sha256(path)
-    cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-    return digest, False
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -410,17 +369,9 @@ def compute_binding(model_ref: str, model_dir: str | os.PathLike[str], kv: KVSpe
     weights_list = weight_files(d)
     if not weights_list:
         raise UsageError(f"model folder '{d}' has no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    cache = _read_hash_cache()
-    weights: dict[str, str] = {}
-    misses = 0
-    for wf in weights_list:
-        weights[wf.name], hit = cached_file_sha256(wf, cache)
-        misses += not hit
-    if misses:
-        try:
-            atomic_write_json(hash_cache_path(), cache, indent=1)
-        except OSError as exc:  # a read-only cache only costs time
-            log.warning("cannot write the hash cache %s: %s", hash_cache_path(), exc)
+    weights = {
+        wf.name: digest for wf, (digest, _hit) in zip(weights_list, cached_sha256(weights_list), strict=True)
+    }
     kv_heads = [layer.kv_heads for layer in kv.layers]
     head_dims = [layer.head_dim for layer in kv.layers]
     return {

@@ -11,7 +11,7 @@ export COLUMNS="${COLUMNS:-160}"   # Rich tables: wide enough for the per-layer 
 OUT="${1:-demo-out}"
 KVCAL=.venv/bin/kvcal
 MODEL=gemma3-270m
-LIMIT="${KVCAL_DEMO_LIMIT:-8}"   # KL windows per configuration (256 tokens each)
+LIMIT="${KVCAL_DEMO_LIMIT:-6}"   # KL windows per configuration (128 tokens each; the embedded text has 6)
 mkdir -p "$OUT/runs"
 
 echo "== 1. KV capacity of $MODEL (80 GiB GPU, 8k context; 15 of its 18 layers slide with a 512-token window)"
@@ -29,7 +29,7 @@ fi
 echo "== 3. Evaluate KL vs the BF16 cache (and perplexity) through kvcal's quantized cache, $LIMIT windows each"
 run() { # name, then kvcal eval options
   local name=$1; shift
-  "$KVCAL" eval "$MODEL" --tasks kl --limit "$LIMIT" -o "$OUT/runs/$name" "$@"
+  "$KVCAL" eval "$MODEL" --tasks kl --limit "$LIMIT" --kl-seq-len 128 -o "$OUT/runs/$name" "$@"
 }
 run bf16 --kv-format bf16
 run fp8_e4m3-uncalibrated --kv-format fp8_e4m3

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from kvcal.cli import app
 from kvcal.errors import KvcalError, UsageError
-from kvcal.models import kv_spec, load_config
+from kvcal.models import hash_cache_path, kv_spec, load_config
 from kvcal.scales import (
     CHECKSUM_KEY,
     K_NAME,
@@ -24,7 +24,6 @@ from kvcal.scales import (
     _checksum,
     binding_differences,
     compute_binding,
-    hash_cache_path,
     load_scale_file,
     load_scales_for_model,
     make_scale_set,

@@ -43,7 +43,8 @@ import torch
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.io import atomic_write_text, public_mode
-from kvcal.scales import K_NAME, V_NAME, ScaleSet, file_sha256
+from kvcal.models import sha256_file as file_sha256
+from kvcal.scales import K_NAME, V_NAME, ScaleSet
 
 SCALE_SHARD = "kv_scales.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -302,7 +303,6 @@ def export_sglang(
     if out.is_dir():
         raise UsageError(f"output path '{out}' is a folder; pass a file name like kv_scales.json")
     try:
-
         atomic_write_text(out, json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         raise KvcalError(

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from kvcal import models
 from kvcal.errors import KvcalError, UsageError
-from kvcal.io import atomic_write_json, atomic_write_with
+from kvcal.io import atomic_write_with
 
 KL_VERSION = 1
 DEFAULT_SEQ_LEN = 256
@@ -120,26 +121,12 @@ def make_windows(tokenizer: Any, text: str, seq_len: int, limit: int | None) -> 
 
 
 def cache_root() -> Path:
-    base = os.environ.get("KVCAL_CACHE")
-    return (Path(base) if base else Path.home() / ".cache" / "kvcal") / "kl"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return models.cache_root() / "kl"
 
 
 def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     """sha256 over config.json and every weight file (full content hashes, memoised by path+size+mtime)."""
     root = Path(model_dir)
-    memo_path = cache_root() / "fingerprints.json"
-    try:
-        memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
-    except json.JSONDecodeError:
-        memo = {}
     files = (
         sorted(
             p
@@ -152,18 +139,8 @@ def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     if not files:
         raise KvcalError(f"cannot fingerprint model folder '{root}' (no config.json / weight files)")
     h = hashlib.sha256()
-    changed = False
-    for p in files:
-        st = p.stat()
-        key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-        digest = memo.get(key)
-        if digest is None:
-            digest = _sha256_file(p)
-            memo[key] = digest
-            changed = True
+    for p, (digest, _hit) in zip(files, models.cached_sha256(files), strict=True):
         h.update(f"{p.name}:{digest}\n".encode())
-    if changed:
-        atomic_write_json(memo_path, memo)
     return h.hexdigest()
 
 

@@ -239,8 +239,9 @@ def lm_eval_task_index() -> dict[str, tuple[str, str]]:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("KVCAL_CACHE")
-    return Path(base).expanduser() if base else Path.home() / ".cache" / "kvcal"
+    from kvcal.models import cache_root
+
+    return cache_root()
 
 
 # ---- offline overrides --------------------------------------------------------------------------------------
