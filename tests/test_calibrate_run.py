@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import invoke
 from test_calibrate_helpers import save_tiny, tiny_model
 from transformers import DynamicCache
 
 from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.run import calibrate
-from kvcal.cli import app
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import fake_quantize
 from kvcal.models import load_model
@@ -130,20 +128,6 @@ def test_llmcompressor_default_observer_underestimates_and_show_reveals_it(llama
     assert max(ratios) <= 1 + 1e-6 and min(ratios) < 0.999
     clipped = [st["k_clipped_fraction"] for st in moving.scale_set.layer_stats]
     assert max(clipped) > 0  # the under-estimate is visible in the scale file's statistics
-
-
-def invoke(args: list[str]) -> tuple[int, str, str]:
-    """Run the CLI as the console script does (kvcal's app renders `Error: ...` and exits itself)."""
-    runner = CliRunner()
-    with runner.isolation() as (out, err, _):
-        try:
-            app(args=args, prog_name="kvcal")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 def test_cli_json_and_warning(llama_dir: Path, tmp_path: Path) -> None:

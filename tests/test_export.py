@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import invoke
 
 from kvcal.calibrate.export import (
     INDEX_NAME,
@@ -21,7 +20,6 @@ from kvcal.calibrate.export import (
     export_vllm,
     quantization_config,
 )
-from kvcal.cli import app
 from kvcal.errors import KvcalError, UsageError
 from kvcal.models import kv_spec, load_config
 from kvcal.scales import K_NAME, compute_binding, make_scale_set, save_scale_file
@@ -230,19 +228,6 @@ def test_sglang_json(tiny_model: Path, tmp_path: Path) -> None:
     assert reduced["1"] == max(head.k_scales[1].max().item(), head.v_scales[1].max().item())
     with pytest.raises(UsageError, match="FP8 E4M3 scales only"):
         export_sglang(scale_set(tiny_model, kv_format="fp8_e5m2"), tiny_model, tmp_path / "e5m2.json")
-
-
-def invoke(args: list[str]) -> tuple[int, str, str]:
-    runner = CliRunner()
-    with runner.isolation() as (out, err, _):
-        try:
-            app(args=args, prog_name="kvcal")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 def test_cli_export(tiny_model: Path, tmp_path: Path) -> None:

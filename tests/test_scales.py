@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import invoke
 
-from kvcal.cli import app
 from kvcal.errors import KvcalError, UsageError
 from kvcal.models import hash_cache_path, kv_spec, load_config
 from kvcal.scales import (
@@ -372,20 +370,6 @@ def test_load_scales_for_model(tiny_model: Path, tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- CLI
-
-
-def invoke(args: list[str]) -> tuple[int, str, str]:
-    """Run the CLI the way the console script does (kvcal's app renders `Error: ...` itself)."""
-    runner = CliRunner()
-    with runner.isolation() as (out, err, _):
-        try:
-            app(args=args, prog_name="kvcal")
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 def test_cli_show_verify(tiny_model: Path, tmp_path: Path) -> None:
