@@ -88,6 +88,14 @@ def _md_escape(s: str) -> str:
     return s.replace("|", "\\|")
 
 
+def _by_metric(task_results: list[MetricResult]) -> list[tuple[str, list[MetricResult]]]:
+    """One task's results grouped by metric label, in first-seen order (the order compare produced)."""
+    groups: dict[str, list[MetricResult]] = {}
+    for r in task_results:
+        groups.setdefault(r.label, []).append(r)
+    return list(groups.items())
+
+
 def render_markdown(cmp: Comparison) -> str:
     """The report as Markdown."""
     gate = "PASSED" if not cmp.failures else f"FAILED ({len(cmp.failures)} regression(s))"
@@ -136,12 +144,7 @@ def render_markdown(cmp: Comparison) -> str:
             continue
         add(f"## {task}")
         add("")
-        labels: list[str] = []
-        for r in task_results:
-            if r.label not in labels:
-                labels.append(r.label)
-        for metric_label in labels:
-            rows = [r for r in task_results if r.label == metric_label]
+        for metric_label, rows in _by_metric(task_results):
             r0 = rows[0]
             direction = "higher is better" if r0.higher_is_better else "lower is better"
             key = "key metric" if r0.key else "secondary"
@@ -404,12 +407,7 @@ def render_html(cmp: Comparison) -> str:
         if not task_results:
             continue
         add(f"<h2>{e(task)}</h2>")
-        labels: list[str] = []
-        for r in task_results:
-            if r.label not in labels:
-                labels.append(r.label)
-        for metric_label in labels:
-            rows = [r for r in task_results if r.label == metric_label]
+        for metric_label, rows in _by_metric(task_results):
             r0 = rows[0]
             direction = "higher is better" if r0.higher_is_better else "lower is better"
             add(f"<h3>{e(task)} · <code>{e(metric_label)}</code> <span class='note'>({direction}; "
