@@ -1,8 +1,7 @@
-"""Evaluation: the lm-eval adapter (`kvcal` model), tasks (+ kvcal's kl), the run directory, and (engineer E's)
-sweep, statistics and comparison reports.
+"""Evaluation: the lm-eval adapter (`kvcal` model), tasks (+ kvcal's kl), the run directory store and `run_eval`.
 
-`from kvcal.evaluate import EvalConfig, run_eval, run_dir_name` — loaded lazily so that importing
-kvcal.evaluate.compare (no torch, no lm-eval) stays cheap.
+`from kvcal.evaluate import EvalConfig, run_eval, run_dir_name` is loaded lazily so that importing a submodule
+(tasks, runstore) does not import torch or lm-eval.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from kvcal.cli._app import app, console, err_console, print_json, warn
+from kvcal.commands._app import app, console, err_console, print_json, warn
 
 PHASES = {
     "load": "loading model",

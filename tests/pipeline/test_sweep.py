@@ -153,7 +153,7 @@ def test_bad_sweep_configs(tmp_path: Path) -> None:
 
 
 def test_shipped_configs_parse() -> None:
-    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("sweep*.yaml"))
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("sweep*.yaml"))
     assert len(configs) >= 2
     for p in configs:
         cfg = sweep.load_sweep_config(p)
@@ -276,7 +276,7 @@ def test_real_sweep_resume_and_compare(tmp_path: Path, capsys: pytest.CaptureFix
     assert (runs / "tiny_roll" / "model__fp8_e4m3__calib-tensor__skip-sliding_window" / "COMPLETE").is_file()
     assert sweep.plan_sweep(cfg, runs).todo == []
     # compare the sweep's RUNS_DIR directly
-    from kvcal.evaluate.compare import compare_runs
+    from kvcal.report.compare import compare_runs
 
     cmp = compare_runs([runs], n_boot=200)
     assert cmp.baseline == "model__bf16__none__skip-none"

@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from kvcal.capacity import GIB, model_capacity
-from kvcal.cli._app import app, console, print_json
+from kvcal.commands._app import app, console, print_json
 from kvcal.formats import FORMATS
 
 

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from kvcal.errors import UsageError  # noqa: E402
 from kvcal.evaluate import tasks as T  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 WIKI_ROWS = [
     "",

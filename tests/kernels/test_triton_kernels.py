@@ -263,7 +263,7 @@ def test_bench_cpu_part_runs(tmp_path) -> None:
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "attention.py"
     spec = importlib.util.spec_from_file_location("kvcal_bench_attention", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvcal.cli._app import app, console, err_console, print_json, warn
+from kvcal.commands._app import app, console, err_console, print_json, warn
 from kvcal.io import atomic_write_text
 
 
@@ -41,8 +41,8 @@ def compare_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable verdicts on stdout."),
 ) -> None:
     from kvcal.errors import UsageError
-    from kvcal.evaluate.compare import compare_runs
-    from kvcal.evaluate.report import render_html, render_markdown
+    from kvcal.report.compare import compare_runs
+    from kvcal.report.render import render_html, render_markdown
 
     if bootstrap < 100:
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
@@ -109,7 +109,7 @@ def sweep_cmd(
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvcal.evaluate.sweep import execute_sweep, load_sweep_config, plan_sweep
+    from kvcal.pipeline.sweep import execute_sweep, load_sweep_config, plan_sweep
 
     cfg = load_sweep_config(config)
     plan = plan_sweep(cfg, output)

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from kvcal.cli._app import app, console, print_json, warn
+from kvcal.commands._app import app, console, print_json, warn
 from kvcal.errors import KvcalError, UsageError
 
 

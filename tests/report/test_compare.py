@@ -18,7 +18,7 @@ import yaml
 from kvcal.cli import app
 from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate import compare as cmpmod
-from kvcal.evaluate.report import render_markdown
+from kvcal.report.render import render_markdown
 
 MODEL = "/models/gemma3-270m"
 

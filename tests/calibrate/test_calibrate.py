@@ -201,7 +201,7 @@ def test_non_finite_activations_name_the_layer(tmp_path: Path) -> None:
 
 
 def test_sensitivity_isolates_one_layer(llama_dir: Path, tmp_path: Path) -> None:
-    from kvcal.calibrate.sensitivity import layer_sensitivity, sensitivity
+    from kvcal.pipeline.sensitivity import layer_sensitivity, sensitivity
     from kvcal.formats import get_format
     from kvcal.models import kv_spec
 

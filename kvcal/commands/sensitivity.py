@@ -8,8 +8,8 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from kvcal.cli._app import app, console, print_json, warn
-from kvcal.cli.calibrate import _ProgressRenderer
+from kvcal.commands._app import app, console, print_json, warn
+from kvcal.commands.calibrate import _ProgressRenderer
 
 
 @app.command("sensitivity")
@@ -33,7 +33,7 @@ def sensitivity_cmd(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
 ) -> None:
     """Quantize one layer's KV cache at a time; report each layer's KL damage and which layers to skip."""
-    from kvcal.calibrate.sensitivity import sensitivity
+    from kvcal.pipeline.sensitivity import sensitivity
 
     with _ProgressRenderer(enabled=not json_out) as progress:
         report = sensitivity(

@@ -1,6 +1,6 @@
 """The Typer app and the helpers every command module shares: error rendering, JSON output, consoles.
 
-Command modules (`kvcal/cli/<area>.py`) import `app` from here and register their commands; they parse,
+Command modules (`kvcal/commands/<area>.py`, assembled by kvcal/cli.py) import `app` from here and register their commands; they parse,
 call the library, render — nothing else.
 """
 

@@ -32,7 +32,7 @@ import numpy as np
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate import stats
+from kvcal.report import stats
 
 # Metrics where lower is better (lm-eval's own higher_is_better flags in results.json take precedence).
 LOWER_IS_BETTER = {"word_perplexity", "byte_perplexity", "bits_per_byte", "perplexity", "kl", "nll", "ppl"}

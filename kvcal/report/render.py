@@ -10,7 +10,7 @@ import math
 from datetime import UTC, datetime
 
 from kvcal import __version__
-from kvcal.evaluate.compare import Comparison, MetricResult
+from kvcal.report.compare import Comparison, MetricResult
 
 
 def _f(x: float | None, digits: int = 3) -> str:

@@ -1,4 +1,4 @@
-"""kvcal.evaluate.stats against known answers: coverage of the paired bootstrap, McNemar's exact p, MDD power."""
+"""kvcal.report.stats against known answers: coverage of the paired bootstrap, McNemar's exact p, MDD power."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from kvcal.evaluate import stats
+from kvcal.report import stats
 
 
 def test_paired_bootstrap_covers_planted_difference_at_stated_rate() -> None:
