@@ -1,0 +1,100 @@
+"""The run-directory format: file names and the one `RunConfig` that config.yaml holds (docs/run-directory.md).
+
+`kvcal eval` writes it (kvcal.evaluate.run), the run store hashes it to recognise a rerun (kvcal.evaluate.runstore),
+sweeps match cells against it (kvcal.pipeline.sweep) and reports read it back (kvcal.report.runs). Keeping the
+fields in one dataclass is what stops the writer and the readers from drifting apart.
+
+RUN_DIR/
+  config.yaml            RunConfig.to_dict() (written first; its identity hash names the run)
+  env.json               versions, device, kvcal git revision
+  tasks/<task>.json      one finished task: lm-eval's results dict for that task alone (resume skips it)
+  samples_<task>.jsonl   per-sample records (lm-eval's --log_samples records; kvcal's kl: one per window)
+  results.json           lm-eval's results dict, merged over the tasks
+  metrics.json           wall time, tokens/s, peak memory, cache bytes per token, capacity multiplier
+  COMPLETE               written last: {"finished": ..., "config_hash": ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Version of the config.yaml schema. 1: kvcal 0.1 (no `run_format` key); 2: `run_format` recorded.
+RUN_FORMAT = 2
+
+CONFIG = "config.yaml"
+ENV = "env.json"
+RESULTS = "results.json"
+METRICS = "metrics.json"
+COMPLETE = "COMPLETE"
+TASKS_DIR = "tasks"
+
+# Fields that do not change what is measured (a rerun with another value is the same run). model_dir is where
+# kvcal's cache happens to hold a converted GGUF (its name can change between kvcal versions); `model` names it.
+NON_IDENTITY_KEYS = frozenset({"kvcal_version", "run_dir", "scales_path", "model_dir", "run_format"})
+
+
+def samples_file(task: str) -> str:
+    return f"samples_{task}.jsonl"
+
+
+@dataclass
+class RunConfig:
+    """What one run measured, as config.yaml records it. `scales` is None for an uncalibrated / dynamic run,
+    else {"sha256", "granularity", "observer", "binding_differences"[, "WARNING"]}."""
+
+    model: str
+    model_dir: str
+    kv_format: str
+    tasks: list[str]
+    scales_path: str | None = None
+    scales: dict[str, Any] | None = None
+    force_scales: bool = False
+    skip_layers: str = ""
+    skip_layer_indices: list[int] = field(default_factory=list)
+    include_path: str | None = None
+    limit: int | None = None
+    num_fewshot: int | None = None
+    data_dir: str | None = None
+    impl: str = "auto"
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_size: int = 1
+    seed: int = 0
+    kl_seq_len: int | None = None
+    max_gen_toks: int | None = None
+    kvcal_version: str = ""
+    run_format: int = RUN_FORMAT
+    # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        """Read a config.yaml mapping; a file without `run_format` is format 1 (kvcal 0.1), same fields."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in raw.items() if k in names}
+        known.setdefault("run_format", 1)
+        for required in ("model", "kv_format"):
+            if required not in known:
+                raise ValueError(f"config.yaml has no '{required}'")
+        known.setdefault("model_dir", "")
+        known.setdefault("tasks", [])
+        return cls(**known, extra={k: v for k, v in raw.items() if k not in names})
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that decide what is measured (what the run hash covers)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NON_IDENTITY_KEYS}
+
+    @property
+    def calibrated(self) -> bool:
+        return self.scales is not None or bool(self.scales_path)
+
+    @property
+    def scales_granularity(self) -> str | None:
+        return str(self.scales.get("granularity")) if self.scales and self.scales.get("granularity") else None
