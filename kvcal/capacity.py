@@ -4,9 +4,8 @@ bytes/token = sum over layers of 2 (K and V) x kv_heads x head_dim x bits/8, wit
 `kvcal.formats` (codes + block scales: fp8 8, int8 8 + 32/head_dim, nvfp4 / fp4_e2m1 4.5, mxfp4 4.25),
 skipped layers (--skip-layers) at 16 bits, and — when a context length N is given — each sliding-window layer
 weighted by min(N, window) / N (it holds at most `window` tokens of a sequence of N). Per-tensor / per-head
-scales are a few bytes per layer, not per token, and are not counted. `auto` is counted at 16 bits: what an
-engine stores for `--kv-cache-dtype auto` (vLLM's `--dtype auto` serves a float32 checkpoint, such as a converted
-GGUF, in 16 bits).
+scales are a few bytes per layer, not per token, and are not counted. `auto` is the model's serving dtype, 16
+bits (see kv_bytes_per_token). `kvcal capacity` and every run's metrics.json (`run_capacity`) count the same way.
 
 tokens that fit = (GPU memory - weights) / bytes per token; weights from the checkpoint's files (.safetensors,
 else .bin/.pt/.pth, or the .gguf file) unless given. Nothing here loads weights.
@@ -21,7 +20,7 @@ from typing import Any
 
 from kvcal.errors import UsageError
 from kvcal.formats import FORMATS, KVFormat, get_format
-from kvcal.models import SLIDING, KVSpec, is_gguf, kv_spec, load_config, parse_skip_layers
+from kvcal.models import SLIDING, KVSpec, is_gguf, kv_spec, load_config, parse_skip_layers, resolve_real_name
 
 GIB = 2**30
 _WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",))
@@ -34,7 +33,12 @@ def kv_bytes_per_token(
     context: int | None = None,
     auto_bits: int = 16,
 ) -> float:
-    """Cache bytes per token over all layers (see the module docstring); `auto_bits`: what `auto` stores."""
+    """Cache bytes per token over all layers (see the module docstring).
+
+    `auto` (the engine keeps K/V in the dtype it serves the model in) is counted at `auto_bits` = 16: engines
+    serve in 16 bits whatever the checkpoint stores (vLLM's `--dtype auto` serves float32 and float16
+    checkpoints in float16, bfloat16 ones in bfloat16), so a float32 checkpoint such as a converted GGUF, evaluated
+    in float32 by `kvcal eval`, is still counted as the 16-bit cache it gets in serving."""
     f = get_format(fmt)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens, got {context}")
@@ -135,13 +139,18 @@ def capacity_table(
     }
 
 
-def resolve_model_ref(model: str) -> str:
-    """'smollm2' / 'gemma3-270m' (kvcal's installed real models) -> their GGUF path; anything else unchanged."""
-    from kvcal.models import REAL_MODELS, real_model
-
-    if model in REAL_MODELS and not Path(model).exists():
-        return real_model(model)
-    return model
+def run_capacity(
+    kv: KVSpec, fmt: str | KVFormat, skip_layers: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """What a run's metrics.json records about its cache: `kvcal capacity`'s numbers for one format without
+    --context (no sliding-window discount: the longest-context view)."""
+    row = capacity_table(kv, [fmt], skip_layers)["formats"][0]
+    return {
+        "bytes_per_token": row["bytes_per_token"],
+        "bf16_bytes_per_token": kv_bytes_per_token(kv, "bf16"),
+        "capacity_multiplier_vs_bf16": row["multiplier_vs_bf16"],
+        "bits_per_element": row["bits_per_element"],
+    }
 
 
 def model_capacity(
@@ -154,7 +163,7 @@ def model_capacity(
 ) -> dict[str, Any]:
     """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only."""
     fmts = [get_format(f) for f in formats] if formats else None  # unknown names fail before any file is read
-    ref = resolve_model_ref(model)
+    ref = resolve_real_name(model)
     kv = kv_spec(load_config(ref))
     skip = parse_skip_layers(skip_layers, kv)
     wbytes: float | None = None

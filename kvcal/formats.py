@@ -5,15 +5,23 @@ Every K or V tensor is `x: [..., D]` (in the cache layout `[B, H_kv, T, D]`, D =
 All arithmetic is float32 (float64 input is first clamped to the float32 range), vectorised, deterministic, and
 saturating: a finite input never becomes NaN/Inf, also for +-1e30 and all-zero blocks.
 
+Non-finite input (fp16/bf16 overflow upstream): every scale (per block, per token, per sequence) is computed over
+the FINITE values only, so a NaN or Inf never changes how its neighbours are stored. +-Inf saturates like any value
+beyond the range (to the largest magnitude its scale represents; 0 in an otherwise all-zero block). NaN stays NaN
+through quantize -> dequantize in every format: fp8 and bf16 store their own NaN; int8 stores the code -128, which
+the symmetric +-127 grid never uses; the E2M1 formats store the code 8 (the bit pattern of -0), which quantize never
+writes for a number (a value that rounds to zero is stored as +0). No engine defines these two markers: an engine's
+int8/E2M1 cache has no NaN and would store some finite code — kvcal keeps the NaN so that evaluation sees it.
+
 Storage layout (kernels read these; do not change without changing them)
 -------------------------------------------------------------------------
 | format | `codes` | `block_scales` | `scale` |
 |---|---|---|---|
 | auto | x itself | None | None |
 | bf16 | bfloat16 [..., D] | None | None |
-| fp8_e4m3 / fp8_e5m2 | float8_e4m3fn / float8_e5m2 [..., D] | None | fp32 0-d or [H_kv] (dim 1) |
-| int8_per_token_head | int8 [..., D] | fp32 [..., 1] (amax/127) | None |
-| nvfp4 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d or [H_kv] global |
+| fp8_e4m3 / fp8_e5m2 | float8_e4m3fn / float8_e5m2 [..., D] | None | fp32 0-d, [H_kv] (dim 1) or [B, 1, 1, 1] |
+| int8_per_token_head | int8 [..., D] (-128 = NaN) | fp32 [..., 1] (amax/127) | None |
+| nvfp4 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d, [H_kv] or [B, 1, 1, 1] global |
 | fp4_e2m1 | uint8 [..., D//2] | uint8 E8M0 [..., D//16] | None |
 | mxfp4 | uint8 [..., D//2] | uint8 E8M0 [..., D//32] | None |
 
@@ -21,8 +29,12 @@ Dequantization: fp8 `codes * scale`; int8 `codes * block_scales`; nvfp4 `e2m1(co
 (the product in fp32); fp4_e2m1 / mxfp4 `e2m1(code) * 2**(byte - 127)`. Block b covers elements
 `[b*block, (b+1)*block)` of the last dim.
 
+A `scale` of shape [B, 1, 1, 1] is one scale per sequence (row of dim 0) of a [B, H_kv, T, D] tensor: nvfp4's
+dynamic global scale (`nvfp4_dynamic_global`) and what the cache stores when each sequence fixes its own.
+
 E2M1 code (4 bits): bit 3 = sign, bits 0-2 index the magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) — the standard
-E2M1 encoding (2 exponent bits, 1 mantissa bit, bias 1); code c decodes to `E2M1_VALUES[c]` (code 8 = -0.0).
+E2M1 encoding (2 exponent bits, 1 mantissa bit, bias 1); code c decodes to `E2M1_VALUES[c]`, except that kvcal
+reads code 8 (the -0 pattern) as NaN (see above).
 Packing (`pack_fp4`): byte j of the last dim holds element 2j in its LOW nibble and element 2j+1 in its HIGH
 nibble: `byte = codes[..., 0::2] | (codes[..., 1::2] << 4)` — the order SGLang's KVFP4QuantizeUtil and
 compressed-tensors' `pack_fp4_to_uint8` use. E8M0 byte e means 2**(e - 127) (OCP MX v1.0; 255 = NaN is never
@@ -35,17 +47,21 @@ Rounding and scales per format
 - int8_per_token_head: symmetric, scale = amax/127 over D per (token, KV head) in fp32, codes
   `round_half_even(x / scale)` clamped to +-127 (vLLM `int8_per_token_head`). An all-zero row stores scale 0.
 - nvfp4: global scale g (fp32, multiplicative: x ~ e2m1 * block_scale * g), default dynamic
-  `amax(x) / (448 * 6)` over the whole tensor passed in (per call). Block scale = `e4m3(clamp(block_amax / (6 g),
-  max=448))` (RNE cast); elements = RNE to E2M1 of `x / (block_scale * g)`, saturating at +-6. compressed-tensors /
-  vLLM store the RECIPROCAL: `global_scale_ct = 448 * 6 / amax = 1 / g` and a block scale `e4m3(global_scale_ct *
+  `amax / (448 * 6)` (`nvfp4_dynamic_global`): per sequence (dim 0) for a 4-D [B, H_kv, T, D] tensor, over the
+  whole tensor otherwise, so a sequence's codes never depend on the other sequences of its batch. Block scale =
+  `e4m3(clamp(block_amax / (6 g), max=448))` (RNE cast); elements = RNE to E2M1 of `x / (block_scale * g)`,
+  saturating at +-6. compressed-tensors / vLLM store the RECIPROCAL: `global_scale_ct = 448 * 6 / amax = 1 / g` and a block scale `e4m3(global_scale_ct *
   block_amax / 6)`, dequantizing with `block_scale / global_scale_ct`; the two agree bit for bit when g is a power
   of two and to within float32 rounding of the scale otherwise (tests/test_formats_peer.py). A block whose scale
   rounds to 0 stores codes 0 (compressed-tensors substitutes 0.125 for a zero scale; the values are 0 either way).
+  vLLM's NVFP4 cache uses g = its k_scale / v_scale: the checkpoint's, else 1.0 (the cache's default policy,
+  `kvcal.kernels.cache`).
 - fp4_e2m1: reproduces SGLang's `KVFP4QuantizeUtil._batched_quantize_standard` (sgl-project/sglang,
   python/sglang/srt/layers/quantization/kvfp4_tensor.py): 16-element blocks, `scale_exp = ceil(log2(clamp(
   block_amax / 6, min=1e-10)))` stored as the UE8M0 byte `scale_exp + 127` (an all-zero block gets -33);
   `scaled = x / 2**scale_exp`; sign bit `scaled < 0`; magnitude code = `sum(|scaled| >= (0.25, 0.75, 1.25, 1.75,
   2.5, 3.5, 5))`, i.e. E2M1 ties round AWAY from zero (RNE would send 0.25, 1.25, 2.5 and 5 down); same packing.
+  The one difference: SGLang writes code 8 (-0) for a small negative value, kvcal code 0 (+0), same value.
   kvcal computes in float32. SGLang's function is `@torch.compile`d, and Inductor computes that pointwise chain in
   float32 for bf16 input too, so the results agree bit for bit (checked against torch.compile of the transcribed
   function on CPU, bf16 input); SGLang's code run EAGERLY on bf16 would round block_amax/6 and its log2 to bf16 and
@@ -75,9 +91,12 @@ __all__ = [
     "e8m0_to_float",
     "exp2_int",
     "fake_quantize",
+    "finite_abs",
     "format_names",
     "get_format",
+    "nvfp4_dynamic_global",
     "pack_fp4",
+    "parse_kv_format",
     "quantize",
     "unpack_fp4",
 ]
@@ -86,12 +105,14 @@ FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 INT8_MAX = 127.0
+INT8_NAN = -128  # int8 code kvcal reads as NaN (the symmetric grid is +-127)
+E2M1_NAN = 8  # E2M1 code kvcal reads as NaN (the -0 pattern; quantize writes +0 for zero)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 F32_MAX = float(torch.finfo(torch.float32).max)
 
-# Index = 4-bit E2M1 code (bit 3 sign).
+# Index = 4-bit E2M1 code (bit 3 sign); code 8 (-0 in standard E2M1) is kvcal's NaN marker.
 E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, float("nan"), -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float32,
 )
 # Midpoints between consecutive E2M1 magnitudes; bound i separates magnitude code i from i+1.
@@ -108,7 +129,7 @@ def _const(name: str, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class KVFormat:
-    """One KV-cache format of the DESIGN.md table."""
+    """One KV-cache format of the docs/formats.md table."""
 
     name: str  # canonical
     aliases: tuple[str, ...]
@@ -189,6 +210,13 @@ def get_format(name: str | KVFormat) -> KVFormat:
     return fmt
 
 
+def parse_kv_format(name: str | None) -> str:
+    """Canonical format name ('auto' for empty / auto); UsageError listing the valid names otherwise."""
+    if name is None or str(name).strip().lower() in ("", "auto"):
+        return "auto"
+    return get_format(str(name)).name
+
+
 def bits_per_element(fmt: str | KVFormat, head_dim: int, model_bits: int = 16) -> float:
     return get_format(fmt).bits_per_element(head_dim, model_bits)
 
@@ -218,7 +246,8 @@ def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
     """4-bit E2M1 codes (uint8, one per element) of already-scaled values y; saturates at +-6.
 
     ties='even': round to nearest, ties to even mantissa (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4).
-    ties='away': ties away from zero, SGLang's `sum(|y| >= bounds)` rule."""
+    ties='away': ties away from zero, SGLang's `sum(|y| >= bounds)` rule. A value that rounds to zero gets code 0
+    (+0, whatever its sign); NaN gets E2M1_NAN (8); +-Inf saturates to +-6."""
     if ties not in ("even", "away"):
         raise ValueError(f"ties must be 'even' or 'away', not {ties!r}")
     a = y.abs().float()
@@ -228,12 +257,12 @@ def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
     mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
     for i, b in enumerate(E2M1_MIDPOINTS):
         mag += (a >= b) if (ties == "away" or i % 2 == 1) else (a > b)
-    sign = (y < 0).to(torch.uint8) << 3
-    return sign | mag
+    sign = ((y < 0) & (mag > 0)).to(torch.uint8) << 3
+    return torch.where(torch.isnan(y), E2M1_NAN, sign | mag).to(torch.uint8)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of 4-bit E2M1 codes (uint8, low 4 bits used)."""
+    """float32 values of 4-bit E2M1 codes (uint8, low 4 bits used); code 8 is NaN."""
     return _const("values", codes.device)[(codes & 0x0F).long()]
 
 
@@ -270,34 +299,43 @@ def _as_f32(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise UsageError(f"KV tensors must be floating point, got {x.dtype}")
     if x.dtype == torch.float64:
-        x = x.clamp(-F32_MAX, F32_MAX)  # so float64 input cannot overflow to inf
+        x = x.clamp(-F32_MAX, F32_MAX)  # so float64 input cannot overflow to inf (NaN stays NaN)
     return x.float()
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN and +-Inf replaced by 0: what every scale is computed from (see the module docstring)."""
+    a = x.abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
 
 
 def _static_scale(
     scale: float | torch.Tensor | None, x: torch.Tensor, default: float | None
 ) -> torch.Tensor | None:
-    """A user scale as fp32 0-d or [H_kv]; validated finite and positive (on CPU, to avoid a device sync)."""
+    """A user scale as fp32 0-d, [H_kv] or [B, 1, 1, 1]; validated finite and positive (on CPU, to avoid a
+    device sync)."""
     if scale is None:
         return None if default is None else torch.tensor(default, dtype=torch.float32, device=x.device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if s.numel() == 1:
         s = s.reshape(())
+    elif s.dim() == 4 and x.dim() == 4 and s.shape[0] == x.shape[0] and s.shape[1:] == (1, 1, 1):
+        pass  # one scale per sequence
     elif s.dim() != 1 or x.dim() < 3 or x.shape[1] != s.numel():
         raise UsageError(
-            f"a per-head scale of shape {tuple(s.shape)} does not fit K/V of shape {tuple(x.shape)}: "
-            "it must be [H_kv] for x [B, H_kv, T, D]"
+            f"a scale of shape {tuple(s.shape)} does not fit K/V of shape {tuple(x.shape)}: it must be one "
+            "number, [H_kv] (per KV head) or [B, 1, 1, 1] (per sequence) for x [B, H_kv, T, D]"
         )
     if s.device.type == "cpu" and not bool(torch.isfinite(s).all() and (s > 0).all()):
         raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
     return s
 
 
-def _bcast(s: torch.Tensor, ndim: int, extra: int = 0) -> torch.Tensor:
-    """fp32 0-d or [H] scale -> broadcastable along dim 1 of an ndim-D tensor (+`extra` trailing dims)."""
-    if s.dim() == 0:
+def _bcast(s: torch.Tensor, ndim: int) -> torch.Tensor:
+    """fp32 0-d, [H] or [B, 1, 1, 1] scale -> broadcastable against an ndim-D tensor [B, H, ...]."""
+    if s.dim() in (0, ndim):
         return s
-    return s.reshape((1, -1) + (1,) * (ndim - 2 + extra))
+    return s.reshape((1, -1) + (1,) * (ndim - 2))
 
 
 def _blocks(xf: torch.Tensor, block: int) -> torch.Tensor:
@@ -307,11 +345,91 @@ def _blocks(xf: torch.Tensor, block: int) -> torch.Tensor:
     return xf.unflatten(-1, (d // block, block))  # [..., D/block, block]
 
 
+def nvfp4_dynamic_global(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """nvfp4's dynamic global scale `amax / (448 * 6)` over the finite values of x, fp32.
+
+    x: [B, H_kv, T, D] -> one scale per sequence, [B, 1, 1, 1]; any other rank -> one 0-d scale. `valid`: [B, T]
+    bool (True = a real token) leaves padding out of the amax. A sequence with no finite nonzero value gets 1.0
+    (any scale stores its zeros exactly)."""
+    a = finite_abs(_as_f32(x))
+    if x.dim() != 4:
+        amax = a.amax() if a.numel() else a.new_zeros(())
+    else:
+        if valid is not None:
+            a = a * valid.to(device=a.device, dtype=a.dtype)[:, None, :, None]
+        amax = a.amax(dim=(1, 2, 3), keepdim=True) if a[0].numel() else a.new_zeros(x.shape[0], 1, 1, 1)
+    g = amax / (FP8_E4M3_MAX * E2M1_MAX)
+    return torch.where(g > 0, g, torch.ones_like(g))
+
+
+def _quantize_fp8(xf: torch.Tensor, f: KVFormat, scale: float | torch.Tensor | None) -> QTensor:
+    s = _static_scale(scale, xf, 1.0)
+    dtype = torch.float8_e4m3fn if f.element == "e4m3" else torch.float8_e5m2
+    m = f.max_value
+    # clamp first: torch's float8 casts do not all saturate (e5m2 overflows to inf); clamp keeps NaN, and the
+    # cast stores it as the format's NaN
+    codes = (xf / _bcast(s, xf.dim())).clamp(-m, m).to(dtype)
+    return QTensor(codes=codes, scale=s)
+
+
+def _quantize_int8(xf: torch.Tensor) -> QTensor:
+    s = finite_abs(xf).amax(dim=-1, keepdim=True) / INT8_MAX  # [..., 1]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round(xf / safe).clamp(-INT8_MAX, INT8_MAX)  # torch.round = half to even; +-Inf -> +-127
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
+    codes = torch.where(torch.isnan(xf), float(INT8_NAN), codes).to(torch.int8)
+    return QTensor(codes=codes, block_scales=s)
+
+
+def _divide_blocks(xb: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """xb [..., nb, bs] / eff [..., nb, 1] in element units; a block of scale 0 (all finite values zero) gives 0,
+    except NaN, which stays NaN."""
+    ok = eff > 0
+    y = xb / torch.where(ok, eff, torch.ones_like(eff))
+    return torch.where(ok, y, torch.where(torch.isnan(xb), xb, torch.zeros_like(xb)))
+
+
+def _quantize_nvfp4(xf: torch.Tensor, scale: float | torch.Tensor | None) -> QTensor:
+    xb = _blocks(xf, 16)  # [..., D/16, 16]
+    bmax = finite_abs(xb).amax(dim=-1)  # [..., D/16]
+    g = _static_scale(scale, xf, None)
+    if g is None:
+        g = nvfp4_dynamic_global(xf)
+    gb = _bcast(g, xf.dim())
+    bs = (bmax / (E2M1_MAX * gb)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # [..., D/16]
+    y = _divide_blocks(xb, (bs.float() * gb).unsqueeze(-1))
+    codes = e2m1_encode(y, ties="even")
+    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
+
+
+def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:
+    # SGLang KVFP4QuantizeUtil.batched_quantize, float32
+    xb = _blocks(xf, 16)
+    bmax = finite_abs(xb).amax(dim=-1)  # [..., D/16]
+    scale_exp = torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))  # [..., D/16]
+    y = xb / exp2_int(scale_exp).unsqueeze(-1)
+    codes = e2m1_encode(y, ties="away")
+    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=(scale_exp + 127).to(torch.uint8))
+
+
+def _quantize_mxfp4(xf: torch.Tensor) -> QTensor:
+    # OCP MX v1.0 shared exponent floor(log2(amax)) - emax_elem, exact via frexp (amax = m * 2**e, m in [0.5, 1)
+    # -> floor(log2(amax)) = e - 1)
+    xb = _blocks(xf, 32)
+    bmax = finite_abs(xb).amax(dim=-1)  # [..., D/32]
+    _, e = torch.frexp(bmax)
+    shared = torch.where(bmax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp(-127, 127)
+    y = xb / exp2_int(shared).unsqueeze(-1)
+    codes = e2m1_encode(y, ties="even")
+    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
+
+
 def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor | None = None) -> QTensor:
     """Quantize x: [..., D] (cache layout [B, H_kv, T, D]) to `fmt`'s storage layout.
 
-    `scale`: fp8_* — the static scale (x ~ codes * scale), float / 0-d / [H_kv] along dim 1, default 1.0;
-    nvfp4 — the global scale (same shapes), default dynamic amax(x)/(448*6); other formats ignore it."""
+    `scale`: fp8_* — the static scale (x ~ codes * scale): float / 0-d / [H_kv] along dim 1 / [B, 1, 1, 1] per
+    sequence, default 1.0; nvfp4 — the global scale (same shapes), default `nvfp4_dynamic_global(x)`; other
+    formats ignore it."""
     f = get_format(fmt)
     if f.element == "auto":
         return QTensor(codes=x)
@@ -319,47 +437,14 @@ def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor |
     if f.element == "bf16":
         return QTensor(codes=xf.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16))
     if f.element in ("e4m3", "e5m2"):
-        s = _static_scale(scale, x, 1.0)
-        dtype = torch.float8_e4m3fn if f.element == "e4m3" else torch.float8_e5m2
-        m = f.max_value
-        # clamp first: torch's float8 casts do not all saturate (e5m2 overflows to inf)
-        codes = (xf / _bcast(s, x.dim())).clamp(-m, m).to(dtype)
-        return QTensor(codes=codes, scale=s)
+        return _quantize_fp8(xf, f, scale)
     if f.element == "int8":
-        amax = xf.abs().amax(dim=-1, keepdim=True)  # [..., 1]
-        s = amax / INT8_MAX
-        safe = torch.where(s > 0, s, torch.ones_like(s))
-        codes = torch.round(xf / safe).clamp(-INT8_MAX, INT8_MAX)  # torch.round = half to even
-        codes = torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.int8)
-        return QTensor(codes=codes, block_scales=s)
-    # FP4 formats
-    xb = _blocks(xf, f.block_size)  # [..., D/bs, bs]
-    bmax = xb.abs().amax(dim=-1)  # [..., D/bs]
+        return _quantize_int8(xf)
     if f.name == "nvfp4":
-        g = _static_scale(scale, x, None)
-        if g is None:
-            g = xf.abs().amax() / (FP8_E4M3_MAX * E2M1_MAX)
-            g = torch.where(g > 0, g, torch.ones_like(g))  # all-zero tensor: any scale gives zero codes
-        gb = _bcast(g, x.dim())
-        bs = (bmax / (E2M1_MAX * gb)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # [..., D/16]
-        eff = (bs.float() * gb).unsqueeze(-1)  # [..., D/16, 1]
-        y = torch.where(eff > 0, xb / torch.where(eff > 0, eff, torch.ones_like(eff)), torch.zeros_like(xb))
-        codes = e2m1_encode(y, ties="even")
-        return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
+        return _quantize_nvfp4(xf, scale)
     if f.name == "fp4_e2m1":
-        # SGLang KVFP4QuantizeUtil.batched_quantize, float32
-        scale_exp = torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))  # [..., D/16]
-        byte = (scale_exp + 127).to(torch.uint8)
-        y = xb / exp2_int(scale_exp).unsqueeze(-1)
-        codes = e2m1_encode(y, ties="away")
-        return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=byte)
-    # mxfp4: OCP MX v1.0 shared exponent floor(log2(amax)) - emax_elem, exact via frexp (amax = m * 2**e, m in
-    # [0.5, 1) -> floor(log2(amax)) = e - 1)
-    _, e = torch.frexp(bmax)
-    shared = torch.where(bmax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp(-127, 127)  # [..., D/32]
-    y = xb / exp2_int(shared).unsqueeze(-1)
-    codes = e2m1_encode(y, ties="even")
-    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
+        return _quantize_fp4_e2m1(xf)
+    return _quantize_mxfp4(xf)
 
 
 def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -373,7 +458,8 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
         s = q.scale if q.scale is not None else torch.tensor(1.0, device=c.device)
         return _to(c.float() * _bcast(s.float(), c.dim()), dtype)
     if f.element == "int8":
-        return _to(c.float() * q.block_scales, dtype)
+        y = c.float() * q.block_scales
+        return _to(torch.where(c == INT8_NAN, float("nan"), y), dtype)
     vals = e2m1_decode(unpack_fp4(c)).unflatten(-1, (-1, f.block_size))  # [..., D/bs, bs]
     if f.name == "nvfp4":
         eff = q.block_scales.float() * _bcast(q.scale.float(), c.dim())  # [..., D/16]
@@ -384,7 +470,7 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
 
 def _to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast saturating: a dequantized value may round just past the largest finite value of `dtype`
-    (codes * scale near float32's max, or the x's own float16 max times a block scale rounded up)."""
+    (codes * scale near float32's max, or the x's own float16 max times a block scale rounded up). NaN stays."""
     if dtype.is_floating_point:
         fi = torch.finfo(dtype) if dtype.itemsize <= 4 else torch.finfo(torch.float32)
         y = y.clamp(fi.min, fi.max)

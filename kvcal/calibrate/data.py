@@ -25,11 +25,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvcal.errors import KvcalError, UsageError
+
+if TYPE_CHECKING:
+    from kvcal.models import LoadedModel
 
 TEXT_FIELDS = ("text", "content", "question", "prompt")
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json", ".txt")  # preference order inside a folder
@@ -94,23 +97,21 @@ def token_sha256(samples: Sequence[torch.Tensor]) -> str:
 
 def _read_jsonl(path: Path) -> list[Any]:
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise KvcalError(
-                    f"{path}:{n} is not valid JSON ({exc.msg}); fix or remove that line"
-                ) from exc
+    # decoded whole: a UnicodeDecodeError then carries the byte offset in the file
+    for n, line in enumerate(path.read_text(encoding="utf-8-sig").split("\n"), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise KvcalError(f"{path}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
     return out
 
 
 def _read_json(path: Path) -> list[Any]:
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise KvcalError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     if isinstance(obj, list):
@@ -128,7 +129,7 @@ def _read_json(path: Path) -> list[Any]:
 
 
 def _read_txt(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(encoding="utf-8-sig")
     paras = [p.strip() for p in text.split("\n\n") if p.strip()]
     if len(paras) <= 1:
         paras = [line.strip() for line in text.splitlines() if line.strip()]
@@ -144,11 +145,35 @@ def _read_parquet(path: Path) -> list[Any]:
         ) from exc
     try:
         return pq.read_table(path).to_pylist()
+    except UnicodeDecodeError:
+        raise  # a string column that is not UTF-8: _read names the file and the fix
     except Exception as exc:  # pyarrow raises its own ArrowInvalid / OSError family
         raise KvcalError(f"cannot read parquet file {path}: {str(exc).splitlines()[0]}") from exc
 
 
 _READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".txt": _read_txt, ".parquet": _read_parquet}
+
+
+def _read(path: Path) -> list[Any]:
+    """The records of one dataset file; KvcalError naming the file when its text is not UTF-8."""
+    try:
+        return _READERS[path.suffix.lower()](path)
+    except UnicodeDecodeError as exc:
+        if path.suffix.lower() == ".parquet":
+            where, fix = "a string column holds bytes that are not UTF-8", "rewrite its text columns as UTF-8"
+        else:
+            where = f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start} is not UTF-8"
+            fix = "re-encode it as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)"
+        raise KvcalError(
+            f"dataset file '{path}' is not UTF-8 text ({where}); {fix} and pass the converted file"
+        ) from None
+
+
+def _check_not_empty(records: list[Any], what: str) -> None:
+    if not any(r is not None for r in records):
+        raise KvcalError(
+            f"{what} holds no records; give it at least one text, or drop --dataset for the built-in corpus"
+        )
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -164,8 +189,9 @@ def _folder_files(folder: Path) -> list[Path]:
     return [by_stem[k] for k in sorted(by_stem)]
 
 
-def load_texts(dataset: str | Path | None, default_docs: int = 512, seed: int = 0) -> TextSource:
-    """Raw records (str or dict) from a file, folder, hub id, or the built-in generated corpus."""
+def load_texts(dataset: str | Path | None, default_docs: int = 512) -> TextSource:
+    """Raw records (str or dict) from a file, folder, hub id, or the built-in generated corpus (seed 0). A file that
+    is not UTF-8 or holds no records is a KvcalError naming it."""
     if dataset is None or str(dataset) == BUILTIN:
         from kvcal.calibrate.default_corpus import generate_corpus
 
@@ -180,15 +206,19 @@ def load_texts(dataset: str | Path | None, default_docs: int = 512, seed: int = 
             raise UsageError(
                 f"dataset file '{ds}' has an unsupported extension; use .jsonl, .json, .txt or .parquet"
             )
-        return TextSource(reader(path), str(path))
+        records = _read(path)
+        _check_not_empty(records, f"dataset file '{path}'")
+        return TextSource(records, str(path))
     if path.is_dir():
         files = _folder_files(path)
         if not files:
             raise UsageError(f"dataset folder '{ds}' holds no .jsonl/.json/.txt/.parquet files")
         records: list[Any] = []
         for f in files:
-            records.extend(_READERS[f.suffix.lower()](f))
-        return TextSource(records, f"{path} ({', '.join(f.name for f in files)})")
+            records.extend(_read(f))
+        names = ", ".join(f.name for f in files)
+        _check_not_empty(records, f"dataset folder '{path}' ({names})")
+        return TextSource(records, f"{path} ({names})")
     if ds.startswith((".", "/", "~")) or Path(ds).suffix.lower() in _READERS or ds.count("/") > 1:
         raise UsageError(f"dataset path '{ds}' does not exist")
     return _load_hub(ds)
@@ -331,6 +361,21 @@ def build_samples(
         available_texts=usable,
         warnings=warnings,
     )
+
+
+def samples_for_model(
+    source: TextSource,
+    lm: LoadedModel,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    text_field: str | None = None,
+) -> CalibrationSamples:
+    """`build_samples` with the model's tokenizer and its position limit (--seq-len beyond it is refused)."""
+    return build_samples(
+        source, lm.tokenizer, num_samples, seq_len, seed=seed, text_field=text_field,
+        max_len=max_model_len(lm.model.config),
+    )  # fmt: skip
 
 
 def _is_chat_field(records: Sequence[Any], fld: str) -> bool:

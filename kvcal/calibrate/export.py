@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
@@ -150,50 +151,16 @@ def export_vllm(
     """Write an engine-ready checkpoint folder (see the module docstring). The folder appears complete or not at
     all: it is built beside `out_dir` and renamed into place. Returns a summary dict."""
     _require_fp8_e4m3(ss, "vLLM")
-    src = Path(model_dir)
-    out = Path(out_dir)
-    if out.exists():
-        raise UsageError(f"output folder '{out}' already exists; choose a new -o path or remove it")
-    if out.resolve().is_relative_to(src.resolve()):
-        raise UsageError(
-            f"output folder '{out}' lies inside the model folder '{src}'; choose a path outside it"
-        )
-    config_path = src / "config.json"
-    config = json.loads(config_path.read_text())
-    index_path = src / INDEX_NAME
-    if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        weight_map: dict[str, str] = dict(index.get("weight_map", {}))
-        index_meta = dict(index.get("metadata", {}))
-        total = int(index_meta.get("total_size", 0))
-    elif (src / SINGLE_WEIGHTS).is_file():
-        # transformers loads a folder's model.safetensors alone whenever it exists (the index, and with it the
-        # scale shard, would be ignored), so a single-file checkpoint's weights are linked under a shard name.
-        sizes = _tensor_sizes(src / SINGLE_WEIGHTS)
-        weight_map = dict.fromkeys(sizes, RENAMED_SINGLE)
-        index_meta = {}
-        total = sum(sizes.values())
-    else:
-        raise UsageError(
-            f"model folder '{src}' has no {SINGLE_WEIGHTS} or {INDEX_NAME}; vLLM export needs safetensors weights"
-        )
+    src, out = Path(model_dir), Path(out_dir)
+    _check_export_target(src, out)
+    weights = _source_weights(src)
     scales = vllm_scale_tensors(ss)
-    clash = sorted(set(scales) & set(weight_map))
+    clash = sorted(set(scales) & set(weights.weight_map))
     if clash:
         raise UsageError(
             f"model folder '{src}' already holds KV scales (e.g. {clash[0]}); export from the unquantized checkpoint"
         )
-    qc = config.get("quantization_config")
-    if qc is not None and qc.get("quant_method") != "compressed-tensors":
-        raise UsageError(
-            f"model folder '{src}' is already quantized with '{qc.get('quant_method')}'; vLLM reads one "
-            "quantization_config, so KV scales can be added to unquantized or compressed-tensors checkpoints only"
-        )
-    new_qc = quantization_config(ss.granularity)
-    if qc is not None:  # a compressed-tensors weight checkpoint: keep its groups, add the KV cache scheme
-        new_qc = {**qc, "kv_cache_scheme": kv_cache_scheme(ss.granularity)}
-    config["quantization_config"] = new_qc
-
+    config = _quantized_config(src, ss.granularity)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -202,42 +169,8 @@ def export_vllm(
             f"cannot write export folder '{out}': {exc.strerror or exc}; choose a writable path"
         ) from exc
     try:
-        modes: dict[str, int] = {}
-        for f in sorted(src.rglob("*")):
-            rel = f.relative_to(src)
-            # Files this export writes itself are never linked: writing through a hard link would change the
-            # source checkpoint.
-            if not f.is_file() or rel.parts[0].startswith(".") or str(rel) in _WRITTEN:
-                continue
-            dest = tmp / (RENAMED_SINGLE if str(rel) == SINGLE_WEIGHTS and not index_path.is_file() else rel)
-            mode = _link_or_copy(f, dest)
-            modes[mode] = modes.get(mode, 0) + 1
-        from safetensors.torch import save_file
-
-        save_file(scales, str(tmp / SCALE_SHARD), metadata={"format": "pt"})
-        for name, t in scales.items():
-            weight_map[name] = SCALE_SHARD
-            total += t.numel() * t.element_size()
-        index_out = {
-            "metadata": {**index_meta, "total_size": total},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (tmp / INDEX_NAME).write_text(json.dumps(index_out, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        provenance = {
-            "kvcal_version": ss.manifest.get("kvcal_version"),
-            "kv_format": ss.kv_format,
-            "granularity": ss.granularity,
-            "observer": ss.manifest.get("observer"),
-            "binding": ss.binding,
-            "calibration": ss.manifest.get("calibration"),
-            "scale_shard": SCALE_SHARD,
-            "scale_shard_sha256": file_sha256(tmp / SCALE_SHARD),
-        }
-        (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
-        os.chmod(tmp, public_mode(0o777))  # mkdtemp made it 0700
-        for name in _WRITTEN:
-            os.chmod(tmp / name, public_mode(0o666))
+        modes = _link_model_files(src, tmp, renamed_single=weights.renamed_single)
+        _write_export_files(tmp, ss, scales, weights, config)
         os.rename(tmp, out)
     except OSError as exc:
         raise KvcalError(
@@ -264,6 +197,109 @@ def export_vllm(
             else []
         ),
     }
+
+
+def _check_export_target(src: Path, out: Path) -> None:
+    if out.exists():
+        raise UsageError(f"output folder '{out}' already exists; choose a new -o path or remove it")
+    if out.resolve().is_relative_to(src.resolve()):
+        raise UsageError(
+            f"output folder '{out}' lies inside the model folder '{src}'; choose a path outside it"
+        )
+
+
+@dataclass
+class _SourceWeights:
+    """Where the checkpoint's tensors live: tensor name -> shard file, the index metadata, the total bytes."""
+
+    weight_map: dict[str, str]
+    index_meta: dict[str, Any]
+    total_size: int
+    renamed_single: bool  # a single-file checkpoint whose model.safetensors is linked under a shard name
+
+
+def _source_weights(src: Path) -> _SourceWeights:
+    index_path = src / INDEX_NAME
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        meta = dict(index.get("metadata", {}))
+        return _SourceWeights(dict(index.get("weight_map", {})), meta, int(meta.get("total_size", 0)), False)
+    if (src / SINGLE_WEIGHTS).is_file():
+        # transformers loads a folder's model.safetensors alone whenever it exists (the index, and with it the
+        # scale shard, would be ignored), so a single-file checkpoint's weights are linked under a shard name.
+        sizes = _tensor_sizes(src / SINGLE_WEIGHTS)
+        return _SourceWeights(dict.fromkeys(sizes, RENAMED_SINGLE), {}, sum(sizes.values()), True)
+    raise UsageError(
+        f"model folder '{src}' has no {SINGLE_WEIGHTS} or {INDEX_NAME}; vLLM export needs safetensors weights"
+    )
+
+
+def _quantized_config(src: Path, granularity: str) -> dict[str, Any]:
+    """config.json with the KV cache scheme added (a compressed-tensors weight checkpoint keeps its groups)."""
+    config = json.loads((src / "config.json").read_text())
+    qc = config.get("quantization_config")
+    if qc is not None and qc.get("quant_method") != "compressed-tensors":
+        raise UsageError(
+            f"model folder '{src}' is already quantized with '{qc.get('quant_method')}'; vLLM reads one "
+            "quantization_config, so KV scales can be added to unquantized or compressed-tensors checkpoints only"
+        )
+    if qc is None:
+        config["quantization_config"] = quantization_config(granularity)
+    else:
+        config["quantization_config"] = {**qc, "kv_cache_scheme": kv_cache_scheme(granularity)}
+    return config
+
+
+def _link_model_files(src: Path, dst: Path, renamed_single: bool) -> dict[str, int]:
+    """Every file of the model folder into `dst` (hard links where possible); returns {'linked'|'copied': n}."""
+    modes: dict[str, int] = {}
+    for f in sorted(src.rglob("*")):
+        rel = f.relative_to(src)
+        # Files this export writes itself are never linked: writing through a hard link would change the
+        # source checkpoint.
+        if not f.is_file() or rel.parts[0].startswith(".") or str(rel) in _WRITTEN:
+            continue
+        dest = dst / (RENAMED_SINGLE if renamed_single and str(rel) == SINGLE_WEIGHTS else rel)
+        mode = _link_or_copy(f, dest)
+        modes[mode] = modes.get(mode, 0) + 1
+    return modes
+
+
+def _write_export_files(
+    tmp: Path,
+    ss: ScaleSet,
+    scales: dict[str, torch.Tensor],
+    weights: _SourceWeights,
+    config: dict[str, Any],
+) -> None:
+    """The scale shard, the extended index, config.json and the provenance record, into the staging folder."""
+    from safetensors.torch import save_file
+
+    save_file(scales, str(tmp / SCALE_SHARD), metadata={"format": "pt"})
+    weight_map, total = dict(weights.weight_map), weights.total_size
+    for name, t in scales.items():
+        weight_map[name] = SCALE_SHARD
+        total += t.numel() * t.element_size()
+    index_out = {
+        "metadata": {**weights.index_meta, "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (tmp / INDEX_NAME).write_text(json.dumps(index_out, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    provenance = {
+        "kvcal_version": ss.manifest.get("kvcal_version"),
+        "kv_format": ss.kv_format,
+        "granularity": ss.granularity,
+        "observer": ss.manifest.get("observer"),
+        "binding": ss.binding,
+        "calibration": ss.manifest.get("calibration"),
+        "scale_shard": SCALE_SHARD,
+        "scale_shard_sha256": file_sha256(tmp / SCALE_SHARD),
+    }
+    (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+    os.chmod(tmp, public_mode(0o777))  # mkdtemp made it 0700
+    for name in _WRITTEN:
+        os.chmod(tmp / name, public_mode(0o666))
 
 
 def sglang_scales(ss: ScaleSet, reduce_heads: bool = False) -> list[float]:

@@ -53,35 +53,53 @@ def llmcompressor_scales(
         raise UsageError(
             f"unknown llm-compressor observer '{observer}'; choose one of {', '.join(LLMC_OBSERVERS)}"
         )
-    try:
-        from compressed_tensors.modeling.kvcache import KV_CACHE_ATTR, initialize_hooked_kv_cache
-        from datasets import Dataset
-        from llmcompressor import oneshot
-        from llmcompressor.modifiers.quantization import QuantizationModifier
+    try:  # everything _hook_sink and _oneshot import
+        import compressed_tensors.modeling.kvcache  # noqa: F401
+        import datasets  # noqa: F401
+        import llmcompressor.modifiers.quantization  # noqa: F401
     except ImportError as exc:
         raise UsageError(f"--engine llmcompressor needs llmcompressor==0.14.0.1 installed ({exc})") from exc
-
     attn = _attention_modules(model)
     if not attn:
         raise KvcalError("llm-compressor finds no cached attention modules in this model")
+    handles = _hook_sink(model, attn, sink) if sink is not None else []
+    try:
+        _oneshot(model, samples, granularity, observer)
+    finally:
+        for h in handles:
+            h.remove()
+    return _read_scales(attn)
+
+
+def _hook_sink(model: Any, attn: list[tuple[int, Any]], sink: KVSink) -> list[Any]:
+    """Our hook on the same QuantizedKVCache llm-compressor hooks: identical tensors, one set of forwards.
+    Returns the hook handles."""
+    from compressed_tensors.modeling.kvcache import KV_CACHE_ATTR, initialize_hooked_kv_cache
+
+    def make_hook(layer_idx: int) -> Any:
+        def hook(_mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            k = args[0] if len(args) > 0 else kwargs["key_states"]
+            v = args[1] if len(args) > 1 else kwargs["value_states"]
+            sink(layer_idx, k, v)  # k, v: [B, H_kv, T, D]
+
+        return hook
+
     handles = []
-    if sink is not None:
-        # Our hook on the same QuantizedKVCache llm-compressor hooks: identical tensors, one set of forwards.
-        def make_hook(layer_idx: int) -> Any:
-            def hook(_mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-                k = args[0] if len(args) > 0 else kwargs["key_states"]
-                v = args[1] if len(args) > 1 else kwargs["value_states"]
-                sink(layer_idx, k, v)  # k, v: [B, H_kv, T, D]
+    for idx, module in attn:
+        initialize_hooked_kv_cache(model, module)
+        kv_cache = getattr(module, KV_CACHE_ATTR)
+        handles.append(kv_cache.register_forward_pre_hook(make_hook(idx), with_kwargs=True))
+    return handles
 
-            return hook
 
-        for idx, module in attn:
-            initialize_hooked_kv_cache(model, module)
-            kv_cache = getattr(module, KV_CACHE_ATTR)
-            handles.append(kv_cache.register_forward_pre_hook(make_hook(idx), with_kwargs=True))
+def _oneshot(model: Any, samples: Sequence[torch.Tensor], granularity: str, observer: str) -> None:
+    """llm-compressor's oneshot with an FP8 `kv_cache_scheme` on exactly these samples (batch 1, in order)."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from loguru import logger
 
     rows = {"input_ids": [s.tolist() for s in samples], "attention_mask": [[1] * s.numel() for s in samples]}
-    dataset = Dataset.from_dict(rows)
     scheme = {
         "num_bits": 8,
         "type": "float",
@@ -90,17 +108,14 @@ def llmcompressor_scales(
         "strategy": "tensor" if granularity == "tensor" else "attn_head",
         "observer": observer,
     }
-    recipe = QuantizationModifier(kv_cache_scheme=scheme)
-    from loguru import logger
-
     # llm-compressor logs INFO lines through loguru; kvcal reports progress itself (stderr stays readable)
     for name in ("llmcompressor", "compressed_tensors"):
         logger.disable(name)
     try:
         oneshot(
             model=model,
-            dataset=dataset,
-            recipe=recipe,
+            dataset=Dataset.from_dict(rows),
+            recipe=QuantizationModifier(kv_cache_scheme=scheme),
             num_calibration_samples=len(samples),
             max_seq_length=max(int(s.numel()) for s in samples),
             shuffle_calibration_samples=False,
@@ -108,10 +123,12 @@ def llmcompressor_scales(
             pipeline="basic",
         )
     finally:
-        for h in handles:
-            h.remove()
         for name in ("llmcompressor", "compressed_tensors"):
             logger.enable(name)
+
+
+def _read_scales(attn: list[tuple[int, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The k_scale / v_scale llm-compressor stored on each attention module, as float32 [G] on the CPU."""
     k_scales, v_scales = [], []
     for idx, module in attn:
         k = getattr(module, "k_scale", None)

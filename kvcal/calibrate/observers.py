@@ -33,12 +33,12 @@ import torch
 
 from kvcal.errors import UsageError
 from kvcal.formats import FP8_E4M3_MAX, KVFormat, fake_quantize
+from kvcal.scales import GRANULARITIES
 
 HIST_LO = -40  # log2 of the smallest bin edge; |x| below it (and 0) land in bin 0
 HIST_HI = 24  # log2 of the largest bin edge; |x| above it land in the last bin (amax is kept exactly anyway)
 BINS_PER_OCTAVE = 128
 NBINS = (HIST_HI - HIST_LO) * BINS_PER_OCTAVE
-GRANULARITIES = ("tensor", "head")
 
 
 def format_range(fmt: KVFormat) -> float:
@@ -61,7 +61,7 @@ def check_calibratable(fmt: KVFormat, granularity: str) -> None:
             + "; calibrate fp8_e4m3, fp8_e5m2 or nvfp4, or evaluate this format without --scales"
         )
     if granularity not in GRANULARITIES:
-        raise UsageError(f"unknown granularity '{granularity}'; use tensor or head")
+        raise UsageError(f"unknown granularity '{granularity}'; use {' or '.join(GRANULARITIES)}")
 
 
 class TensorStats:

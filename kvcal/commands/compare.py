@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from kvcal.commands._app import app, console, err_console, print_json, warn
+from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.io import atomic_write_text
 
+if TYPE_CHECKING:
+    from kvcal.report.compare import Comparison
 
-@app.command(
-    "compare",
-    help="Compare run directories against a baseline: report with error bars and a regression gate.",
-)
+
 def compare_cmd(
     run_dirs: list[Path] = typer.Argument(
         ..., help="Run directories, or folders holding them (a sweep's RUNS_DIR)."
@@ -33,6 +33,20 @@ def compare_cmd(
     max_drop: float = typer.Option(
         0.02, "--max-drop", help="Gate threshold: absolute for accuracy metrics, relative for perplexity/KL."
     ),
+    alpha: float = typer.Option(
+        0.05, "--alpha", help="Significance level of every test and interval (intervals are 1 - alpha)."
+    ),
+    min_samples: int = typer.Option(
+        10,
+        "--min-samples",
+        help="Fewer paired samples than this: 'insufficient data', neither pass nor FAIL (the gate does not "
+        "fail on it; the report lists it).",
+    ),
+    no_correction: bool = typer.Option(
+        False,
+        "--no-multiple-testing-correction",
+        help="Test each key metric at --alpha on its own instead of Holm-Bonferroni over all of them.",
+    ),
     on_bad_run: str = typer.Option(
         "fail", "--on-bad-run", help="Incomplete/corrupt run directory: fail or skip."
     ),
@@ -40,9 +54,9 @@ def compare_cmd(
     seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable verdicts on stdout."),
 ) -> None:
+    """Compare run directories against a baseline: report with error bars and a regression gate."""
     from kvcal.errors import UsageError
     from kvcal.report.compare import compare_runs
-    from kvcal.report.render import render_html, render_markdown
 
     if bootstrap < 100:
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
@@ -51,52 +65,77 @@ def compare_cmd(
         baseline=baseline,
         max_drop=max_drop,
         on_bad_run=on_bad_run,
+        alpha=alpha,
         n_boot=bootstrap,
         seed=seed,
         warn=warn,
+        min_samples=min_samples,
+        multiple_testing="none" if no_correction else "holm",
     )
+    failed = fail_on_regression and bool(cmp.failures)
+    _write_outputs(cmp, output, html_out, as_json)
+    _print_gate(cmp, failed)
+    if failed:
+        sys.exit(1)
+
+
+def _write_outputs(cmp: Comparison, output: Path | None, html_out: Path | None, as_json: bool) -> None:
+    """The Markdown report (-o), the HTML report (--html), and on stdout the JSON or a summary table."""
+    from kvcal.report.html import render_html
+    from kvcal.report.markdown import render_markdown
+
     md = render_markdown(cmp)
     if output is not None:
         atomic_write_text(output, md)
     if html_out is not None:
         atomic_write_text(html_out, render_html(cmp))
-    failed = fail_on_regression and bool(cmp.failures)
     if as_json:
         payload = cmp.to_dict()
         payload["report"] = str(output) if output else None
         payload["html"] = str(html_out) if html_out else None
         print_json(payload)
-    else:
-        table = Table(title=f"{cmp.model} vs baseline {cmp.baseline}", show_lines=False)
-        for col in ("configuration", "tokens vs BF16", "throughput", "gate", "verdict"):
-            table.add_column(col, overflow="fold")
-        for c in cmp.configs[1:]:
-            fail = any(r.gate_fail for r in cmp.by_config(c.label))
-            table.add_row(
-                c.label,
-                "n/a" if c.capacity is None else f"{c.capacity:.2f}x",
-                "n/a" if c.throughput_ratio is None else f"{c.throughput_ratio:.2f}x",
-                "[red]FAIL[/red]" if fail else "[green]pass[/green]",
-                cmp.config_verdict(c.label),
-            )
-        console.print(table)
-        if output is not None:
-            console.print(f"Report: {output}" + (f"  HTML: {html_out}" if html_out else ""), highlight=False)
-        elif not html_out:
-            console.print(md, markup=False, highlight=False)
+        return
+    console.print(_summary_table(cmp))
+    if output is not None:
+        console.print(f"Report: {output}" + (f"  HTML: {html_out}" if html_out else ""), highlight=False)
+    elif not html_out:
+        console.print(md, markup=False, highlight=False)
+
+
+_GATE_STYLE = {
+    "FAIL": "[red]FAIL[/red]",
+    "pass": "[green]pass[/green]",
+    "insufficient data": "[yellow]insufficient data[/yellow]",
+}
+
+
+def _summary_table(cmp: Comparison) -> Table:
+    table = Table(title=f"{cmp.model} vs baseline {cmp.baseline}", show_lines=False)
+    for col in ("configuration", "tokens vs BF16", "throughput", "gate", "verdict"):
+        table.add_column(col, overflow="fold")
+    for c in cmp.configs[1:]:
+        table.add_row(
+            c.label,
+            "n/a" if c.capacity is None else f"{c.capacity:.2f}x",
+            "n/a" if c.throughput_ratio is None else f"{c.throughput_ratio:.2f}x",
+            _GATE_STYLE[cmp.config_gate(c.label)],
+            cmp.config_verdict(c.label),
+        )
+    return table
+
+
+def _print_gate(cmp: Comparison, failed: bool) -> None:
+    """Regressions and results the gate could not judge, on stderr."""
     if cmp.failures:
         lines = [f"  {r.config}: {r.verdict}" for r in cmp.failures]
-        msg = (
-            "Regression gate FAILED:\n" + "\n".join(lines)
-            if failed
-            else "Regressions over the threshold:\n" + "\n".join(lines)
-        )
-        err_console.print(msg, highlight=False, markup=False)
-    if failed:
-        sys.exit(1)
+        head = "Regression gate FAILED:" if failed else "Regressions over the threshold:"
+        err_console.print("\n".join([head, *lines]), highlight=False, markup=False)
+    if cmp.insufficient:
+        lines = [f"  {r.config}: {r.verdict}" for r in cmp.insufficient]
+        head = "Not judged by the gate (insufficient data):"
+        err_console.print("\n".join([head, *lines]), highlight=False, markup=False)
 
 
-@app.command("sweep", help="Run a resumable matrix of formats x scales x skip-layers x tasks.")
 def sweep_cmd(
     config: Path = typer.Argument(..., help="Sweep YAML (see configs/)."),
     output: Path = typer.Option(
@@ -107,6 +146,7 @@ def sweep_cmd(
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable plan / result on stdout."),
 ) -> None:
+    """Run a resumable matrix of formats x scales x skip-layers x tasks."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvcal.pipeline.sweep import execute_sweep, load_sweep_config, plan_sweep

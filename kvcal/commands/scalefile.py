@@ -1,15 +1,21 @@
-"""CLI commands for scale files: show, verify, export. Parse, call kvcal.scales / kvcal.calibrate.export, render."""
+"""`kvcal show`, `kvcal verify`, `kvcal export`: scale files. Parse, call kvcal.scales / kvcal.calibrate.export,
+render."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from kvcal.commands._app import app, console, print_json, warn
+from kvcal.commands.options import JsonOpt, ModelArg, output_option
+from kvcal.commands.output import console, print_json, warn
 from kvcal.errors import KvcalError, UsageError
+
+ScaleFileArg = Annotated[
+    Path, typer.Argument(help="Scale file (.safetensors) written by `kvcal calibrate`.", show_default=False)
+]
 
 
 def _fmt_scale(t: Any) -> str:
@@ -41,15 +47,14 @@ def _short(h: Any) -> str:
     return str(h)[:12] if h else "—"
 
 
-@app.command("show", help="Show a scale file's manifest and per-layer scales and statistics.")
-def show_cmd(
-    scales: Path = typer.Argument(..., help="Scale file (.safetensors) written by `kvcal calibrate`."),
-    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-) -> None:
+# ---- show ----------------------------------------------------------------------------------------------------
+
+
+def show_cmd(scales: ScaleFileArg, json_out: JsonOpt = False) -> None:
+    """Show a scale file's manifest and per-layer scales and statistics."""
     from kvcal.scales import load_scale_file
 
     ss = load_scale_file(scales)
-    m = ss.manifest
     if json_out:
         print_json(
             {
@@ -59,52 +64,59 @@ def show_cmd(
                 "num_layers": ss.num_layers,
                 "k_scales": [t.tolist() for t in ss.k_scales],
                 "v_scales": [t.tolist() for t in ss.v_scales],
-                "manifest": m,
+                "manifest": ss.manifest,
             }
         )
         return
-    b = ss.binding
+    for line in _show_header(scales, ss):
+        console.print(line, highlight=False)
+    console.print(_show_table(ss))
+
+
+def _show_header(scales: Path, ss: Any) -> list[str]:
+    """File, format/observer, bound checkpoint and calibration data: one line each."""
+    m, b = ss.manifest, ss.binding
     cal = m.get("calibration", {})
     obs = m.get("observer", {})
     params = ", ".join(f"{k}={v}" for k, v in (obs.get("params") or {}).items())
-    console.print(
-        f"[bold]{scales}[/bold]  (kvcal {m.get('kvcal_version')}, {m.get('created')})", highlight=False
-    )
-    console.print(
+    lines = [
+        f"[bold]{scales}[/bold]  (kvcal {m.get('kvcal_version')}, {m.get('created')})",
         f"format [bold]{ss.kv_format}[/bold], granularity {ss.granularity}, observer {obs.get('name')}"
         + (f" ({params})" if params else "")
         + (f", engine {m['engine']}" if m.get("engine") else ""),
-        highlight=False,
-    )
-    console.print(
         f"model {b.get('model')} ({b.get('model_type')}): {b.get('num_layers')} layers, "
         f"{b.get('num_kv_heads')} KV heads, head_dim {b.get('head_dim')}; config {_short(b.get('config_sha256'))}, "
         f"tokenizer {_short(b.get('tokenizer_sha256'))}, weights {_short(b.get('weights_sha256'))} "
         f"({len(b.get('weight_files') or {})} files)",
-        highlight=False,
-    )
+    ]
     if cal:
-        console.print(
+        lines.append(
             f"calibration: {cal.get('source', '—')}, {cal.get('num_samples', '—')} samples x "
             f"{cal.get('seq_len', '—')} tokens, seed {cal.get('seed', '—')}, "
-            f"token ids {_short(cal.get('token_ids_sha256'))}",
-            highlight=False,
+            f"token ids {_short(cal.get('token_ids_sha256'))}"
         )
+    return lines
+
+
+_SHOW_COLUMNS = (
+    "layer",
+    "type",
+    "K scale",
+    "V scale",
+    "K amax",
+    "V amax",
+    "K clip",
+    "V clip",
+    "K SQNR dB",
+    "V SQNR dB",
+)
+
+
+def _show_table(ss: Any) -> Table:
     stats = {s.get("layer", i): s for i, s in enumerate(ss.layer_stats)}
-    types = b.get("layer_types") or []
+    types = ss.binding.get("layer_types") or []
     table = Table(show_edge=False, header_style="bold")
-    for col in (
-        "layer",
-        "type",
-        "K scale",
-        "V scale",
-        "K amax",
-        "V amax",
-        "K clip",
-        "V clip",
-        "K SQNR dB",
-        "V SQNR dB",
-    ):
+    for col in _SHOW_COLUMNS:
         table.add_column(col, justify="left" if col == "type" else "right")
     for i in range(ss.num_layers):
         s = stats.get(i, {})
@@ -121,15 +133,14 @@ def show_cmd(
             _fmt_num(s.get("k_sqnr_db"), ".1f"),
             _fmt_num(s.get("v_sqnr_db"), ".1f"),
         )
-    console.print(table)
+    return table
 
 
-@app.command("verify", help="Check that a scale file is bound to this checkpoint (exit 0) or stale (exit 1).")
-def verify_cmd(
-    scales: Path = typer.Argument(..., help="Scale file (.safetensors)."),
-    model: str = typer.Argument(..., help="Model: local Hugging Face folder (or what kvcal resolves)."),
-    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-) -> None:
+# ---- verify --------------------------------------------------------------------------------------------------
+
+
+def verify_cmd(scales: ScaleFileArg, model: ModelArg, json_out: JsonOpt = False) -> None:
+    """Check that a scale file is bound to this checkpoint (exit 0) or stale (exit 1)."""
     from kvcal.scales import binding_differences, load_scale_file, resolve_model_and_spec
 
     ss = load_scale_file(scales)
@@ -145,31 +156,38 @@ def verify_cmd(
             f"scale file '{scales}' is stale for '{model}': {'; '.join(diffs)}; "
             "re-run `kvcal calibrate` on this checkpoint"
         )
-    b = ss.binding
     console.print(
-        f"bound: {scales} matches {model} (config.json, tokenizer, {len(b.get('weight_files') or {})} weight "
-        f"file(s), {ss.num_layers} layers)",
+        f"bound: {scales} matches {model} (config.json, tokenizer, {len(ss.binding.get('weight_files') or {})} "
+        f"weight file(s), {ss.num_layers} layers)",
         highlight=False,
     )
 
 
-@app.command("export", help="Export scales as a vLLM checkpoint folder or an SGLang scale JSON (FP8 E4M3).")
+# ---- export --------------------------------------------------------------------------------------------------
+
+
 def export_cmd(
-    scales: Path = typer.Argument(..., help="Scale file (.safetensors)."),
-    model: str = typer.Argument(..., help="The model the scales were calibrated on."),
-    to: str = typer.Option(
-        ..., "--to", help="Target engine: vllm (checkpoint folder) or sglang (JSON file)."
-    ),
-    out: Path = typer.Option(..., "-o", "--output", help="vllm: new folder; sglang: JSON file."),
-    force: bool = typer.Option(
-        False, "--force", help="Export even if the scales are bound to another checkpoint."
-    ),
-    tp_size: int = typer.Option(1, "--tp-size", help="sglang: tensor-parallel size the JSON is written for."),
-    reduce_heads: bool = typer.Option(
-        False, "--reduce-heads", help="sglang: reduce per-head scales to one per layer (max over heads)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+    scales: ScaleFileArg,
+    model: ModelArg,
+    to: Annotated[
+        str, typer.Option("--to", help="Target engine: vllm (checkpoint folder) or sglang (JSON file).")
+    ],
+    output: Annotated[Path, output_option("vllm: new folder; sglang: JSON file.")],
+    force: Annotated[
+        bool, typer.Option("--force", help="Export even if the scales are bound to another checkpoint.")
+    ] = False,
+    tp_size: Annotated[
+        int, typer.Option("--tp-size", help="sglang: tensor-parallel size the JSON is written for.")
+    ] = 1,
+    reduce_heads: Annotated[
+        bool,
+        typer.Option(
+            "--reduce-heads", help="sglang: reduce per-head scales to one per layer (max over heads)."
+        ),
+    ] = False,
+    json_out: JsonOpt = False,
 ) -> None:
+    """Export scales as a vLLM checkpoint folder or an SGLang scale JSON (FP8 E4M3)."""
     from kvcal.calibrate.export import export_sglang, export_vllm
     from kvcal.scales import load_scales_for_model, resolve_model_and_spec
 
@@ -181,26 +199,30 @@ def export_cmd(
     for w in ss.binding_warnings:
         warn(w)
     if engine == "vllm":
-        summary = export_vllm(ss, model_dir, out)
+        summary = export_vllm(ss, model_dir, output)
     else:
-        summary = export_sglang(ss, model_dir, out, tp_size=tp_size, reduce_heads=reduce_heads)
+        summary = export_sglang(ss, model_dir, output, tp_size=tp_size, reduce_heads=reduce_heads)
         if ss.granularity == "head":
             warn("per-head scales reduced to one per layer (max over heads) for SGLang")
     summary["binding_warnings"] = ss.binding_warnings
     if json_out:
         print_json(summary)
         return
+    _render_export(engine, output, summary)
+
+
+def _render_export(engine: str, output: Path, summary: dict[str, Any]) -> None:
     if engine == "vllm":
         console.print(
-            f"wrote {out}: {summary['num_layers']} layers of {summary['strategy']} FP8 scales in "
-            f"{summary['scale_shard']}; {summary['files_linked']} file(s) hard-linked (do not edit them in place), "
-            f"{summary['files_copied']} copied",
+            f"wrote {output}: {summary['num_layers']} layers of {summary['strategy']} FP8 scales in "
+            f"{summary['scale_shard']}; {summary['files_linked']} file(s) hard-linked (do not edit them in "
+            f"place), {summary['files_copied']} copied",
             highlight=False,
         )
     else:
         console.print(
-            f"wrote {out}: {summary['num_layers']} layers x {summary['tp_size']} TP rank(s), one scale per layer "
-            "= max(k_scale, v_scale)",
+            f"wrote {output}: {summary['num_layers']} layers x {summary['tp_size']} TP rank(s), one scale per "
+            "layer = max(k_scale, v_scale)",
             highlight=False,
         )
     for note in summary.get("notes", []):

@@ -15,6 +15,8 @@ reference). Otherwise:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,9 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvcal.errors import KvcalError, UsageError
-
-REAL_MODEL_NAMES = ("smollm2", "gemma3-270m")
+from kvcal import models
+from kvcal.errors import UsageError
+from kvcal.formats import parse_kv_format
 
 
 def _as_bool(value: Any) -> bool:
@@ -32,33 +34,6 @@ def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
-
-
-def resolve_pretrained(model: str) -> tuple[str, Path]:
-    """(reference the user gave, local HF folder to load). Real-model short names and .gguf files go through
-    kvcal.models (converted once to a cached safetensors folder); a hub id is returned unchanged."""
-    from kvcal import models
-
-    ref = str(model)
-    target = ref
-    if ref in REAL_MODEL_NAMES and not Path(ref).exists():
-        target = models.real_model(ref)  # type: ignore[attr-defined]
-    resolve = getattr(models, "resolve_model", None)
-    if resolve is not None:
-        return ref, Path(resolve(target))
-    if models.is_gguf(target):
-        raise KvcalError(
-            "GGUF loading needs kvcal.models.resolve_model, which this build of kvcal lacks; "
-            "pass a Hugging Face model folder instead"
-        )
-    return ref, Path(target)
-
-
-def parse_kv_format(name: str) -> str:
-    """Canonical format name (kept in kvcal.evaluate.run so validation never imports lm-eval)."""
-    from kvcal.evaluate.run import parse_kv_format as parse
-
-    return parse(name)
 
 
 @register_model("kvcal")
@@ -78,7 +53,9 @@ class KvcalLM(HFLM):
         **kwargs: Any,
     ) -> None:
         if isinstance(pretrained, (str, os.PathLike)):
-            ref, model_dir = resolve_pretrained(str(pretrained))
+            # real-model names and .gguf files become a local safetensors folder (kvcal.models)
+            trust = _as_bool(kwargs.get("trust_remote_code", False))
+            ref, model_dir = str(pretrained), models.resolve_model(pretrained, trust_remote_code=trust)
             pretrained = str(model_dir)
         else:  # an already-built transformers model
             ref, model_dir = (
@@ -120,7 +97,9 @@ class KvcalLM(HFLM):
     ) -> torch.Tensor:
         if self.runtime is None or attn_mask is not None or labels is not None:
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
-        # inps: [B, T] right-padded (HFLM); causal attention makes the padding invisible to the real tokens.
+        # inps: [B, T] right-padded (HFLM); the mask tells the cache which positions are padding (not stored)
+        mask = _right_padding_mask(inps, getattr(self, "_row_lengths", None))
+        self._row_lengths = None
         with (
             torch.no_grad(),
             torch.autocast(
@@ -129,8 +108,14 @@ class KvcalLM(HFLM):
                 enabled=self.mixed_precision_dtype is not None,
             ),
         ):
-            out = self.model(inps, past_key_values=self.runtime.new_cache(), use_cache=True)
+            out = self.model(
+                inps, attention_mask=mask, past_key_values=self.runtime.new_cache(), use_cache=True
+            )
         return out.logits  # [B, T, V]
+
+    def _loglikelihood_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        with _recording_row_lengths(self):
+            return super()._loglikelihood_tokens(*args, **kwargs)
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
@@ -159,9 +144,38 @@ class KvcalLM(HFLM):
             "skip_layers": sorted(self.skip_layers),
             "impl": self.impl,
         }
-        if self.runtime is not None and hasattr(self.runtime, "describe"):
+        if self.runtime is not None:
             info["runtime"] = self.runtime.describe()
         return info
+
+
+@contextmanager
+def _recording_row_lengths(lm: Any) -> Iterator[None]:
+    """HFLM._loglikelihood_tokens right-pads each batch (lm_eval.models.huggingface.pad_and_concat) and calls
+    `_model_call(batch)` without a mask; record the rows' real lengths on `lm` for that call (padding must not be
+    stored: a sample's cache must not depend on its batch). Restores lm-eval's function afterwards."""
+    import lm_eval.models.huggingface as hf
+
+    original = hf.pad_and_concat
+
+    def recording(max_length: int, tensors: list[torch.Tensor], padding_side: str = "right") -> torch.Tensor:
+        if padding_side == "right":
+            lm._row_lengths = [int(t.shape[-1]) for t in tensors]
+        return original(max_length, tensors, padding_side=padding_side)
+
+    hf.pad_and_concat = recording
+    try:
+        yield
+    finally:
+        hf.pad_and_concat = original
+
+
+def _right_padding_mask(inps: torch.Tensor, lengths: list[int] | None) -> torch.Tensor | None:
+    """[B, T] attention mask (1 = real) of a right-padded batch with these row lengths; None = no padding known."""
+    if lengths is None or len(lengths) != inps.shape[0] or max(lengths) > inps.shape[1]:
+        return None
+    n = torch.tensor(lengths, device=inps.device)
+    return (torch.arange(inps.shape[1], device=inps.device)[None, :] < n[:, None]).long()
 
 
 def build_runtime(
@@ -177,17 +191,10 @@ def build_runtime(
 ) -> tuple[Any, Any, frozenset[int]]:
     """(KVRuntime, ScaleSet | None, skipped layer indices) for `model`; the scale file is checked against the
     checkpoint (binding, format, layer count) by kvcal.scales."""
-    from kvcal.models import kv_spec, parse_skip_layers
+    from kvcal.kernels.runtime import KVRuntime
 
-    try:
-        from kvcal.kernels.runtime import KVRuntime
-    except ImportError as exc:  # integration point: engineer C1's runtime
-        raise KvcalError(
-            f"kv_format '{kv_format}' needs kvcal.kernels.runtime.KVRuntime, which this build lacks ({exc}); "
-            "use --kv-format auto"
-        ) from exc
-    kv = kv_spec(model.config)
-    skip = parse_skip_layers(skip_spec, kv)
+    kv = models.kv_spec(model.config)
+    skip = models.parse_skip_layers(skip_spec, kv)
     scale_set = None
     if scales_path:
         from kvcal.scales import load_scales_for_model

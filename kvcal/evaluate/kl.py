@@ -3,11 +3,18 @@
 Over held-out text windows (WikiText-2 test from --data-dir, or the embedded text below), for every position t:
   KL(p_bf16 || p_quant) = sum_v p_bf16(v) * (log p_bf16(v) - log p_quant(v)),
 top-1 agreement (argmax equal) and the quantized run's negative log-likelihood of the true next token (-> ppl).
-p_bf16 is the same model with a BF16 KV cache (what a BF16 server stores), read through the same attention
-implementation, so the difference is the cache format alone.
+p_bf16 is the same model with a BF16 KV cache (what a BF16 server stores), read through kvcal's attention. For a
+quantized format the evaluated side reads its cache through that same attention, so the difference is the cache
+format alone; for `auto` the evaluated side is the model's own transformers attention over its own-dtype cache,
+so the KL also holds the difference between the two attention implementations (the results say which: `configs.kl`
+records both sides, `baseline` and `evaluated`).
+
+Windows start the way the model's tokenizer starts a text: with BOS only when the tokenizer itself adds one
+(`tokenizer("x")` starts with it, or `add_bos_token`); SmolLM2's tokenizer has a BOS token (<|im_start|>) but never
+adds it, Gemma's adds <bos>. The rule that applied is recorded (`configs.kl.bos`) and is part of the cache key.
 
 Baseline cache: the baseline's full log-probs of each window are stored once (float16 safetensors, keyed by the
-model's weights/config fingerprint, dtype, device, attention impl and the window's token ids) under
+model's weights/config fingerprint, dtype, device, attention impl, BOS rule and the window's token ids) under
 $KVCAL_CACHE/kl (default ~/.cache/kvcal/kl), so a sweep over formats runs the baseline once per window.
 Both sides are rounded to float16 log-probs and renormalised before the KL, so identical runs give exactly 0 and
 a cached baseline gives exactly what a fresh one would. (fp16 keeps ~3 significant digits of a log-prob; the
@@ -29,11 +36,12 @@ import torch
 
 from kvcal import models
 from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.tasks import KL_TEXT_FILE, read_text_file
 from kvcal.io import atomic_write_with
 
-KL_VERSION = 1
+# 2: windows start with BOS only where the tokenizer adds one (1 prepended it whenever the tokenizer had one).
+KL_VERSION = 2
 DEFAULT_SEQ_LEN = 256
-WIKITEXT_FILE = Path("wikitext2") / "wiki.test.joined.txt"
 
 # Held-out text for `kl` when no --data-dir is given. Written for kvcal (not copied from any corpus); plain
 # English prose with numbers, names and some structure so that attention has something to do.
@@ -91,21 +99,35 @@ def kl_text(data_dir: str | os.PathLike[str] | None) -> tuple[str, str]:
     """(text, source label): WikiText-2 test from --data-dir, else the embedded text."""
     if data_dir is None:
         return EMBEDDED_TEXT, "embedded"
-    path = Path(data_dir) / WIKITEXT_FILE
+    path = Path(data_dir) / KL_TEXT_FILE
     if not path.is_file():
         raise UsageError(
             f"task 'kl' needs '{path}', which is missing from --data-dir; lay the folder out like ../shared/data"
         )
-    return path.read_text(encoding="utf-8"), "wikitext2-test"
+    return read_text_file(path, "task 'kl'"), "wikitext2-test"
 
 
-def make_windows(tokenizer: Any, text: str, seq_len: int, limit: int | None) -> tuple[list[list[int]], int]:
-    """Non-overlapping windows of `seq_len` tokens (a BOS first when the tokenizer has one: Gemma needs it).
+def bos_rule(tokenizer: Any) -> dict[str, Any]:
+    """{"bos_token_id": the id each window starts with, or None; "rule": why} — the tokenizer's own rule."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return {"bos_token_id": None, "rule": "the tokenizer has no BOS token"}
+    ids = tokenizer("x")["input_ids"]
+    if ids and ids[0] == bos:
+        return {"bos_token_id": bos, "rule": "the tokenizer adds BOS (tokenizer('x') starts with it)"}
+    if getattr(tokenizer, "add_bos_token", False):
+        return {"bos_token_id": bos, "rule": "the tokenizer adds BOS (add_bos_token)"}
+    return {"bos_token_id": None, "rule": "the tokenizer has a BOS token but does not add it"}
+
+
+def make_windows(
+    tokenizer: Any, text: str, seq_len: int, limit: int | None, bos: int | None
+) -> tuple[list[list[int]], int]:
+    """Non-overlapping windows of `seq_len` tokens, each starting with `bos` when it is not None (see bos_rule).
     Returns (windows[:limit], number of windows in the whole text)."""
     if seq_len < 2:
         raise UsageError("the kl window length must be at least 2 tokens")
     ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = getattr(tokenizer, "bos_token_id", None)
     body = seq_len - 1 if bos is not None else seq_len
     windows = []
     for start in range(0, len(ids) - body + 1, body):
@@ -144,10 +166,10 @@ def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def window_key(fingerprint: str, baseline: dict[str, Any], window: list[int]) -> str:
+def window_key(fingerprint: str, baseline: dict[str, Any], bos: dict[str, Any], window: list[int]) -> str:
     ids = hashlib.sha256(json.dumps(window).encode()).hexdigest()
     blob = json.dumps(
-        {"v": KL_VERSION, "model": fingerprint, "baseline": baseline, "ids": ids}, sort_keys=True
+        {"v": KL_VERSION, "model": fingerprint, "baseline": baseline, "bos": bos, "ids": ids}, sort_keys=True
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -195,12 +217,20 @@ def baseline_logits_again(
 # ---- the task -----------------------------------------------------------------------------------------------
 
 
+def kl_per_token(ref_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(ref || q) in nats and top-1 agreement (1.0 / 0.0) at every position, from normalised log-probabilities
+    [..., V] of the reference and the quantized run -> two [...] tensors."""
+    kl = (ref_logprobs.exp() * (ref_logprobs - q_logprobs)).sum(-1)
+    agree = (ref_logprobs.argmax(-1) == q_logprobs.argmax(-1)).float()
+    return kl, agree
+
+
 def window_stats(base_lp16: torch.Tensor, quant_logits: torch.Tensor, window: list[int]) -> dict[str, float]:
     """Per-window KL / top-1 / NLL over the positions that have a next token (T-1 of them)."""
     lp = _renorm(base_lp16[:-1])  # [T-1, V]
     lq = _renorm(_fp16_logprobs(quant_logits)[:-1])  # [T-1, V]
-    kl_pos = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)  # [T-1]; tiny negatives are rounding
-    agree = (lp.argmax(-1) == lq.argmax(-1)).float()
+    kl_pos, agree = kl_per_token(lp, lq)  # [T-1] each
+    kl_pos = kl_pos.clamp_min(0.0)  # tiny negatives are rounding
     targets = torch.tensor(window[1:], dtype=torch.long)
     nll = -lq.gather(-1, targets[:, None]).squeeze(-1)  # [T-1]
     return {
@@ -243,6 +273,7 @@ def run_kl(
     quant_forward: Callable[[torch.Tensor], torch.Tensor],
     baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
     baseline_desc: dict[str, Any],
+    evaluated_desc: dict[str, Any],
     model_dir: str | os.PathLike[str],
     data_dir: str | os.PathLike[str] | None,
     limit: int | None,
@@ -254,19 +285,17 @@ def run_kl(
     `baseline()`: a context manager that installs the BF16-cache configuration on the model and yields its
     forward (the quantized configuration is restored on exit). Baselines missing from the cache are computed
     first (one install), then every window runs quantized and is compared with its cached baseline.
+    `baseline_desc` / `evaluated_desc` describe the two sides (the baseline's is part of the cache key).
     Returns (an lm-eval-shaped results dict for task 'kl', per-window sample records)."""
     root = cache_dir or cache_root()
     text, source = kl_text(data_dir)
-    windows, total = make_windows(tokenizer, text, seq_len, limit)
+    bos = bos_rule(tokenizer)
+    windows, total = make_windows(tokenizer, text, seq_len, limit, bos["bos_token_id"])
     fingerprint = model_fingerprint(model_dir)
     device = next(model.parameters()).device
-    keys = [window_key(fingerprint, baseline_desc, w) for w in windows]
+    keys = [window_key(fingerprint, baseline_desc, bos, w) for w in windows]
     missing = [i for i, k in enumerate(keys) if not _cache_path(root, k).is_file()]
-    if missing:
-        with baseline() as baseline_forward, torch.no_grad():
-            for i in missing:
-                ids = torch.tensor([windows[i]], dtype=torch.long, device=device)  # [1, T]
-                store_baseline(keys[i], baseline_forward(ids)[0].detach().cpu(), root)
+    _store_missing_baselines(baseline, windows, keys, missing, root, device)
     samples: list[dict[str, Any]] = []
     for i, window in enumerate(windows):
         ids = torch.tensor([window], dtype=torch.long, device=device)  # [1, T]
@@ -276,18 +305,52 @@ def run_kl(
         samples.append({"doc_id": i, **window_stats(base_lp16, quant_logits, window)})
         if progress is not None:
             progress(i + 1, len(windows))
-    hits = len(windows) - len(missing)
-    metrics = aggregate(samples)
-    results = {
+    task_config = {
+        "task": "kl",
+        "output_type": "kvcal_kl",
+        "text_source": source,
+        "seq_len": seq_len,
+        "bos": bos,
+        "baseline": baseline_desc,
+        "evaluated": evaluated_desc,
+        "baseline_cache_hits": len(windows) - len(missing),
+    }
+    return _kl_results(aggregate(samples), task_config, total, len(windows)), samples
+
+
+def _store_missing_baselines(
+    baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
+    windows: list[list[int]],
+    keys: list[str],
+    missing: list[int],
+    root: Path,
+    device: torch.device,
+) -> None:
+    """Compute and cache the baseline log-probs of the windows `missing` (one baseline install for all)."""
+    if not missing:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with baseline() as baseline_forward, torch.no_grad():
+            for i in missing:
+                ids = torch.tensor([windows[i]], dtype=torch.long, device=device)  # [1, T]
+                store_baseline(keys[i], baseline_forward(ids)[0].detach().cpu(), root)
+    except OSError as exc:  # the cache folder (the forward itself does no I/O)
+        raise UsageError(
+            f"cannot write kl's baseline cache under '{root}' ({exc.strerror or exc}); "
+            "set KVCAL_CACHE to a writable folder"
+        ) from exc
+
+
+def _kl_results(
+    metrics: dict[str, Any], task_config: dict[str, Any], total: int, effective: int
+) -> dict[str, Any]:
+    """lm-eval's results-dict shape for task 'kl'."""
+    return {
         "results": {"kl": {"alias": "kl", **metrics}},
         "configs": {
             "kl": {
-                "task": "kl",
-                "output_type": "kvcal_kl",
-                "text_source": source,
-                "seq_len": seq_len,
-                "baseline": baseline_desc,
-                "baseline_cache_hits": hits,
+                **task_config,
                 "metric_list": [
                     {"metric": "kl", "higher_is_better": False},
                     {"metric": "top1_agree", "higher_is_better": True},
@@ -299,6 +362,5 @@ def run_kl(
         "versions": {"kl": KL_VERSION},
         "n-shot": {"kl": 0},
         "higher_is_better": {"kl": {"kl": False, "top1_agree": True, "ppl": False}},
-        "n-samples": {"kl": {"original": total, "effective": len(windows)}},
+        "n-samples": {"kl": {"original": total, "effective": effective}},
     }
-    return results, samples

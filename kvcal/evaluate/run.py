@@ -1,9 +1,10 @@
 """`run_eval(EvalConfig) -> Path`: one model x one KV configuration x a task list, into one run directory.
 
-Order of work (so bad input never damages an existing run): validate everything (format, limit, tasks, data
-files, GPQA password, scale file vs checkpoint) -> open the run directory (complete: skip; other config: error)
--> load the model once -> each task through lm-eval's simple_evaluate (or kvcal's kl), persisted as it finishes
--> results.json, metrics.json -> COMPLETE.
+Order of work (so bad input never damages an existing run): validate everything (format, limit, device, tasks,
+data files, GPQA password) -> resolve the model and check what its config bounds (scale file vs checkpoint,
+window and generation lengths) -> open the run directory (complete: skip; other config: error) -> load the model
+once -> each task through lm-eval's simple_evaluate (or kvcal's kl), persisted as it finishes -> results.json,
+metrics.json -> COMPLETE.
 """
 
 from __future__ import annotations
@@ -17,19 +18,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcal import __version__
+from kvcal import __version__, models
+from kvcal.capacity import run_capacity
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate import runstore
 from kvcal.evaluate.kl import DEFAULT_SEQ_LEN
 from kvcal.evaluate.runstore import RunStore
 from kvcal.evaluate.tasks import KL_TASK, TaskPlan, resolve_tasks, task_manager_for
-
-DTYPES = ("float32", "bfloat16", "float16")
-IMPLS = ("auto", "torch", "triton")
+from kvcal.formats import parse_kv_format
+from kvcal.rundir import ENV, METRICS, RESULTS, RunConfig
 
 
 @dataclass
@@ -49,27 +49,21 @@ class EvalConfig:
     data_dir: str | None = None
     gpqa_password: str | None = field(default=None, repr=False)
     impl: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's own (lm-eval's HFLM default); config.yaml records the resolved one
     device: str = "cpu"
     batch_size: int = 1
     seed: int = 0
     kl_seq_len: int = DEFAULT_SEQ_LEN
     max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
-
-
-def parse_kv_format(name: str | None) -> str:
-    """Canonical format name ('auto' for empty / auto); UsageError listing the valid names otherwise."""
-    if name is None or str(name).strip().lower() in ("", "auto"):
-        return "auto"
-    from kvcal.formats import get_format
-
-    return get_format(str(name)).name
+    trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
+    strict: bool = False  # a NaN/Inf K/V value reaching the cache is an error (default: warn + metrics.json)
 
 
 # ---- names --------------------------------------------------------------------------------------------------
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """A lower-case file-name-safe form of `text` (run directory and sweep names)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower() or "x"
 
 
@@ -77,25 +71,22 @@ def model_short(model: str) -> str:
     name = Path(str(model).rstrip("/")).name
     for suffix in (".gguf", ".GGUF"):
         name = name.removesuffix(suffix)
-    return _slug(name)
+    return slug(name)
 
 
 def scales_tag(scales: str | None) -> str:
     """'none' (uncalibrated / dynamic) or 'calib-<granularity>' read from the scale file's manifest."""
     if not scales:
         return "none"
-    try:
-        from kvcal.scales import load_scale_file
+    from kvcal.scales import load_scale_file
 
-        return f"calib-{load_scale_file(scales).granularity}"
-    except ImportError:
-        return "calib"
+    return f"calib-{load_scale_file(scales).granularity}"
 
 
 def skip_tag(skip_layers: str | None) -> str:
     if not skip_layers or str(skip_layers).strip().lower() in ("", "none"):
         return "none"
-    return _slug(str(skip_layers).replace(",", "-"))
+    return slug(str(skip_layers).replace(",", "-"))
 
 
 def run_dir_name(config: EvalConfig) -> str:
@@ -108,16 +99,7 @@ def run_dir_name(config: EvalConfig) -> str:
 # ---- validation + the recorded config -----------------------------------------------------------------------
 
 
-def _sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def validate(config: EvalConfig) -> tuple[TaskPlan, str]:
-    """Check the cheap things first (nothing here imports lm-eval's model code). Returns (task plan, format)."""
+def _check_numbers(config: EvalConfig) -> None:
     if config.limit is not None and config.limit <= 0:
         raise UsageError(f"--limit must be a positive number of samples, got {config.limit}")
     if config.num_fewshot is not None and config.num_fewshot < 0:
@@ -126,12 +108,21 @@ def validate(config: EvalConfig) -> tuple[TaskPlan, str]:
         raise UsageError(f"--max-gen-toks must be at least 1, got {config.max_gen_toks}")
     if config.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, got {config.batch_size}")
-    if config.dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got '{config.dtype}'")
+    if config.kl_seq_len < 2:
+        raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
+
+
+def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
+    """Check everything that needs no model (nothing here imports lm-eval's model code). Returns (task plan,
+    canonical format, checked device)."""
+    from kvcal.kernels.runtime import IMPLS
+
+    _check_numbers(config)
+    if config.dtype not in models.DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
     if config.impl not in IMPLS:
         raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{config.impl}'")
-    if config.device not in ("cpu", "cuda") and not str(config.device).startswith("cuda:"):
-        raise UsageError(f"--device must be cpu or cuda, got '{config.device}'")
+    device = models.check_device(config.device)
     fmt = parse_kv_format(config.kv_format)
     if fmt == "auto" and (config.scales or config.skip_layers):
         raise UsageError(
@@ -147,62 +138,83 @@ def validate(config: EvalConfig) -> tuple[TaskPlan, str]:
         data_dir=config.data_dir,
         gpqa_password=config.gpqa_password,
     )
-    return plan, fmt
+    return plan, fmt, device
 
 
-def record_config(
-    config: EvalConfig, plan: TaskPlan, fmt: str, model_ref: str, model_dir: Path
-) -> dict[str, Any]:
-    """The config.yaml dict. Scale files are checked against the checkpoint here (before any write)."""
-    from kvcal.models import kv_spec, load_config, parse_skip_layers
-
-    kv = kv_spec(load_config(model_dir))
-    skip = sorted(parse_skip_layers(config.skip_layers, kv))
-    scales: dict[str, Any] | None = None
-    if config.scales:
-        from kvcal.scales import binding_differences, load_scales_for_model
-
-        ss = load_scales_for_model(
-            config.scales, model_ref, model_dir, kv, kv_format=fmt, force=config.force_scales
+def check_lengths(config: EvalConfig, plan: TaskPlan, kv: models.KVSpec) -> None:
+    """Lengths the model's config bounds: a kl window and the generated tokens must fit its positions."""
+    limit = kv.max_position_embeddings
+    if not limit:
+        return
+    if plan.has_kl and config.kl_seq_len > limit:
+        raise UsageError(
+            f"--kl-seq-len {config.kl_seq_len} is longer than the model's {limit} positions "
+            f"(max_position_embeddings); use --kl-seq-len {limit} or less"
         )
-        manifest = getattr(ss, "manifest", {}) or {}
-        observer = manifest.get("observer")
-        scales = {
-            "sha256": _sha256(config.scales),
-            "granularity": ss.granularity,
-            "observer": observer.get("name") if isinstance(observer, dict) else observer,
-            "binding_differences": binding_differences(ss, model_ref, model_dir, kv),
-        }
-        if scales["binding_differences"] and config.force_scales:
-            scales["WARNING"] = (
-                "scales were measured on another checkpoint; used anyway because of --force-scales"
-            )
-    return {
-        "model": model_ref,
-        "model_dir": str(model_dir),
-        "kv_format": fmt,
-        "scales_path": str(Path(config.scales).resolve()) if config.scales else None,
-        "scales": scales,
-        "force_scales": bool(config.force_scales),
-        "skip_layers": config.skip_layers or "",
-        "skip_layer_indices": skip,
-        "tasks": plan.names,
-        "include_path": plan.include_path,
-        "limit": config.limit,
-        "num_fewshot": config.num_fewshot,
-        "data_dir": str(Path(config.data_dir).resolve()) if config.data_dir else None,
-        "impl": config.impl,
-        "dtype": config.dtype,
-        "device": config.device,
-        "batch_size": config.batch_size,
-        "seed": config.seed,
-        "kl_seq_len": config.kl_seq_len if plan.has_kl else None,
-        "max_gen_toks": config.max_gen_toks,
-        "kvcal_version": __version__,
+    if config.max_gen_toks is not None and config.max_gen_toks >= limit:
+        raise UsageError(
+            f"--max-gen-toks {config.max_gen_toks} leaves no room for a prompt in the model's {limit} positions "
+            f"(max_position_embeddings); use fewer than {limit}"
+        )
+
+
+def _scales_record(
+    config: EvalConfig, fmt: str, model_ref: str, model_dir: Path, kv: models.KVSpec
+) -> dict[str, Any] | None:
+    """config.yaml's `scales`; the scale file is checked against the checkpoint here (before any write)."""
+    if not config.scales:
+        return None
+    from kvcal.scales import binding_differences, load_scales_for_model
+
+    ss = load_scales_for_model(
+        config.scales, model_ref, model_dir, kv, kv_format=fmt, force=config.force_scales
+    )
+    observer = ss.manifest.get("observer")
+    scales: dict[str, Any] = {
+        "sha256": models.sha256_file(config.scales),
+        "granularity": ss.granularity,
+        "observer": observer.get("name") if isinstance(observer, dict) else observer,
+        "binding_differences": binding_differences(ss, model_ref, model_dir, kv),
     }
+    if scales["binding_differences"] and config.force_scales:
+        scales["WARNING"] = (
+            "scales were measured on another checkpoint; used anyway because of --force-scales"
+        )
+    return scales
+
+
+def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, model_dir: Path) -> RunConfig:
+    """What config.yaml records (the run's identity): the resolved dtype and skip layers, the scale file's
+    check against the checkpoint. UsageError for lengths the model cannot hold."""
+    kv = models.kv_spec(models.load_config(model_dir, trust_remote_code=config.trust_remote_code))
+    check_lengths(config, plan, kv)
+    return RunConfig(
+        model=config.model,
+        model_dir=str(model_dir),
+        kv_format=fmt,
+        tasks=plan.names,
+        scales_path=str(Path(config.scales).resolve()) if config.scales else None,
+        scales=_scales_record(config, fmt, config.model, model_dir, kv),
+        force_scales=bool(config.force_scales),
+        skip_layers=config.skip_layers or "",
+        skip_layer_indices=sorted(models.parse_skip_layers(config.skip_layers, kv)),
+        include_path=plan.include_path,
+        limit=config.limit,
+        num_fewshot=config.num_fewshot,
+        data_dir=str(Path(config.data_dir).resolve()) if config.data_dir else None,
+        impl=config.impl,
+        dtype=models.resolve_dtype(config.dtype, model_dir),
+        device=device,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        kl_seq_len=config.kl_seq_len if plan.has_kl else None,
+        max_gen_toks=config.max_gen_toks,
+        kvcal_version=__version__,
+    )
 
 
 def environment(device: str) -> dict[str, Any]:
+    """env.json: package versions, platform, device and kvcal's git revision."""
     import importlib.metadata as md
 
     import torch
@@ -221,35 +233,14 @@ def environment(device: str) -> dict[str, Any]:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             versions[pkg] = None
-    try:
-        rev = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=Path(__file__).resolve().parent,
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=False,
-            ).stdout.strip()
-            or None
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "kvcal"],
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev, dirty = None, ""
+    rev, dirty = _git_revision()
     gpu = None
     if str(device).startswith("cuda") and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name(0)
+        gpu = torch.cuda.get_device_name(torch.device(device))
     return {
         "kvcal_version": __version__,
         "kvcal_git_revision": rev,
-        "kvcal_git_dirty": bool(dirty),
+        "kvcal_git_dirty": dirty,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "processor": platform.machine(),
@@ -258,6 +249,31 @@ def environment(device: str) -> dict[str, Any]:
         "gpu": gpu,
         "versions": versions,
     }
+
+
+def _git_revision() -> tuple[str | None, bool]:
+    """(commit of the kvcal checkout or None when not a git checkout, whether kvcal/ has local changes)."""
+    here = Path(__file__).resolve()
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=here.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "kvcal"],
+            cwd=here.parents[2],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return rev or None, bool(dirty)
 
 
 # ---- sample hygiene -----------------------------------------------------------------------------------------
@@ -309,38 +325,6 @@ def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# ---- capacity -----------------------------------------------------------------------------------------------
-
-
-def cache_capacity(model_dir: Path, fmt: str, skip: list[int], dtype: str) -> dict[str, Any]:
-    """Cache bytes per token (no sliding-window discount: the longest-context view) and tokens-that-fit
-    multiplier vs a BF16 cache, per DESIGN.md's formula."""
-    from kvcal.models import kv_spec, load_config
-
-    kv = kv_spec(load_config(model_dir))
-    model_bits = 32 if dtype == "float32" else 16
-
-    def bits(layer_fmt: str, head_dim: int) -> float:
-        if layer_fmt == "auto":
-            return float(model_bits)
-        from kvcal.formats import bits_per_element
-
-        return float(bits_per_element(layer_fmt, head_dim))
-
-    total = 0.0
-    bf16 = 0.0
-    for layer in kv.layers:
-        elems = 2 * layer.kv_heads * layer.head_dim
-        layer_fmt = "bf16" if layer.index in skip else fmt
-        total += elems * bits(layer_fmt, layer.head_dim) / 8
-        bf16 += elems * 16 / 8
-    return {
-        "bytes_per_token": total,
-        "bf16_bytes_per_token": bf16,
-        "capacity_multiplier_vs_bf16": bf16 / total,
-    }
-
-
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
@@ -384,52 +368,63 @@ def run_eval(config: EvalConfig, progress: Callable[[str], None] | None = None) 
     """Evaluate `config` into its run directory and return the directory. A complete directory with the same
     config is returned untouched; an interrupted one resumes (finished tasks are not rerun)."""
     say = progress or (lambda _msg: None)
-    plan, fmt = validate(config)
-    from kvcal.evaluate.adapter import resolve_pretrained
-
-    model_ref, model_dir = resolve_pretrained(config.model)
-    recorded = record_config(config, plan, fmt, model_ref, model_dir)
+    plan, fmt, device = validate(config)
+    model_dir = models.resolve_model(config.model, trust_remote_code=config.trust_remote_code)
+    recorded = record_config(config, plan, fmt, device, model_dir)
     out = Path(config.output) if config.output else Path(run_dir_name(config))
     store = RunStore(out)
-    state = store.open(recorded)
-    if state == "complete":
+    if store.open(recorded) == "complete":
         say(f"{out}: complete, skipped")
         return out
-    store.write_json(runstore.ENV, environment(config.device))
+    store.write_json(ENV, environment(device))
+    lm = _run_tasks(store, plan, config, recorded, say)
+    parts = [store.finished_task(t) or {} for t in plan.names]
+    store.write_json(RESULTS, _results(parts, config, recorded, lm))
+    store.write_json(METRICS, _metrics(parts, plan, recorded))
+    store.mark_complete(recorded)
+    say(f"{out}: complete")
+    return out
 
+
+def _run_tasks(
+    store: RunStore, plan: TaskPlan, config: EvalConfig, recorded: RunConfig, say: Callable[[str], None]
+) -> Any:
+    """Run every unfinished task (one model load), saving each as it finishes. Returns the LM, or None when
+    every task was already done."""
     pending = [t for t in plan.names if store.finished_task(t) is None]
-    lm = None
-    counter = None
-    if pending:
-        say(f"loading {model_ref} ({config.dtype}, {config.device}, kv {fmt})")
-        lm = _make_lm(config, fmt, model_ref, model_dir)
-        counter = _TokenCounter(lm.model)
+    for task in plan.names:
+        if task not in pending:
+            say(f"{task}: already done, skipped")
+    if not pending:
+        return None
+    say(f"loading {recorded.model} ({recorded.dtype}, {recorded.device}, kv {recorded.kv_format})")
+    lm = _make_lm(config, recorded)
+    counter = _TokenCounter(lm.model)
     try:
-        for task in plan.names:
-            if store.finished_task(task) is not None:
-                say(f"{task}: already done, skipped")
-                continue
-            assert lm is not None and counter is not None
+        for task in pending:
             say(f"{task}: running")
             t0, tok0 = time.perf_counter(), counter.tokens
             if task == KL_TASK:
-                part, samples = _run_kl_task(lm, config, model_dir)
+                part, samples = _run_kl_task(lm, config, recorded)
             else:
                 part, samples = _run_lm_eval_task(lm, plan, task, config)
-            wall = time.perf_counter() - t0
-            part["kvcal_task_metrics"] = {"wall_s": wall, "tokens": counter.tokens - tok0}
+            part["kvcal_task_metrics"] = {"wall_s": time.perf_counter() - t0, "tokens": counter.tokens - tok0}
+            part["kvcal_task_metrics"]["nonfinite_kv"] = _nonfinite_kv(lm, task, config.strict, say)
             store.save_task(task, part, samples)
     finally:
-        if counter is not None:
-            counter.close()
+        counter.close()
+    return lm
 
-    parts = [store.finished_task(t) or {} for t in plan.names]
+
+def _results(parts: list[dict[str, Any]], config: EvalConfig, recorded: RunConfig, lm: Any) -> dict[str, Any]:
+    """results.json: lm-eval's results dict merged over the tasks, with the model args and seeds used."""
     merged = merge_results(parts)
     merged["config"] = {
         "model": "kvcal",
         "model_args": _model_args_string(recorded),
         "batch_size": config.batch_size,
-        "device": config.device,
+        "device": recorded.device,
+        "dtype": recorded.dtype,
         "limit": config.limit,
         "num_fewshot": config.num_fewshot,
         **_seeds(config.seed),
@@ -437,8 +432,11 @@ def run_eval(config: EvalConfig, progress: Callable[[str], None] | None = None) 
     if lm is not None:
         merged["kvcal"] = lm.kvcal_describe()
     merged["date"] = time.time()
-    store.write_json(runstore.RESULTS, merged)
+    return merged
 
+
+def _metrics(parts: list[dict[str, Any]], plan: TaskPlan, recorded: RunConfig) -> dict[str, Any]:
+    """metrics.json: time, tokens, peak memory, and the cache's capacity as `kvcal capacity` counts it."""
     wall = sum(p.get("kvcal_task_metrics", {}).get("wall_s", 0.0) for p in parts)
     tokens = sum(p.get("kvcal_task_metrics", {}).get("tokens", 0) for p in parts)
     metrics: dict[str, Any] = {
@@ -446,14 +444,13 @@ def run_eval(config: EvalConfig, progress: Callable[[str], None] | None = None) 
         "tokens": tokens,
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_gpu_bytes": _peak_gpu(config.device),
+        "peak_gpu_bytes": _peak_gpu(recorded.device),
         "per_task": {t: p.get("kvcal_task_metrics") for t, p in zip(plan.names, parts, strict=True)},
     }
-    metrics.update(cache_capacity(model_dir, fmt, recorded["skip_layer_indices"], config.dtype))
-    store.write_json(runstore.METRICS, metrics)
-    store.mark_complete(recorded)
-    say(f"{out}: complete")
-    return out
+    metrics["nonfinite_kv"] = _sum_nonfinite([p.get("kvcal_task_metrics", {}) for p in parts])
+    kv = models.kv_spec(models.load_config(recorded.model_dir))
+    metrics.update(run_capacity(kv, recorded.kv_format, frozenset(recorded.skip_layer_indices)))
+    return metrics
 
 
 def _peak_gpu(device: str) -> int | None:
@@ -464,34 +461,35 @@ def _peak_gpu(device: str) -> int | None:
     return None
 
 
-def _model_args_string(recorded: dict[str, Any]) -> str:
+def _model_args_string(recorded: RunConfig) -> str:
     args = [
-        f"pretrained={recorded['model_dir']}",
-        f"kv_format={recorded['kv_format']}",
-        f"dtype={recorded['dtype']}",
+        f"pretrained={recorded.model_dir}",
+        f"kv_format={recorded.kv_format}",
+        f"dtype={recorded.dtype}",
     ]
-    if recorded.get("scales_path"):
-        args.append(f"kv_scales={recorded['scales_path']}")
-    if recorded.get("skip_layers"):
-        args.append(f"skip_layers={recorded['skip_layers']}")
-    args.append(f"impl={recorded['impl']}")
+    if recorded.scales_path:
+        args.append(f"kv_scales={recorded.scales_path}")
+    if recorded.skip_layers:
+        args.append(f"skip_layers={recorded.skip_layers}")
+    args.append(f"impl={recorded.impl}")
     return ",".join(args)
 
 
-def _make_lm(config: EvalConfig, fmt: str, model_ref: str, model_dir: Path) -> Any:
+def _make_lm(config: EvalConfig, recorded: RunConfig) -> Any:
     from kvcal.evaluate.adapter import KvcalLM
 
     return KvcalLM(
-        pretrained=str(model_dir),
-        model_ref=model_ref,
-        kv_format=fmt,
+        pretrained=recorded.model_dir,
+        model_ref=recorded.model,
+        kv_format=recorded.kv_format,
         kv_scales=config.scales,
         skip_layers=config.skip_layers,
-        impl=config.impl,
-        force_scales=config.force_scales,
-        dtype=config.dtype,
-        device=config.device,
-        batch_size=config.batch_size,
+        impl=recorded.impl,
+        force_scales=recorded.force_scales,
+        dtype=recorded.dtype,
+        device=recorded.device,
+        batch_size=recorded.batch_size,
+        trust_remote_code=config.trust_remote_code,
     )
 
 
@@ -536,7 +534,9 @@ def _scrub_configs(part: dict[str, Any]) -> dict[str, Any]:
     return part
 
 
-def _run_kl_task(lm: Any, config: EvalConfig, model_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _run_kl_task(
+    lm: Any, config: EvalConfig, recorded: RunConfig
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from kvcal.evaluate.kl import run_kl
 
     model = lm.model
@@ -545,27 +545,71 @@ def _run_kl_task(lm: Any, config: EvalConfig, model_dir: Path) -> tuple[dict[str
     def baseline() -> Iterator[Callable[[Any], Any]]:
         from kvcal.kernels.runtime import KVRuntime
 
-        rt = KVRuntime(model, "bf16", impl=config.impl)  # replaces the evaluated configuration for a moment
+        rt = KVRuntime(model, "bf16", impl=recorded.impl)  # replaces the evaluated configuration for a moment
         try:
             yield lambda ids: model(ids, past_key_values=rt.new_cache(), use_cache=True).logits
         finally:
             lm.activate_runtime()
 
-    desc = {"kv_format": "bf16", "impl": config.impl, "dtype": config.dtype, "device": config.device}
+    base = {"kv_format": "bf16", "impl": recorded.impl, "dtype": recorded.dtype, "device": recorded.device}
     return run_kl(
         model,
         lm.tokenizer,
         quant_forward=lm._model_call,
         baseline=baseline,
-        baseline_desc=desc,
-        model_dir=model_dir,
+        baseline_desc={**base, "attention": "kvcal"},
+        evaluated_desc=_kl_evaluated_side(recorded),
+        model_dir=recorded.model_dir,
         data_dir=config.data_dir,
         limit=config.limit,
         seq_len=config.kl_seq_len,
     )
 
 
-def config_dict(config: EvalConfig) -> dict[str, Any]:
-    d = asdict(config)
-    d.pop("gpqa_password", None)
-    return d
+def _kl_evaluated_side(recorded: RunConfig) -> dict[str, Any]:
+    """What the kl task compares against its BF16 baseline (kvcal's attention over a BF16 cache)."""
+    if recorded.kv_format == "auto":
+        return {
+            "kv_format": "auto",
+            "attention": "transformers (the model's own)",
+            "cache_dtype": recorded.dtype,
+            "note": "the model's own attention over its own-dtype cache vs kvcal's attention over a BF16 cache: "
+            "the KL holds the attention implementations' difference as well as the cache's",
+        }
+    return {
+        "kv_format": recorded.kv_format,
+        "attention": "kvcal",
+        "impl": recorded.impl,
+        "skip_layers": recorded.skip_layer_indices,
+        "note": "same attention as the baseline: the KL is the cache format's alone",
+    }
+
+
+def _nonfinite_kv(lm: Any, task: str, strict: bool, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """NaN/Inf K/V values the cache was asked to store during `task` (None: kv format auto, nothing counted);
+    a warning, or a KvcalError with --strict."""
+    runtime = getattr(lm, "runtime", None)
+    if runtime is None:
+        return None
+    counts = runtime.take_nonfinite_kv()
+    if counts["total"]:
+        layers = ", ".join(str(e["layer"]) for e in counts["per_layer"])
+        msg = f"{task}: {counts['total']} non-finite K/V values (NaN/Inf) reached the KV cache (layers {layers})"
+        if strict:
+            raise KvcalError(f"{msg}; the model overflows its dtype (try --dtype float32), or drop --strict")
+        say(f"WARNING: {msg}; counted in metrics.json (nonfinite_kv)")
+    return counts
+
+
+def _sum_nonfinite(task_metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """metrics.json's nonfinite_kv: the tasks' per-layer counts summed, and their total."""
+    counted = [m["nonfinite_kv"] for m in task_metrics if m.get("nonfinite_kv") is not None]
+    if not counted:
+        return None
+    per: dict[int, list[int]] = {}
+    for c in counted:
+        for e in c["per_layer"]:
+            kv = per.setdefault(e["layer"], [0, 0])
+            kv[0], kv[1] = kv[0] + e["k"], kv[1] + e["v"]
+    per_layer = [{"layer": i, "k": k, "v": v} for i, (k, v) in sorted(per.items())]
+    return {"per_layer": per_layer, "total": sum(c["total"] for c in counted)}

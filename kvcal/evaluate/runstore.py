@@ -1,13 +1,8 @@
-"""The run directory: what one `kvcal eval` writes, how a rerun recognises it, how a crash resumes.
+"""The run directory's life cycle: what one `kvcal eval` writes, how a rerun recognises it, how a crash resumes.
 
-RUN_DIR/
-  config.yaml            everything needed to rerun (written first; its hash identifies the run)
-  env.json               versions, device, kvcal git revision
-  tasks/<task>.json      one finished task: lm-eval's results dict for that task alone (resume skips it)
-  samples_<task>.jsonl   per-sample records (lm-eval's --log_samples records; kvcal's kl: one per window)
-  results.json           lm-eval's results dict, merged over the tasks
-  metrics.json           wall time, tokens/s, peak RSS / GPU memory, cache bytes per token, capacity multiplier
-  COMPLETE               written last: {"finished": ..., "config_hash": ...}
+The layout, file names and config fields are kvcal.rundir's (RUN_DIR/config.yaml, env.json, tasks/<task>.json,
+samples_<task>.jsonl, results.json, metrics.json, COMPLETE). A run is identified by the hash of its config's
+identity fields, so a config.yaml written before `run_format` existed hashes as it did then.
 
 Every file is written atomically (kvcal.io), so an interrupted run leaves only whole files and no COMPLETE.
 """
@@ -22,32 +17,14 @@ from typing import Any
 
 import yaml
 
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, UsageError
 from kvcal.io import atomic_write_json, atomic_write_text
-
-CONFIG = "config.yaml"
-ENV = "env.json"
-RESULTS = "results.json"
-METRICS = "metrics.json"
-COMPLETE = "COMPLETE"
-TASKS_DIR = "tasks"
-
-# Config keys that do not change what is measured (a rerun with another value is the same run). model_dir is where
-# kvcal's cache happens to hold a converted GGUF (its name can change between kvcal versions); `model` names it.
-NON_IDENTITY_KEYS = frozenset({"kvcal_version", "run_dir", "scales_path", "model_dir"})
+from kvcal.rundir import COMPLETE, CONFIG, TASKS_DIR, RunConfig, samples_file
 
 
-def identity(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if k not in NON_IDENTITY_KEYS}
-
-
-def config_hash(config: dict[str, Any]) -> str:
-    blob = json.dumps(identity(config), sort_keys=True, default=str).encode()
+def config_hash(config: RunConfig) -> str:
+    blob = json.dumps(config.identity(), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def samples_file(task: str) -> str:
-    return f"samples_{task}.jsonl"
 
 
 class RunStore:
@@ -59,21 +36,26 @@ class RunStore:
 
     # ---- state ------------------------------------------------------------------------------------------
 
-    def read_config(self) -> dict[str, Any] | None:
+    def read_config(self) -> RunConfig | None:
         path = self.root / CONFIG
         if not path.is_file():
             return None
         try:
-            cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise KvcalError(
                 f"'{path}' is not valid YAML ({exc}); move the run directory aside and rerun"
             ) from exc
-        if not isinstance(cfg, dict):
+        if not isinstance(raw, dict):
             raise KvcalError(f"'{path}' is not a kvcal run config; choose another -o directory")
-        return cfg
+        try:
+            return RunConfig.from_dict(raw)
+        except (TypeError, ValueError) as exc:
+            raise KvcalError(
+                f"'{path}' is not a kvcal run config ({exc}); choose another -o directory"
+            ) from exc
 
-    def is_complete(self, config: dict[str, Any] | None = None) -> bool:
+    def is_complete(self, config: RunConfig | None = None) -> bool:
         marker = self.root / COMPLETE
         if not marker.is_file():
             return False
@@ -84,18 +66,17 @@ class RunStore:
         except (json.JSONDecodeError, AttributeError):
             return False
 
-    def open(self, config: dict[str, Any]) -> str:
+    def open(self, config: RunConfig) -> str:
         """Prepare the directory for `config`: returns 'complete', 'resume' or 'fresh'."""
         if self.root.exists() and not self.root.is_dir():
-            raise KvcalError(f"-o '{self.root}' is a file; pass a directory for the run")
+            raise UsageError(f"-o '{self.root}' is a file; pass a directory for the run")
         existing = self.read_config()
         if existing is None:
             if self.root.is_dir() and any(p for p in self.root.iterdir() if not p.name.startswith(".")):
                 raise KvcalError(
                     f"'{self.root}' is not empty and holds no kvcal run (no {CONFIG}); choose an empty or new -o directory"
                 )
-            self.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.root / CONFIG, yaml.safe_dump(config, sort_keys=False))
+            self._create(config)
             return "fresh"
         diffs = config_differences(existing, config)
         if diffs:
@@ -106,6 +87,16 @@ class RunStore:
         if self.is_complete(config):
             return "complete"
         return "resume"
+
+    def _create(self, config: RunConfig) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.root / CONFIG, yaml.safe_dump(config.to_dict(), sort_keys=False))
+        except OSError as exc:
+            raise UsageError(
+                f"cannot create the run directory '{self.root}' ({exc.strerror or exc}); "
+                "pass an -o path in a writable folder"
+            ) from exc
 
     # ---- per task ---------------------------------------------------------------------------------------
 
@@ -132,7 +123,7 @@ class RunStore:
     def write_json(self, name: str, obj: Any) -> None:
         atomic_write_json(self.root / name, obj)
 
-    def mark_complete(self, config: dict[str, Any]) -> None:
+    def mark_complete(self, config: RunConfig) -> None:
         atomic_write_json(
             self.root / COMPLETE,
             {
@@ -142,8 +133,8 @@ class RunStore:
         )
 
 
-def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    a, b = identity(old), identity(new)
+def config_differences(old: RunConfig, new: RunConfig) -> list[str]:
+    a, b = old.identity(), new.identity()
     out = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -153,15 +144,12 @@ def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def _json_default(obj: Any) -> Any:
     """lm-eval sample records hold tuples, numpy scalars and the odd object; write them as JSON values."""
-    try:
-        import numpy as np
+    import numpy as np
 
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, np.ndarray):
-            return obj.tolist()
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     return str(obj)

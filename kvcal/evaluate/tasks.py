@@ -32,6 +32,8 @@ from typing import Any
 from kvcal.errors import KvcalError, UsageError
 
 KL_TASK = "kl"
+# kl's held-out text inside --data-dir (kvcal.evaluate.kl reads it; checked here with the other data files).
+KL_TEXT_FILE = Path("wikitext2") / "wiki.test.joined.txt"
 GPQA_PASSWORD_ENV = "KVCAL_GPQA_PASSWORD"
 
 # Task names kvcal knows without indexing lm-eval: name -> YAML path relative to lm_eval/tasks.
@@ -46,7 +48,7 @@ BUILTIN_YAML: dict[str, str] = {
     "gpqa_diamond_generative_n_shot": "gpqa/generative/gpqa_diamond_generative_n_shot.yaml",
     "wikitext": "wikitext/wikitext.yaml",
 }
-# Short names people type (DESIGN.md says `gpqa_diamond`); lm-eval has no task of that name.
+# Short names people type (the README says `gpqa_diamond`); lm-eval has no task of that name.
 ALIASES: dict[str, str] = {
     "gpqa_diamond": "gpqa_diamond_zeroshot",
     "gpqa_diamond_cot": "gpqa_diamond_cot_zeroshot",
@@ -130,8 +132,31 @@ def resolve_tasks(
     gpqa_password: str | None = None,
 ) -> TaskPlan:
     """Turn `--tasks a,b` into lm-eval specs. Unknown names -> UsageError with close matches; files missing
-    from --data-dir -> UsageError naming the path; GPQA from --data-dir without a password -> UsageError."""
+    from --data-dir or not UTF-8 -> UsageError naming the path; GPQA from --data-dir without a password ->
+    UsageError."""
     names = parse_task_list(tasks)
+    inc, ddir = _checked_folders(include_path, data_dir)
+    user_names = _include_names(inc)
+    plan = TaskPlan(names=names, include_path=inc)
+    unknown: list[str] = []
+    for name in names:
+        if name == KL_TASK:
+            if ddir is not None:
+                read_text_file(_require(ddir / KL_TEXT_FILE, KL_TASK), f"task '{KL_TASK}'")
+        elif name in user_names:
+            _check_user_data_files(inc, name)
+            plan.lm_eval_specs[name] = name  # the user's YAML, exactly as lm_eval --include_path
+        elif not _add_lm_eval_task(plan, name, ddir, gpqa_password):
+            unknown.append(name)
+    if unknown:
+        raise UsageError(_unknown_tasks_message(unknown, user_names))
+    return plan
+
+
+def _checked_folders(
+    include_path: str | os.PathLike[str] | None, data_dir: str | os.PathLike[str] | None
+) -> tuple[str | None, Path | None]:
+    """(--include-path resolved, --data-dir) after checking both are folders and the task YAMLs are UTF-8."""
     inc = None
     if include_path is not None:
         inc_p = Path(include_path)
@@ -140,48 +165,45 @@ def resolve_tasks(
                 f"--include-path '{include_path}' is not a folder; pass the folder of your task YAMLs"
             )
         inc = str(inc_p.resolve())
+        for path in sorted(p for pattern in ("*.yaml", "*.yml") for p in inc_p.rglob(pattern)):
+            read_text_file(path, "a task YAML of --include-path")
     ddir = Path(data_dir) if data_dir is not None else None
     if ddir is not None and not ddir.is_dir():
         raise UsageError(
             f"--data-dir '{data_dir}' is not a folder; pass the folder laid out like ../shared/data"
         )
-    user_names = _include_names(inc)
-    plan = TaskPlan(names=names, include_path=inc)
-    unknown: list[str] = []
-    for name in names:
-        if name == KL_TASK:
-            continue
-        if name in user_names:
-            plan.lm_eval_specs[name] = name  # the user's YAML, exactly as lm_eval --include_path
-            continue
-        if name in BUILTIN_YAML:
-            yaml_path: Path | None = lm_eval_tasks_dir() / BUILTIN_YAML[name]
-        else:
-            entry = lm_eval_task_index().get(name)
-            if entry is None:
-                unknown.append(name)
-                continue
-            kind, rel = entry
-            if kind != "task":  # a group or tag: lm-eval builds it by name from its full index
-                plan.lm_eval_specs[name] = name
-                continue
-            yaml_path = lm_eval_tasks_dir() / rel
-        cfg = load_task_yaml(yaml_path)
-        if cfg.get("dataset_path") == "Idavidrein/gpqa":
-            plan.private.add(name)
-        if ddir is not None:
-            cfg = offline_config(cfg, ddir, gpqa_password=gpqa_password)
-        plan.lm_eval_specs[name] = cfg
-    if unknown:
-        known = sorted(set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK} | user_names | set(lm_eval_task_index()))
-        parts = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
-            parts.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        raise UsageError(
-            f"unknown task {'; '.join(parts)}; use an lm-eval task name, kl, or a task of --include-path"
-        )
-    return plan
+    return inc, ddir
+
+
+def _add_lm_eval_task(plan: TaskPlan, name: str, ddir: Path | None, gpqa_password: str | None) -> bool:
+    """Add lm-eval's task (or group / tag) `name` to the plan, its data pointed at --data-dir; False if unknown."""
+    if name in BUILTIN_YAML:
+        yaml_path = lm_eval_tasks_dir() / BUILTIN_YAML[name]
+    else:
+        entry = lm_eval_task_index().get(name)
+        if entry is None:
+            return False
+        kind, rel = entry
+        if kind != "task":  # a group or tag: lm-eval builds it by name from its full index
+            plan.lm_eval_specs[name] = name
+            return True
+        yaml_path = lm_eval_tasks_dir() / rel
+    cfg = load_task_yaml(yaml_path)
+    if cfg.get("dataset_path") == "Idavidrein/gpqa":
+        plan.private.add(name)
+    if ddir is not None:
+        cfg = offline_config(cfg, ddir, gpqa_password=gpqa_password)
+    plan.lm_eval_specs[name] = cfg
+    return True
+
+
+def _unknown_tasks_message(unknown: list[str], user_names: set[str]) -> str:
+    known = sorted(set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK} | user_names | set(lm_eval_task_index()))
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
+        parts.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return f"unknown task {'; '.join(parts)}; use an lm-eval task name, kl, or a task of --include-path"
 
 
 _NAME_LINE = re.compile(r"^(task|group|tag):[ \t]*([^#\n]*)$", re.M)
@@ -256,6 +278,62 @@ def _require(path: Path, task: str) -> Path:
     return path
 
 
+def _require_jsonl(path: Path, task: str, field: str | None = None) -> Path:
+    check_jsonl_file(_require(path, task), f"task '{task}'", field)
+    return path
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """The text of a file eval reads; UsageError naming the file when it cannot be read or is not UTF-8 (lm-eval
+    and datasets would otherwise fail deep inside, after the model has loaded)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read '{path}' ({what}): {exc.strerror or exc}") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"'{path}' ({what}) is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8 IN > OUT"
+        ) from exc
+
+
+def check_jsonl_file(path: Path, what: str, field: str | None = None) -> None:
+    """UsageError unless every non-blank line of `path` is a UTF-8 JSON object (holding `field` when given)."""
+    for n, line in enumerate(read_text_file(path, what).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise UsageError(
+                f"line {n} of '{path}' ({what}) is not JSON ({exc}); JSON Lines files hold one object per line"
+            ) from exc
+        if not isinstance(record, dict) or (field is not None and field not in record):
+            need = f" with a '{field}' field" if field else ""
+            raise UsageError(f"line {n} of '{path}' ({what}) is not a JSON object{need}")
+
+
+def _check_user_data_files(include_path: str | None, name: str) -> None:
+    """The local data files a task of --include-path names (dataset_kwargs.data_files) are readable UTF-8."""
+    entry = _task_manager(include_path, False).task_index.get(name)
+    if entry is None or entry.yaml_path is None:
+        return
+    cfg = load_task_yaml(entry.yaml_path)
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files") if isinstance(cfg, dict) else None
+    values = files.values() if isinstance(files, dict) else [files]
+    for value in values:
+        for item in value if isinstance(value, list) else [value]:
+            path = Path(str(item))
+            if item and path.is_file():
+                what = f"data of task '{name}'"
+                if path.suffix == ".jsonl":
+                    check_jsonl_file(path, what)
+                elif path.suffix in (".json", ".csv", ".txt", ".tsv"):
+                    read_text_file(path, what)
+
+
 def offline_config(cfg: dict[str, Any], data_dir: Path, gpqa_password: str | None = None) -> dict[str, Any]:
     """A copy of a task config whose data comes from `data_dir` instead of the hub (everything else untouched)."""
     cfg = dict(cfg)
@@ -267,18 +345,18 @@ def offline_config(cfg: dict[str, Any], data_dir: Path, gpqa_password: str | Non
     root = data_dir / folder
     if hub == "openai/gsm8k":
         files = {
-            "train": str(_require(root / "train.jsonl", task)),
-            "test": str(_require(root / "test.jsonl", task)),
+            "train": str(_require_jsonl(root / "train.jsonl", task)),
+            "test": str(_require_jsonl(root / "test.jsonl", task)),
         }
         cfg.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": files})
     elif hub == "math-ai/aime25":
         cfg.update(
             dataset_path="json",
             dataset_name=None,
-            dataset_kwargs={"data_files": {"test": str(_require(root / "test.jsonl", task))}},
+            dataset_kwargs={"data_files": {"test": str(_require_jsonl(root / "test.jsonl", task))}},
         )
     elif hub == "EleutherAI/wikitext_document_level":
-        path = _require(root / "test.jsonl", task)
+        path = _require_jsonl(root / "test.jsonl", task, field="text")
         # Only the test split exists locally; lm-eval's wikitext evaluates the test split.
         cfg.update(
             dataset_path="json",
@@ -356,7 +434,12 @@ def read_gpqa_rows(zip_path: str | os.PathLike[str], member: str, password: str)
         ) from exc
     except zipfile.BadZipFile as exc:
         raise KvcalError(f"'{zip_path}' is not a readable zip archive ({exc})") from exc
-    text = raw.decode("utf-8")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KvcalError(
+            f"'{member}' in '{zip_path}' is not UTF-8 CSV; is it the official GPQA dataset.zip?"
+        ) from exc
     return [
         {k: (v if v != "" else None) for k, v in row.items()} for row in csv.DictReader(io.StringIO(text))
     ]

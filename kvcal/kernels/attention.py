@@ -7,7 +7,8 @@ on it. When a model running kvcal attention is called WITHOUT a kvcal cache (lm-
 makes transformers create its own DynamicCache), the K/V tensors it is given are quantized on the fly with the
 layer's format and scales: identical to a fresh kvcal cache for a single forward (loglikelihood scoring).
 `generate()` without `past_key_values` gets a kvcal cache from the runtime (`runtime.install_generate_cache`); only
-a hand-written decode loop over a transformers cache would re-quantize its past each step.
+a hand-written decode loop over a transformers cache would re-quantize its past each step. In that path the key
+padding comes from the mask below, as it does for the cache from `KVRuntime`'s forward hook.
 
 Masks: transformers builds no mask for an attention implementation its `AttentionMaskInterface` does not know,
 so "kvcal" registers `kvcal_mask` there too. It returns the compact form the kernels take — the 2-D key padding
@@ -17,16 +18,15 @@ and the attention applies causality and the sliding window from positions (see `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from kvcal import formats
 from kvcal.errors import KvcalError
-from kvcal.kernels.cache import KVRead, LayerPlan
+from kvcal.kernels.cache import KVRead, LayerPlan, NonFiniteCount, QuantizedLayer
 from kvcal.kernels.reference import quantized_attention_ref
 
 ATTN_NAME = "kvcal"
@@ -38,6 +38,7 @@ class ModuleConfig:
 
     plan: LayerPlan
     impl: str  # 'torch' | 'triton'
+    nonfinite: NonFiniteCount | None = None  # the runtime's count of non-finite K/V
 
 
 def kvcal_mask(
@@ -89,6 +90,24 @@ def _key_padding(attention_mask: torch.Tensor | None, batch: int, tk: int) -> to
     raise KvcalError(f"kvcal attention cannot use an attention mask of shape {tuple(m.shape)}")
 
 
+def _read_plain_kv(
+    cfg: ModuleConfig, key: torch.Tensor, value: torch.Tensor, tq: int, key_padding: torch.Tensor | None
+) -> KVRead:
+    """Plain K/V [B, H_kv, Tk, D] from a transformers cache (or none): quantized here as a fresh kvcal layer
+    would store them in one write (padding zeroed, nvfp4's global per the plan), so the read still sees quantized
+    values. Non-finite values are counted for the new keys only (the last Tq), as a cache would count them."""
+    plan = cfg.plan
+    layer = QuantizedLayer(replace(plan, window=None))  # one write: kvcal's scales and padding rule, no trim
+    if cfg.nonfinite is not None:
+        pad_new = None if key_padding is None else key_padding[:, -tq:]
+        cfg.nonfinite.add(plan.index, 0, key[:, :, -tq:], pad_new)
+        cfg.nonfinite.add(plan.index, 1, value[:, :, -tq:], pad_new)
+    kph, _ = layer.update(key, value, valid=key_padding)
+    read: KVRead = kph.kvcal_read
+    read.q_start, read.window = key.shape[2] - tq, plan.window
+    return read
+
+
 def kvcal_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -106,29 +125,15 @@ def kvcal_attention_forward(
     [B, H_kv, Tk, D] (or plain tensors, quantized here); returns ([B, Tq, H_q, D], None)."""
     cfg: ModuleConfig | None = getattr(module, "kvcal_config", None)
     read: KVRead | None = getattr(key, "kvcal_read", None)
-    tq = query.shape[2]
+    tq, tk = query.shape[2], key.shape[2]
+    key_padding = _key_padding(attention_mask, query.shape[0], tk)
     if read is None:
         if cfg is None:
             raise KvcalError(
                 "kvcal attention ran on a module that no KVRuntime configured; build the model's runtime with "
                 "kvcal.kernels.runtime.KVRuntime(model, kv_format)"
             )
-        # Plain K/V from a transformers cache (or none): quantize everything we were given (the new keys are the
-        # last Tq), so the read still sees quantized values.
-        plan = cfg.plan
-        k_scale = plan.k_scale if plan.fmt.calibratable else None
-        v_scale = plan.v_scale if plan.fmt.calibratable else None
-        tk = key.shape[2]
-        read = KVRead(
-            k=formats.quantize(key, plan.fmt, scale=k_scale),
-            v=formats.quantize(value, plan.fmt, scale=v_scale),
-            fmt=plan.fmt,
-            q_start=tk - tq,
-            k_start=0,
-            layer=plan.index,
-            window=plan.window,
-        )
-    tk = key.shape[2]
+        read = _read_plain_kv(cfg, key, value, tq, key_padding)
     impl = cfg.impl if cfg is not None else "torch"
     window = sliding_window if sliding_window is not None else read.window
     kwargs_attn = dict(
@@ -139,7 +144,7 @@ def kvcal_attention_forward(
         sliding_window=window,
         softcap=softcap,
         sinks=s_aux,
-        key_padding=_key_padding(attention_mask, query.shape[0], tk),
+        key_padding=key_padding,
     )
     if impl == "triton":
         from kvcal.kernels.triton_attention import quantized_attention_triton  # lazy: Triton is optional

@@ -16,28 +16,52 @@ placeholders refuse nothing but are useless outside kvcal — `KVRuntime` instal
 Sliding layers keep their last `window` tokens (transformers keeps window - 1; one more is harmless, as the mask
 hides it, and matches an engine's window-sized allocation and `kvcal capacity`'s min(context, window)).
 
+A sample's storage never depends on its batch. Batches are padded (lm-eval: left padding for generation, right
+padding for scoring); `KVRuntime` hands each forward's 2-D attention mask to the cache (`set_attention_mask`), and
+a write stores the padding positions as zeros — an engine stores no padding at all — so no padding value (NaN or
+Inf included) reaches a scale or, through attention's P.V, a real token. Every dynamic quantity is per sequence.
+
 Scales:
 - fp8_*: static `scale` per layer (0-d or [H_kv]) from a ScaleSet, else None -> formats' default 1.0
-  (the uncalibrated engine configuration).
+  (vLLM's and SGLang's uncalibrated configuration).
 - nvfp4: global scale per layer (and per K/V) from a ScaleSet (vLLM reads it from the checkpoint). Without one,
-  the global is dynamic but FIXED AT THE LAYER'S FIRST WRITE (the prefill): amax(prefill K or V) / (448 * 6),
-  then reused for every later write. An engine must fix a scale before writing into its paged cache, and a single
-  global keeps the storage layout (one fp32 per tensor) and the kernels unchanged. Decode tokens larger than the
-  prefill's amax saturate their block scale at 448 (E4M3 max), exactly as a calibrated global would clip them.
-  (Per-chunk globals would need a per-token scale in storage; re-quantizing old tokens is what no engine does.)
+  `LayerPlan.nvfp4_global` chooses (`NVFP4_GLOBALS`):
+  - "one" (default): 1.0, what vLLM uses when the checkpoint has no k_scale/v_scale (its NVFP4 store kernel
+    quantizes with global 1 / k_scale).
+  - "per_sequence": each sequence's own `amax / (448 * 6)` over its real tokens (`formats.nvfp4_dynamic_global`),
+    FIXED AT ITS FIRST WRITE (the prefill) and reused for every later write, stored as a [B, 1, 1, 1] scale. An
+    engine must fix a scale before writing into its paged cache; decode tokens larger than the prefill's amax
+    saturate their block scale at 448 (E4M3 max), as a calibrated global would clip them.
 - int8_per_token_head, fp4_e2m1, mxfp4: per-token / per-block dynamic scales computed at write time.
+
+Non-finite K/V: each write counts the NaN/Inf elements of the real tokens it was asked to store, per layer and
+K/V, into the runtime's `NonFiniteCount` (on the device, no synchronisation); evaluation reports them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcal import formats
+from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
+
+# nvfp4 global scale when no scale file is given: name -> what it is (LayerPlan.nvfp4_global)
+NVFP4_GLOBALS: dict[str, str] = {
+    "one": "1.0, vLLM's default without checkpoint scales",
+    "per_sequence": "each sequence's amax / (448 * 6) over its real tokens, fixed at its first write",
+}
+
+
+def check_nvfp4_global(name: str) -> str:
+    if name not in NVFP4_GLOBALS:
+        raise UsageError(f"unknown nvfp4 global scale policy '{name}'; use one of {', '.join(NVFP4_GLOBALS)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -50,6 +74,31 @@ class LayerPlan:
     k_scale: torch.Tensor | None = None  # static scale (fp8) or global scale (nvfp4); 0-d or [H_kv]
     v_scale: torch.Tensor | None = None
     skipped: bool = False  # kept in BF16 because of --skip-layers
+    nvfp4_global: str = "one"  # nvfp4 without k_scale/v_scale: a key of NVFP4_GLOBALS
+
+
+@dataclass
+class NonFiniteCount:
+    """NaN/Inf elements of the real K/V tokens each layer was asked to store, accumulated on the device."""
+
+    num_layers: int
+    counts: torch.Tensor | None = field(default=None, repr=False)  # int64 [num_layers, 2] (K, V)
+
+    def add(self, layer: int, which: int, x: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """x: [B, H_kv, T, D]; valid: [B, T] bool or None (all real). `which`: 0 = K, 1 = V."""
+        bad = ~torch.isfinite(x)
+        if valid is not None:
+            bad = bad & valid[:, None, :, None]
+        if self.counts is None or self.counts.device != x.device:
+            self.counts = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=x.device)
+        self.counts[layer, which] += bad.sum()
+
+    def take(self) -> dict[str, Any]:
+        """{'per_layer': [{'layer', 'k', 'v'}] (layers with a non-finite element only), 'total'} and reset."""
+        c = [[0, 0]] * self.num_layers if self.counts is None else self.counts.tolist()
+        self.counts = None
+        per_layer = [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(c) if k or v]
+        return {"per_layer": per_layer, "total": sum(k + v for k, v in c)}
 
 
 @dataclass
@@ -82,11 +131,16 @@ def _slice_t(q: QTensor, start: int | None = None, stop: int | None = None, clon
     return QTensor(codes=codes, block_scales=bs, scale=q.scale)
 
 
-def _map_batch(q: QTensor | None, fn) -> QTensor | None:
+def _per_sequence(s: torch.Tensor | None) -> bool:
+    return s is not None and s.dim() == 4  # [B, 1, 1, 1]
+
+
+def _map_batch(q: QTensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> QTensor | None:
     if q is None:
         return None
     bs = None if q.block_scales is None else fn(q.block_scales)
-    return QTensor(codes=fn(q.codes), block_scales=bs, scale=q.scale)
+    scale = fn(q.scale) if _per_sequence(q.scale) else q.scale
+    return QTensor(codes=fn(q.codes), block_scales=bs, scale=scale)
 
 
 def _placeholder(x: torch.Tensor, tk: int, read: KVRead) -> torch.Tensor:
@@ -97,22 +151,43 @@ def _placeholder(x: torch.Tensor, tk: int, read: KVRead) -> torch.Tensor:
     return ph
 
 
+def new_token_padding(attention_mask: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    """[B, n] bool (True = real token) of the n tokens written at positions start..start+n-1, from a 2-D mask over
+    all tokens so far (transformers' convention; positions it does not cover are real); None = all real."""
+    if attention_mask is None:
+        return None
+    am = attention_mask.to(torch.bool)
+    if am.shape[-1] < start + n:
+        am = torch.nn.functional.pad(am, (0, start + n - am.shape[-1]), value=True)
+    return am[:, start : start + n]
+
+
+def without_padding(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """x [B, H_kv, T, D] with the padding positions (valid [B, T] False) set to 0 — what is stored there."""
+    if valid is None:
+        return x
+    return torch.where(
+        valid.to(x.device)[:, None, :, None], x, torch.zeros((), dtype=x.dtype, device=x.device)
+    )
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One layer's quantized K/V storage (see the module docstring)."""
 
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, plan: LayerPlan):
+    def __init__(self, plan: LayerPlan, nonfinite: NonFiniteCount | None = None):
         super().__init__()
         self.plan = plan
+        self.nonfinite = nonfinite
         self.is_sliding = plan.window is not None
         self.sliding_window = plan.window
         self.k: QTensor | None = None  # stored keys, [B, H_kv, T_kept, D] logical
         self.v: QTensor | None = None
         self.cumulative_length = 0  # tokens written so far (positions 0..cumulative_length-1)
-        self._k_scale = plan.k_scale
-        self._v_scale = plan.v_scale
+        self._scales: dict[str, torch.Tensor | None] = {"k": plan.k_scale, "v": plan.v_scale}
+        self._fixed: torch.Tensor | None = None  # [B] bool: sequence has fixed its per-sequence global
 
     def __repr__(self) -> str:
         return f"QuantizedLayer({self.plan.index}, {self.plan.fmt.name}, window={self.plan.window})"
@@ -125,53 +200,80 @@ class QuantizedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        for name in ("_k_scale", "_v_scale"):
-            s = getattr(self, name)
+        for which, s in self._scales.items():
             if s is not None:
                 s = torch.as_tensor(s, dtype=torch.float32).to(self.device)
-                setattr(self, name, s.reshape(()) if s.numel() == 1 else s)
+                self._scales[which] = s.reshape(()) if s.numel() == 1 else s
         self.is_initialized = True
 
-    def _quantize(self, x: torch.Tensor, which: str) -> QTensor:
-        fmt = self.plan.fmt
-        scale = self._k_scale if which == "k" else self._v_scale
-        q = formats.quantize(x, fmt, scale=scale if fmt.calibratable else None)
-        if fmt.name == "nvfp4" and scale is None:
-            # dynamic global: fixed at the first write (see the module docstring)
-            setattr(self, "_k_scale" if which == "k" else "_v_scale", q.scale)
-        return q
+    def _scale(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """The scale this write quantizes with: static, nvfp4's policy, or None (formats' default / dynamic).
+        x: [B, H_kv, T, D] with its padding already zeroed."""
+        fmt, s = self.plan.fmt, self._scales[which]
+        if not fmt.calibratable:
+            return None
+        if fmt.name != "nvfp4" or (s is not None and not _per_sequence(s)):
+            return s
+        if self.plan.nvfp4_global == "one":
+            return torch.ones((), dtype=torch.float32, device=x.device)
+        new = formats.nvfp4_dynamic_global(x)  # [B, 1, 1, 1]
+        real = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if valid is None else valid.any(-1)
+        if s is None or self._fixed is None:
+            s = new
+        else:  # a sequence keeps the global of its first write with a real token
+            s = torch.where(self._fixed[:, None, None, None], s, new)
+        self._scales[which] = s
+        if which == "v":
+            self._fixed = real if self._fixed is None else self._fixed | real
+        return s
+
+    def _write(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> QTensor:
+        if self.nonfinite is not None:
+            self.nonfinite.add(self.plan.index, 0 if which == "k" else 1, x, valid)
+        x = without_padding(x, valid)
+        return formats.quantize(x, self.plan.fmt, scale=self._scale(x, which, valid))
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: Any,
+        valid: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize the new tokens, append their codes, trim a sliding layer to its window; return placeholders
-        carrying what this forward's attention reads. key_states/value_states: [B, H_kv, T_new, D]."""
+        carrying what this forward's attention reads. key_states/value_states: [B, H_kv, T_new, D]; valid:
+        [B, T_new] bool (True = real token) or None (all real)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        valid = None if valid is None else valid.to(key_states.device)
         t_new = key_states.shape[-2]
         kept_before = self.kept
         q_start = self.cumulative_length
-        k_start = q_start - kept_before
-        full_k = _cat(self.k, self._quantize(key_states, "k"))  # [B, H_kv, kept + T_new, D]
-        full_v = _cat(self.v, self._quantize(value_states, "v"))
+        full_k = _cat(self.k, self._write(key_states, "k", valid))  # [B, H_kv, kept + T_new, D]
+        full_v = _cat(self.v, self._write(value_states, "v", valid))
         self.cumulative_length += t_new
-        w = self.plan.window
-        if w is not None and full_k.codes.shape[-2] > w:
-            # copy the window out, so the chunk's full buffer is freed after this forward
-            self.k, self.v = _slice_t(full_k, -w, clone=True), _slice_t(full_v, -w, clone=True)
-        else:
-            self.k, self.v = full_k, full_v
+        self._keep(full_k, full_v)
         read = KVRead(
             k=full_k,
             v=full_v,
             fmt=self.plan.fmt,
             q_start=q_start,
-            k_start=k_start,
+            k_start=q_start - kept_before,
             layer=self.plan.index,
-            window=w,
+            window=self.plan.window,
         )
         tk = kept_before + t_new
         return _placeholder(key_states, tk, read), _placeholder(value_states, tk, read)
+
+    def _keep(self, full_k: QTensor, full_v: QTensor) -> None:
+        """Store what this layer keeps after a write: all of it, or a sliding layer's window (copied out, so the
+        chunk's full buffer is freed after this forward)."""
+        w = self.plan.window
+        if w is not None and full_k.codes.shape[-2] > w:
+            self.k, self.v = _slice_t(full_k, -w, clone=True), _slice_t(full_v, -w, clone=True)
+        else:
+            self.k, self.v = full_k, full_v
 
     # -- sizes for transformers' mask creation --------------------------------------------------------------
 
@@ -186,7 +288,7 @@ class QuantizedLayer(CacheLayerMixin):
         return -1 if self.plan.window is None else self.plan.window
 
     def nbytes(self) -> int:
-        """Bytes of stored codes + block scales (per-tensor / per-head scales not counted)."""
+        """Bytes of stored codes + block scales (per-tensor / per-head / per-sequence scales not counted)."""
         return sum(q.nbytes for q in (self.k, self.v) if q is not None)
 
     # -- generate() plumbing -------------------------------------------------------------------------------
@@ -200,7 +302,8 @@ class QuantizedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.k = self.v = None
         self.cumulative_length = 0
-        self._k_scale, self._v_scale = self.plan.k_scale, self.plan.v_scale
+        self._scales = {"k": self.plan.k_scale, "v": self.plan.v_scale}
+        self._fixed = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -212,8 +315,14 @@ class QuantizedLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._select(lambda t: t[indices, ...])
 
-    def _select(self, fn) -> None:
+    def _select(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch re-indexing to everything stored per sequence."""
         self.k, self.v = _map_batch(self.k, fn), _map_batch(self.v, fn)
+        for which, s in self._scales.items():
+            if _per_sequence(s):
+                self._scales[which] = fn(s)
+        if self._fixed is not None:
+            self._fixed = fn(self._fixed)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last tokens (negative = how many; positive = the length to keep, transformers' legacy form)."""
@@ -234,9 +343,25 @@ class QuantizedLayer(CacheLayerMixin):
 class QuantizedKVCache(Cache):
     """A Cache of `QuantizedLayer`s, one per decoder layer, built from per-layer plans (`KVRuntime.new_cache`)."""
 
-    def __init__(self, plans: list[LayerPlan]):
-        super().__init__(layers=[QuantizedLayer(p) for p in plans])
+    def __init__(self, plans: list[LayerPlan], nonfinite: NonFiniteCount | None = None):
+        super().__init__(layers=[QuantizedLayer(p, nonfinite) for p in plans])
         self.plans = plans
+        self.attention_mask: torch.Tensor | None = None  # 2-D [B, tokens so far + new] of the current forward
+
+    def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """The forward about to run: its 2-D attention mask (True/1 = real token), or None / a 4-D mask (every
+        token real). `KVRuntime` calls this before each forward of its model."""
+        if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.bool().all()):
+            self.attention_mask = None
+        else:
+            self.attention_mask = attention_mask.bool()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        valid = new_token_padding(self.attention_mask, layer.cumulative_length, key_states.shape[-2])
+        return layer.update(key_states, value_states, *args, valid=valid, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes of every layer's stored codes + block scales."""

@@ -194,6 +194,11 @@ def _lut(name: str, device: torch.device) -> torch.Tensor:
     return _LUTS[key]
 
 
+def _bcast_scale(s: torch.Tensor, ndim: int) -> torch.Tensor:
+    """0-d, [H_kv] or [B, 1, 1, 1] scale -> broadcastable against codes [B, H_kv, T, D']."""
+    return s if s.dim() in (0, ndim) else s.reshape((1, -1) + (1,) * (ndim - 2))
+
+
 def dequantize_fast(q, fmt) -> torch.Tensor:
     """float32 values of a QTensor, bit-identical to `kvcal.formats.dequantize(q, fmt)` (a test checks it), but
     cheaper: FP4 decoded through 256-entry lookup tables (one gather per byte instead of unpack + decode), the
@@ -207,16 +212,16 @@ def dequantize_fast(q, fmt) -> torch.Tensor:
         return c if c.dtype == torch.float32 else c.float()  # exact: no overflow possible
     if f.element in ("e4m3", "e5m2"):
         s = q.scale.float() if q.scale is not None else torch.tensor(1.0, device=c.device)
-        y = c.float() * (s if s.dim() == 0 else s.reshape((1, -1) + (1,) * (c.dim() - 2)))
+        y = c.float() * _bcast_scale(s, c.dim())
     elif f.element == "int8":
         y = c.float() * q.block_scales
+        y = y.masked_fill_(c == formats.INT8_NAN, math.nan)
     else:
-        vals = _lut("fp4", c.device).index_select(0, c.reshape(-1).int())  # [N, 2]
+        vals = _lut("fp4", c.device).index_select(0, c.reshape(-1).int())  # [N, 2] (code 8 -> NaN)
         vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
         bs = q.block_scales
         if f.name == "nvfp4":
-            g = q.scale.float()
-            eff = bs.float() * (g if g.dim() == 0 else g.reshape((1, -1) + (1,) * (c.dim() - 2)))
+            eff = bs.float() * _bcast_scale(q.scale.float(), c.dim())
         else:
             eff = _lut("e8m0", c.device).index_select(0, bs.reshape(-1).int()).view(bs.shape)
         y = (vals * eff.unsqueeze(-1)).flatten(-2)

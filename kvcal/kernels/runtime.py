@@ -8,12 +8,18 @@ kv_format 'auto' leaves the model as loaded (transformers' own attention + Dynam
 Any other format switches the model's attention implementation to "kvcal" (`kvcal.kernels.attention`) and gives
 each attention module its layer plan (format, window, static scales) and the implementation ('torch' | 'triton'),
 and makes `generate()` without `past_key_values` use `new_cache()` (so lm-eval's generate_until decodes with it).
-A model carries one runtime at a time: building a new one (including 'auto') replaces the previous one.
+A forward pre-hook on the model hands each forward's 2-D attention mask to a kvcal cache passed as
+`past_key_values` (`QuantizedKVCache.set_attention_mask`), so padding is never stored and no per-sequence scale
+sees it. A model carries one runtime at a time: building a new one (including 'auto') replaces the previous one.
+
+`nvfp4_global` (nvfp4 without a scale file, `kvcal.kernels.cache.NVFP4_GLOBALS`): "one" (default, vLLM's 1.0) or
+"per_sequence". `take_nonfinite_kv()` returns (and resets) the NaN/Inf K/V counted since the last call.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import types
 from collections.abc import Iterable
@@ -25,12 +31,19 @@ from transformers.cache_utils import Cache, DynamicCache
 from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, register
-from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
+from kvcal.kernels.cache import (
+    NVFP4_GLOBALS,
+    LayerPlan,
+    NonFiniteCount,
+    QuantizedKVCache,
+    check_nvfp4_global,
+)
 from kvcal.models import KVSpec, kv_spec, parse_skip_layers
 
 IMPLS = ("auto", "torch", "triton")
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
 _GEN_HOOK = "_prepare_cache_for_generation"  # instance attribute set by install_generate_cache
+_MASK_HOOK = "_kvcal_mask_hook"  # handle of the forward pre-hook set by install_mask_hook
 
 
 def triton_available() -> bool:
@@ -116,6 +129,20 @@ def _as_skip_set(skip_layers: str | Iterable[int] | None, kv: KVSpec) -> frozens
     return chosen
 
 
+def _as_scale(s: Any) -> torch.Tensor:
+    return torch.as_tensor(s, dtype=torch.float32)
+
+
+def _check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
+    for layer in kv.layers:
+        bs = fmt.block_size
+        if bs and layer.head_dim % bs:
+            raise UsageError(
+                f"{fmt.name} needs head_dim divisible by its {bs}-element block, but this model's "
+                f"head_dim is {layer.head_dim}; choose fp8_e4m3 or int8_per_token_head"
+            )
+
+
 def _check_scales(scales: Any, fmt: formats.KVFormat, kv: KVSpec) -> None:
     if not fmt.calibratable:
         raise UsageError(
@@ -143,7 +170,11 @@ def _check_scales(scales: Any, fmt: formats.KVFormat, kv: KVSpec) -> None:
 
 
 def install_plans(
-    model: torch.nn.Module, plans: list[LayerPlan], impl: str, mods: dict[int, torch.nn.Module] | None = None
+    model: torch.nn.Module,
+    plans: list[LayerPlan],
+    impl: str,
+    mods: dict[int, torch.nn.Module] | None = None,
+    nonfinite: NonFiniteCount | None = None,
 ) -> None:
     """Switch the model to kvcal attention with these per-layer plans (KVRuntime's last step; tests use it
     directly, e.g. with format 'auto' plans to check the machinery against transformers exactly)."""
@@ -159,7 +190,29 @@ def install_plans(
             "read its cache"
         )
     for idx, mod in mods.items():
-        mod.kvcal_config = ModuleConfig(plan=plans[idx], impl=impl)
+        mod.kvcal_config = ModuleConfig(plan=plans[idx], impl=impl, nonfinite=nonfinite)
+    install_mask_hook(model)
+
+
+def install_mask_hook(model: torch.nn.Module) -> None:
+    """Before every forward of `model`, give a kvcal cache passed as `past_key_values` the forward's attention
+    mask (so its writes know which positions are padding). Replaces a previous runtime's hook."""
+    remove_mask_hook(model)
+    names = list(inspect.signature(model.forward).parameters)
+
+    def _hand_over_mask(_module: Any, args: tuple, kwargs: dict) -> None:
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        cache = given.get("past_key_values")
+        if isinstance(cache, QuantizedKVCache):
+            cache.set_attention_mask(given.get("attention_mask"))
+
+    setattr(model, _MASK_HOOK, model.register_forward_pre_hook(_hand_over_mask, with_kwargs=True))
+
+
+def remove_mask_hook(model: torch.nn.Module) -> None:
+    handle = vars(model).pop(_MASK_HOOK, None)
+    if handle is not None:
+        handle.remove()
 
 
 def install_generate_cache(model: torch.nn.Module, new_cache: Any) -> None:
@@ -189,11 +242,14 @@ class KVRuntime:
         scales: Any = None,  # kvcal.scales.ScaleSet | None
         skip_layers: str | Iterable[int] | None = frozenset(),
         impl: str = "auto",
+        nvfp4_global: str = "one",
     ):
         self.model = model
         self.fmt = formats.get_format(kv_format)
         self.kv = kv_spec(model.config)
         self.scales = scales
+        self.nvfp4_global = check_nvfp4_global(nvfp4_global)
+        self.nonfinite = NonFiniteCount(self.kv.num_layers)
         self.skip_layers = _as_skip_set(skip_layers, self.kv)
         if impl not in IMPLS:
             raise UsageError(f"unknown attention implementation '{impl}'; use one of {', '.join(IMPLS)}")
@@ -208,41 +264,36 @@ class KVRuntime:
             self._uninstall()
             return
         mods = check_architecture(model, self.kv)
-        for layer in self.kv.layers:
-            bs = self.fmt.block_size
-            if bs and layer.head_dim % bs:
-                raise UsageError(
-                    f"{self.fmt.name} needs head_dim divisible by its {bs}-element block, but this model's "
-                    f"head_dim is {layer.head_dim}; choose fp8_e4m3 or int8_per_token_head"
-                )
+        _check_block_fits(self.fmt, self.kv)
         if scales is not None:
             _check_scales(scales, self.fmt, self.kv)
         self.impl = resolve_impl(impl, _model_device(model))
+        self.plans = self._layer_plans()
+        self._install(mods)
+
+    def _layer_plans(self) -> list[LayerPlan]:
         bf16 = formats.get_format("bf16")
-        self.plans = []
+        plans = []
         for layer in self.kv.layers:
             skipped = layer.index in self.skip_layers
-            use_scales = scales is not None and not skipped
-            self.plans.append(
+            use_scales = self.scales is not None and not skipped
+            plans.append(
                 LayerPlan(
                     index=layer.index,
                     fmt=bf16 if skipped else self.fmt,
                     window=layer.window,
-                    k_scale=torch.as_tensor(scales.k_scales[layer.index], dtype=torch.float32)
-                    if use_scales
-                    else None,
-                    v_scale=torch.as_tensor(scales.v_scales[layer.index], dtype=torch.float32)
-                    if use_scales
-                    else None,
+                    k_scale=_as_scale(self.scales.k_scales[layer.index]) if use_scales else None,
+                    v_scale=_as_scale(self.scales.v_scales[layer.index]) if use_scales else None,
                     skipped=skipped,
+                    nvfp4_global=self.nvfp4_global,
                 )
             )
-        self._install(mods)
+        return plans
 
     # -- installation -------------------------------------------------------------------------------------
 
     def _install(self, mods: dict[int, torch.nn.Module]) -> None:
-        install_plans(self.model, self.plans, self.impl, mods)
+        install_plans(self.model, self.plans, self.impl, mods, nonfinite=self.nonfinite)
         install_generate_cache(self.model, self.new_cache)
 
     def _uninstall(self) -> None:
@@ -254,6 +305,7 @@ class KVRuntime:
         model.set_attn_implementation(original)
         if _GEN_HOOK in vars(model):
             delattr(model, _GEN_HOOK)
+        remove_mask_hook(model)
         for mod in attention_modules(model).values():
             if hasattr(mod, "kvcal_config"):
                 del mod.kvcal_config
@@ -265,7 +317,12 @@ class KVRuntime:
         """A fresh cache to pass as `past_key_values` to one forward or one generate() call."""
         if self.fmt.name == "auto":
             return DynamicCache(config=self.model.config)
-        return QuantizedKVCache(self.plans)
+        return QuantizedKVCache(self.plans, self.nonfinite)
+
+    def take_nonfinite_kv(self) -> dict[str, Any]:
+        """NaN/Inf elements among the real K/V tokens written since the last call: {'per_layer': [{'layer', 'k',
+        'v'}] (layers with any), 'total'}; then the count restarts. Format 'auto' counts nothing (total 0)."""
+        return self.nonfinite.take()
 
     @property
     def uncalibrated(self) -> bool:
@@ -280,7 +337,7 @@ class KVRuntime:
         if self.fmt.element in ("e4m3", "e5m2"):
             return "uncalibrated (scale 1.0)"
         if self.fmt.name == "nvfp4":
-            return "uncalibrated (dynamic global scale, fixed at each layer's first write)"
+            return f"uncalibrated (global scale {NVFP4_GLOBALS[self.nvfp4_global]})"
         return "dynamic (computed at write time)"
 
     def describe(self) -> dict[str, Any]:
@@ -305,6 +362,7 @@ class KVRuntime:
             "scale_source": self.scale_source(),
             "uncalibrated": self.uncalibrated,
             "granularity": getattr(self.scales, "granularity", None),
+            "nvfp4_global": self.nvfp4_global if self.fmt.name == "nvfp4" and self.scales is None else None,
             "skip_layers": sorted(self.skip_layers),
             "layer_formats": [entry["format"] for entry in layers],
             "layers": layers,

@@ -13,7 +13,8 @@ No dequantized copy of K or V is ever written; each K/V tile is dequantized in r
     elements) are used as two half-width tiles, so QK^T = q_even . k_even + q_odd . k_odd and P.V fills the
     even and odd output columns — no interleave. A code becomes an fp16 number by moving its bits (no lookup, no
     branches); the block scale (E4M3, or E8M0 = 2**(e-127)) multiplies the tile; nvfp4's global scale is folded
-    like an fp8 scale.
+    like an fp8 scale. fp8 / nvfp4 scales may be per tensor, per KV head or per sequence ([B, 1, 1, 1]).
+  - NaN markers of `kvcal.formats` (int8 code -128, E2M1 code 8) decode to NaN, as in the torch reference.
   - bf16 / auto: plain loads.
 
 One kernel serves decode and prefill. The query rows of one program are the (query token, query head) pairs of
@@ -68,9 +69,9 @@ __all__ = [
 
 # Format family codes (constexpr FMT in the kernel).
 FMT_PLAIN = 0  # auto / bf16: floating-point codes, no scale
-FMT_FP8 = 1  # fp8_e4m3 / fp8_e5m2: float8 codes, fp32 scale 0-d or [H_kv]
+FMT_FP8 = 1  # fp8_e4m3 / fp8_e5m2: float8 codes, fp32 scale 0-d, [H_kv] or [B, 1, 1, 1]
 FMT_INT8 = 2  # int8_per_token_head: int8 codes, fp32 scale per (token, head)
-FMT_NVFP4 = 3  # packed E2M1, E4M3 block scales, fp32 global scale 0-d or [H_kv]
+FMT_NVFP4 = 3  # packed E2M1, E4M3 block scales, fp32 global scale 0-d, [H_kv] or [B, 1, 1, 1]
 FMT_MXFP4 = 4  # packed E2M1, E8M0 block scales (fp4_e2m1: 16, mxfp4: 32)
 FMT_CODES: dict[str, int] = {
     "auto": FMT_PLAIN,
@@ -244,6 +245,9 @@ def _load_fp4_tile_impl(
     hi = (
         (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     )
+    # code 8 (the -0 pattern) is kvcal's NaN marker (kvcal.formats)
+    lo = tl.where((byte & 0x0F) == 8, float("nan"), lo)
+    hi = tl.where((byte & 0xF0) == 0x80, float("nan"), hi)
     blk = offs_i // (BLOCK_SIZE // 2)
     # no `other`: a float8 block scale cannot take an integer fill value; masked lanes are zeroed after decoding
     bsv = tl.load(bs_base + offs_n[:, None] * bs_stride_n + blk[None, :] * bs_stride_c, mask=mask)
@@ -291,7 +295,9 @@ def _attn_fwd_impl(
     stride_vbsh,
     stride_vbst,
     stride_vbsd,
-    stride_ksc,  # 0 for a per-tensor scale, 1 for [H_kv]
+    stride_kscb,  # scale strides over (batch, KV head): 0 where the scale is shared
+    stride_ksc,
+    stride_vscb,
     stride_vsc,
     stride_kpb,
     stride_kpt,
@@ -371,8 +377,8 @@ def _attn_fwd_impl(
     qk_scale = sm_scale
     v_scale = 1.0
     if HAS_SCALAR_SCALE:
-        qk_scale = qk_scale * tl.load(KSC + h * stride_ksc).to(tl.float32)
-        v_scale = tl.load(VSC + h * stride_vsc).to(tl.float32)
+        qk_scale = qk_scale * tl.load(KSC + b * stride_kscb + h * stride_ksc).to(tl.float32)
+        v_scale = tl.load(VSC + b * stride_vscb + h * stride_vsc).to(tl.float32)
     if IS_FP4:
         # FP4 tiles hold e2m1 * 2**-14 * block_scale (see _load_fp4_tile_impl)
         qk_scale = qk_scale * 16384.0
@@ -429,6 +435,8 @@ def _attn_fwd_impl(
                 mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
+            if FMT == 2:  # int8 code -128 is kvcal's NaN marker
+                kt = tl.where(kt == -128, float("nan"), kt.to(tl.float32))
             s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
         s = s * qk_scale
         if FMT == 2:
@@ -485,6 +493,8 @@ def _attn_fwd_impl(
                 mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
+            if FMT == 2:
+                vt = tl.where(vt == -128, float("nan"), vt.to(tl.float32))
             acc = acc * alpha[:, None]
             acc += tl.dot(_to_dot(p, DOT_KIND), _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
 
@@ -653,17 +663,23 @@ def _choose_splits(programs: int, tk: int, block_n: int, device: torch.device) -
 
 
 def _scale_arg(
-    s: torch.Tensor | None, h_kv: int, device: torch.device, what: str
-) -> tuple[torch.Tensor, int]:
-    """A 0-d / (1,) / [H_kv] fp32 scale -> (tensor, stride over KV heads)."""
+    s: torch.Tensor | None, b: int, h_kv: int, device: torch.device, what: str
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A 0-d / (1,) / [H_kv] / [B, 1, 1, 1] fp32 scale -> (tensor, strides over (batch, KV head))."""
     if s is None:
-        return torch.ones(1, dtype=torch.float32, device=device), 0
-    s = s.to(device=device, dtype=torch.float32).reshape(-1)
+        return torch.ones(1, dtype=torch.float32, device=device), (0, 0)
+    s = s.to(device=device, dtype=torch.float32)
+    if s.dim() == 4 and tuple(s.shape) == (b, 1, 1, 1):
+        return s.reshape(b).contiguous(), (1, 0)
+    s = s.reshape(-1)
     if s.numel() == 1:
-        return s, 0
+        return s, (0, 0)
     if s.numel() != h_kv:
-        raise UsageError(f"{what} has {s.numel()} entries; expected 1 (per tensor) or {h_kv} (per KV head)")
-    return s.contiguous(), 1
+        raise UsageError(
+            f"{what} has {s.numel()} entries; expected 1 (per tensor), {h_kv} (per KV head) or [{b}, 1, 1, 1] "
+            "(per sequence)"
+        )
+    return s.contiguous(), (0, 1)
 
 
 def _block_scale_strides(
@@ -779,141 +795,199 @@ def attention(
     f = formats.get_format(fmt)
     fmt_id = FMT_CODES[f.name]
     b, hq, tq, d, hkv, tk = _check_inputs(q, k, v, f.name, f.block_size)
-    group = hq // hkv
     out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
     if tq == 0:
         return out
     if tk == 0:
         return out.zero_()
+    _check_options(sliding_window, softcap)
+    kern = _kernels()
+    ops = _operands(q, k, v, f, fmt_id, b, hq, hkv, tk, sinks, key_padding)
+    plan = _plan_launch(kern, q, k.codes.dtype, fmt_id, b, hkv, tq, tk, hq // hkv, d, config, num_splits)
+    args = (
+        q, k.codes, v.codes, ops.kbs, ops.vbs, ops.ksc, ops.vsc, ops.sinks, ops.kp, out, plan.part_ml,
+        plan.part_acc, *q.stride(), *k.codes.stride(), *v.codes.stride(), *ops.kbs_st, *ops.vbs_st, *ops.ksc_st,
+        *ops.vsc_st, *ops.kp_st, *out.stride(), hkv, tq, tk, hq // hkv, int(q_start), int(k_start),
+        int(sliding_window or 0), float(scaling), float(softcap or 0.0), _next_pow2(tk),
+    )  # fmt: skip
+    consts = dict(
+        FMT=fmt_id,
+        BLOCK_SIZE=max(2, f.block_size),
+        HEAD_DIM=d,
+        D_PAD=plan.d_pad,
+        CAUSAL=bool(causal),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_KPAD=key_padding is not None,
+        SPLIT=plan.split,
+        DOT_KIND=plan.dot_kind,
+        # float32 dots: exact under the interpreter; on CUDA 3xTF32 (tensor cores, about float32 accuracy) — plain
+        # "ieee" float32 dots spill hundreds of registers at every tile size
+        DOT_PREC="ieee" if kern.interpret else "tf32x3",
+    )
+    guard = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _launch(kern, args, consts, plan, b * hkv)
+        if plan.split:
+            kern.combine[(b * hq * tq,)](
+                plan.part_ml, plan.part_acc, ops.sinks, out, hq, tq, plan.num_splits, *out.stride(),
+                HEAD_DIM=d, D_PAD=plan.d_pad, S_PAD=max(2, _next_pow2(plan.num_splits)), HAS_SINKS=sinks is not None,
+            )  # fmt: skip
+    return out
+
+
+def _check_options(sliding_window: int | None, softcap: float | None) -> None:
     if sliding_window is not None and sliding_window <= 0:
         raise UsageError(f"sliding_window must be positive, got {sliding_window}")
     if softcap is not None and not softcap > 0:
         raise UsageError(f"softcap must be positive, got {softcap}")
 
-    kern = _kernels()
+
+@dataclass
+class _Operands:
+    """Kernel operands besides q/k/v codes and out: block scales, scales, sinks, key padding, with strides."""
+
+    kbs: torch.Tensor
+    kbs_st: tuple[int, ...]
+    vbs: torch.Tensor
+    vbs_st: tuple[int, ...]
+    ksc: torch.Tensor
+    ksc_st: tuple[int, int]
+    vsc: torch.Tensor
+    vsc_st: tuple[int, int]
+    sinks: torch.Tensor
+    kp: torch.Tensor
+    kp_st: tuple[int, ...]
+
+
+def _operands(
+    q: torch.Tensor,
+    k: Any,
+    v: Any,
+    f: Any,
+    fmt_id: int,
+    b: int,
+    hq: int,
+    hkv: int,
+    tk: int,
+    sinks: torch.Tensor | None,
+    key_padding: torch.Tensor | None,
+) -> _Operands:
+    """Checked kernel operands (dummies where the format or call has none)."""
     dev = q.device
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)
-    vbs, vbs_st = _block_scale_strides(v.block_scales, dummy)
     if fmt_id == FMT_INT8 and (k.block_scales is None or v.block_scales is None):
         raise UsageError("int8_per_token_head K/V need their per-token scales (block_scales)")
     if fmt_id >= FMT_NVFP4 and (k.block_scales is None or v.block_scales is None):
         raise UsageError(f"{f.name} K/V need their block scales")
-    ksc, ksc_st = _scale_arg(k.scale if fmt_id in (FMT_FP8, FMT_NVFP4) else None, hkv, dev, "k scale")
-    vsc, vsc_st = _scale_arg(v.scale if fmt_id in (FMT_FP8, FMT_NVFP4) else None, hkv, dev, "v scale")
+    kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)
+    vbs, vbs_st = _block_scale_strides(v.block_scales, dummy)
+    scaled = fmt_id in (FMT_FP8, FMT_NVFP4)
+    ksc, ksc_st = _scale_arg(k.scale if scaled else None, b, hkv, dev, "k scale")
+    vsc, vsc_st = _scale_arg(v.scale if scaled else None, b, hkv, dev, "v scale")
+    sinks_t = dummy
     if sinks is not None:
         if sinks.numel() != hq:
             raise UsageError(
                 f"sinks must have one logit per query head ({hq}), got shape {tuple(sinks.shape)}"
             )
         sinks_t = sinks.to(device=dev).reshape(-1).contiguous()
-    else:
-        sinks_t = dummy
+    kp, kp_st = torch.zeros(1, dtype=torch.uint8, device=dev), (0, 0)
     if key_padding is not None:
         if tuple(key_padding.shape) != (b, tk):
             raise UsageError(f"key_padding must be [B, Tk] = [{b}, {tk}], got {tuple(key_padding.shape)}")
         kp = key_padding.to(device=dev, dtype=torch.bool).view(torch.uint8)
         kp_st = tuple(kp.stride())
-    else:
-        kp, kp_st = torch.zeros(1, dtype=torch.uint8, device=dev), (0, 0)
+    return _Operands(kbs, kbs_st, vbs, vbs_st, ksc, ksc_st, vsc, vsc_st, sinks_t, kp, kp_st)
 
+
+@dataclass
+class _LaunchPlan:
+    """Tile sizes, key splits and dot type of one call (`_plan_launch`)."""
+
+    d_pad: int
+    dot_kind: int
+    decode: bool
+    block_m: int
+    rows: int
+    pinned: dict[str, int]
+    m_tiles: int | None
+    num_splits: int
+    part_ml: torch.Tensor
+    part_acc: torch.Tensor
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+
+def _pinned_config(kern: _Kernels, config: KernelConfig | None, block_m: int) -> dict[str, int]:
+    """The tile config fixed by the caller, KVCAL_TRITON_CONFIG or the interpreter; {} = autotune."""
+    c = config if config is not None else (_interpreter_config(block_m) if kern.interpret else None)
+    if config is None and os.environ.get(_CONFIG_ENV):
+        return parse_config(os.environ[_CONFIG_ENV])
+    if c is None:
+        return {}
+    return {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+def _plan_launch(
+    kern: _Kernels,
+    q: torch.Tensor,
+    code_dtype: torch.dtype,
+    fmt_id: int,
+    b: int,
+    hkv: int,
+    tq: int,
+    tk: int,
+    group: int,
+    d: int,
+    config: KernelConfig | None,
+    num_splits: int | None,
+) -> _LaunchPlan:
+    dev = q.device
     d_pad = max(32, _next_pow2(d))  # FP4 half tiles need D_PAD/2 >= 16 for tl.dot
-    dot_kind = _dot_kind(kern.interpret, q.dtype, k.codes.dtype, fmt_id)
     rows = tq * group
     decode = rows <= _DECODE_MAX_ROWS
     block_m = max(16, _next_pow2(rows)) if decode else 64
-
-    pinned: dict[str, int] = {}
-    if config is not None:
-        pinned = {
-            "BLOCK_M": config.block_m,
-            "BLOCK_N": config.block_n,
-            "num_warps": config.num_warps,
-            "num_stages": config.num_stages,
-        }
-    elif os.environ.get(_CONFIG_ENV):
-        pinned = parse_config(os.environ[_CONFIG_ENV])
-    elif kern.interpret:
-        c = _interpreter_config(block_m)
-        pinned = {
-            "BLOCK_M": c.block_m,
-            "BLOCK_N": c.block_n,
-            "num_warps": c.num_warps,
-            "num_stages": c.num_stages,
-        }
-    if pinned:
-        block_m = pinned.get("BLOCK_M", block_m)
-        block_n_for_split = pinned.get("BLOCK_N", 32)
-    else:
-        block_n_for_split = 64
-
-    m_tiles = triton.cdiv(rows, block_m) if pinned else None
+    pinned = _pinned_config(kern, config, block_m)
+    block_m = pinned.get("BLOCK_M", block_m)
     if decode:
         if num_splits is None:
             progs = b * hkv * triton.cdiv(rows, block_m)
-            num_splits = _choose_splits(progs, tk, block_n_for_split, dev)
+            num_splits = _choose_splits(progs, tk, pinned.get("BLOCK_N", 32) if pinned else 64, dev)
         num_splits = max(1, int(num_splits))
     else:
         num_splits = 1 if num_splits is None else max(1, int(num_splits))
-    split = num_splits > 1
-
-    if split:
-        part_ml = torch.empty((b * hq * tq * num_splits * 2,), dtype=torch.float32, device=dev)
-        part_acc = torch.empty((b * hq * tq * num_splits * d_pad,), dtype=torch.float32, device=dev)
-    else:
-        part_ml = part_acc = dummy
-
-    args = (
-        q, k.codes, v.codes, kbs, vbs, ksc, vsc, sinks_t, kp, out, part_ml, part_acc,
-        *q.stride(), *k.codes.stride(), *v.codes.stride(), *kbs_st, *vbs_st, ksc_st, vsc_st, *kp_st, *out.stride(),
-        hkv, tq, tk, group, int(q_start), int(k_start), int(sliding_window or 0), float(scaling),
-        float(softcap or 0.0), _next_pow2(tk),
-    )  # fmt: skip
-    consts = dict(
-        FMT=fmt_id,
-        BLOCK_SIZE=max(2, f.block_size),
-        HEAD_DIM=d,
-        D_PAD=d_pad,
-        CAUSAL=bool(causal),
-        HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None,
-        HAS_KPAD=key_padding is not None,
-        SPLIT=split,
-        DOT_KIND=dot_kind,
-        # float32 dots: exact under the interpreter; on CUDA 3xTF32 (tensor cores, about float32 accuracy) — plain
-        # "ieee" float32 dots spill hundreds of registers at every tile size
-        DOT_PREC="ieee" if kern.interpret else "tf32x3",
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    part_ml = part_acc = dummy
+    if num_splits > 1:
+        part_ml = torch.empty((b * hkv * group * tq * num_splits * 2,), dtype=torch.float32, device=dev)
+        part_acc = torch.empty((b * hkv * group * tq * num_splits * d_pad,), dtype=torch.float32, device=dev)
+    return _LaunchPlan(
+        d_pad=d_pad,
+        dot_kind=_dot_kind(kern.interpret, q.dtype, code_dtype, fmt_id),
+        decode=decode,
+        block_m=block_m,
+        rows=rows,
+        pinned=pinned,
+        m_tiles=triton.cdiv(rows, block_m) if pinned else None,
+        num_splits=num_splits,
+        part_ml=part_ml,
+        part_acc=part_acc,
     )
-    guard = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _launch(kern, args, consts, pinned, decode, block_m, rows, m_tiles, b * hkv, num_splits)
-        if split:
-            kern.combine[(b * hq * tq,)](
-                part_ml, part_acc, sinks_t, out, hq, tq, num_splits, *out.stride(),
-                HEAD_DIM=d, D_PAD=d_pad, S_PAD=max(2, _next_pow2(num_splits)), HAS_SINKS=sinks is not None,
-            )  # fmt: skip
-    return out
 
 
-def _launch(
-    kern: _Kernels,
-    args: tuple,
-    consts: dict[str, Any],
-    pinned: dict[str, int],
-    decode: bool,
-    block_m: int,
-    rows: int,
-    m_tiles: int | None,
-    bh: int,
-    num_splits: int,
-) -> None:
+def _launch(kern: _Kernels, args: tuple, consts: dict[str, Any], plan: _LaunchPlan, bh: int) -> None:
+    pinned = plan.pinned
     if pinned:
-        grid = (m_tiles, bh, num_splits)
+        grid = (plan.m_tiles, bh, plan.num_splits)
         kern.attn[grid](
-            *args, **consts, BLOCK_M=block_m, BLOCK_N=pinned.get("BLOCK_N", 32),
+            *args, **consts, BLOCK_M=plan.block_m, BLOCK_N=pinned.get("BLOCK_N", 32),
             num_warps=pinned.get("num_warps", 4), num_stages=pinned.get("num_stages", 2),
         )  # fmt: skip
     else:
-        tuned = _tuned(kern, "decode" if decode else "prefill", block_m)
-        tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), bh, num_splits)](*args, **consts)
+        tuned = _tuned(kern, "decode" if plan.decode else "prefill", plan.block_m)
+        rows, splits = plan.rows, plan.num_splits
+        tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), bh, splits)](*args, **consts)

@@ -20,9 +20,16 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvcal.calibrate.data import load_texts, samples_for_model
 from kvcal.calibrate.hooks import ProgressFn
-from kvcal.formats import KVFormat, fake_quantize
-from kvcal.models import SLIDING, KVSpec
+from kvcal.calibrate.observers import get_observer
+from kvcal.calibrate.run import check_output_path, observed_scales
+from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.kl import kl_per_token
+from kvcal.formats import KVFormat, fake_quantize, get_format
+from kvcal.io import atomic_write_json
+from kvcal.models import FULL, SLIDING, KVSpec, LoadedModel, check_device, kv_spec, load_model
+from kvcal.scales import load_scales_for_model
 
 
 class FakeQuantCache(DynamicCache):
@@ -62,8 +69,7 @@ def _logprobs(model: Any, ids: torch.Tensor, cache: DynamicCache) -> torch.Tenso
 
 def _damage(ref: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
     """mean KL(ref || q) per token (nats) and top-1 agreement; both [1, T, V] log-probabilities."""
-    kl = (ref.exp() * (ref - q)).sum(-1)  # [1, T]
-    agree = (ref.argmax(-1) == q.argmax(-1)).float()
+    kl, agree = kl_per_token(ref, q)  # [1, T] each
     return float(kl.mean()), float(agree.mean())
 
 
@@ -104,17 +110,30 @@ def layer_sensitivity(
         {"layer": i, "type": kv.layers[i].type, "kl": float(kl[i]), "top1_agree": float(agree[i])}
         for i in range(n_layers)
     ]
-    med = statistics.median(r["kl"] for r in layers)
-    worst = sorted(layers, key=lambda r: -r["kl"])
-    skip = sorted(r["layer"] for r in layers if med > 0 and r["kl"] > factor * med)
     by_type: dict[str, dict[str, float]] = {}
     for t in sorted({r["type"] for r in layers}):
         rows = [r for r in layers if r["type"] == t]
         by_type[t] = {"layers": len(rows), "mean_kl": statistics.fmean(r["kl"] for r in rows)}
+    return {
+        "all_layers": {"kl": float(kl[n_layers]), "top1_agree": float(agree[n_layers])},
+        "layers": layers,
+        "by_type": by_type,
+        "worst": [r["layer"] for r in sorted(layers, key=lambda r: -r["kl"])[:5]],
+        "advice": _advice(layers, by_type, factor),
+    }
+
+
+def _advice(
+    layers: list[dict[str, Any]], by_type: dict[str, dict[str, float]], factor: float
+) -> dict[str, Any]:
+    """The --skip-layers suggestion: the layers above `factor` x the median damage, or `sliding_window` when the
+    sliding-window layers take `factor` x the full-attention layers' mean damage."""
+    med = statistics.median(r["kl"] for r in layers)
+    skip = sorted(r["layer"] for r in layers if med > 0 and r["kl"] > factor * med)
     reasons = []
     suggestion = ",".join(map(str, skip))
     if SLIDING in by_type and len(by_type) > 1:
-        s, f = by_type[SLIDING]["mean_kl"], by_type["full_attention"]["mean_kl"]
+        s, f = by_type[SLIDING]["mean_kl"], by_type[FULL]["mean_kl"]
         if s > factor * f:
             suggestion = "sliding_window"
             reasons.append(
@@ -122,13 +141,7 @@ def layer_sensitivity(
             )
     if skip:
         reasons.append(f"layers {skip} exceed {factor}x the median layer damage ({med:.3g} nats)")
-    return {
-        "all_layers": {"kl": float(kl[n_layers]), "top1_agree": float(agree[n_layers])},
-        "layers": layers,
-        "by_type": by_type,
-        "worst": [r["layer"] for r in worst[:5]],
-        "advice": {"skip_layers": suggestion or None, "reasons": reasons or ["no layer stands out"]},
-    }
+    return {"skip_layers": suggestion or None, "reasons": reasons or ["no layer stands out"]}
 
 
 def sensitivity(
@@ -147,51 +160,21 @@ def sensitivity(
     device: str = "cpu",
     factor: float = 2.0,
 ) -> dict[str, Any]:
-    """Load, sample, get scales (a scale file, or minmax on the same samples for calibratable formats), measure."""
-    from kvcal.calibrate.data import build_samples, load_texts, max_model_len
-    from kvcal.calibrate.hooks import observe
-    from kvcal.calibrate.observers import get_observer
-    from kvcal.calibrate.run import _Collector, _EvalSink, check_output_path, scales_from_stats
-    from kvcal.errors import UsageError
-    from kvcal.formats import get_format
-    from kvcal.io import atomic_write_json
-    from kvcal.models import LoadedModel, kv_spec, load_model
-
+    """Load, sample, get scales (a scale file, or minmax on the same samples for calibratable formats), measure.
+    Every check that needs no model (format, --scales, output path, device, the dataset) runs before it loads."""
     fmt = get_format(kv_format)
     if fmt.element == "auto":
         raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
+    if scales and not fmt.calibratable:
+        raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
     out = check_output_path(output)
+    if not isinstance(model, LoadedModel):
+        check_device(device)
+    source = load_texts(dataset)
     lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
     kv = kv_spec(lm.model.config)
-    data = build_samples(
-        load_texts(dataset), lm.tokenizer, num_samples, seq_len, seed=seed, text_field=text_field,
-        max_len=max_model_len(lm.model.config),
-    )  # fmt: skip
-    n = kv.num_layers
-    k_scales: list[torch.Tensor | None] = [None] * n
-    v_scales: list[torch.Tensor | None] = [None] * n
-    scale_source = "dynamic (format has no static scales)"
-    if fmt.calibratable:
-        if scales:
-            from kvcal.scales import load_scales_for_model
-
-            ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
-            k_scales, v_scales = list(ss.k_scales), list(ss.v_scales)
-            scale_source = f"scale file {scales}"
-        else:
-            collector = _Collector()
-            observe(lm.model, data.samples, collector, n, progress=progress, phase="observe")
-
-            def second_pass(evals: dict) -> None:
-                observe(lm.model, data.samples, _EvalSink(evals), n, progress=progress, phase="evaluate")
-
-            ks, vs, _ = scales_from_stats(
-                collector.stats, kv, fmt, "tensor", get_observer("minmax"), second_pass=second_pass
-            )
-            k_scales, v_scales = list(ks), list(vs)
-            scale_source = "minmax per tensor on the same samples"
-    elif scales:
-        raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
+    data = samples_for_model(source, lm, num_samples, seq_len, seed, text_field)
+    k_scales, v_scales, scale_source = _layer_scales(lm, kv, fmt, scales, data.samples, progress)
     result = layer_sensitivity(
         lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor
     )
@@ -206,5 +189,28 @@ def sensitivity(
         "warnings": data.warnings,
     }
     if out is not None:
-        atomic_write_json(out, report)
+        try:
+            atomic_write_json(out, report)
+        except OSError as exc:
+            raise KvcalError(f"cannot write '{out}': {exc.strerror or exc}; choose another -o path") from None
     return report
+
+
+def _layer_scales(
+    lm: LoadedModel,
+    kv: KVSpec,
+    fmt: KVFormat,
+    scales: str | None,
+    samples: Sequence[torch.Tensor],
+    progress: ProgressFn | None,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], str]:
+    """(k_scales, v_scales, where they came from): a scale file, minmax per tensor on the same samples for a
+    calibratable format, else None per layer (the format's dynamic scales)."""
+    n = kv.num_layers
+    if not fmt.calibratable:
+        return [None] * n, [None] * n, "dynamic (format has no static scales)"
+    if scales:
+        ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
+        return list(ss.k_scales), list(ss.v_scales), f"scale file {scales}"
+    ks, vs, _ = observed_scales(lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), progress)
+    return list(ks), list(vs), "minmax per tensor on the same samples"

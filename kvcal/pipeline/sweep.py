@@ -11,8 +11,9 @@ Layout of RUNS_DIR:
 
 One run directory per (configuration, task) so that adding a task or a format later runs only the new cells;
 `kvcal compare RUNS_DIR` groups the directories of one configuration back together. A cell is complete when
-its run directory has COMPLETE and its config.yaml matches the sweep's settings; an interrupted cell resumes
-(run_eval skips its finished tasks); a directory holding another configuration is never overwritten.
+its run directory has COMPLETE and its config.yaml (kvcal.rundir.RunConfig, docs/run-directory.md) matches the
+sweep's settings; an interrupted cell resumes (run_eval skips its finished tasks); a directory holding another
+configuration is never overwritten.
 
 Scale variants only where meaningful: uncalibrated / calibrated per tensor / per head for the calibratable
 formats (fp8_e4m3, fp8_e5m2, nvfp4); every other format runs once with its dynamic scales. The BF16 baseline
@@ -21,10 +22,9 @@ runs once per task, without skipped layers.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import os
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,64 +32,263 @@ from typing import Any
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.run import EvalConfig, model_short, run_eval, skip_tag, slug
+from kvcal.evaluate.tasks import parse_task_list
+from kvcal.formats import get_format
 from kvcal.io import atomic_write_json, atomic_write_text
+from kvcal.models import load_model, resolve_dtype, resolve_model, sha256_file
+from kvcal.rundir import COMPLETE, CONFIG, RunConfig
+from kvcal.scales import load_scale_file
 
 SCALE_VARIANTS = ("uncalibrated", "tensor", "head")
-_TOP_KEYS = {
-    "model", "tasks", "formats", "scales", "skip_layers", "calibration", "limit", "num_fewshot", "data_dir",
-    "include_path", "dtype", "device", "impl", "batch_size", "seed", "kl_seq_len", "max_gen_toks", "baseline",
-}  # fmt: skip
-_RECIPE_KEYS = {
-    "name", "observer", "granularity", "dataset", "num_samples", "seq_len", "seed", "engine", "observer_params",
-    "text_field",
-}  # fmt: skip
-# config.yaml fields of a run directory that must match the sweep's for a cell to count as done.
-_MATCH_FIELDS = ("kv_format", "limit", "num_fewshot", "dtype", "device", "impl", "batch_size", "seed")
 
 ProgressCallback = Callable[[dict[str, Any]], None]
+Step = Callable[
+    [str, bool], None
+]  # step(message, advance): one progress event; advance counts a unit as done
+
+# ---- the sweep YAML: every key is one dataclass field, read by the parser in its metadata ---------------------
+
+Parser = Callable[[Any, str, Path | None], Any]  # (YAML value, key, folder of the YAML) -> field value
+
+
+def _key(parse: Parser, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
+         yaml_key: str | None = None) -> Any:  # fmt: skip
+    """A field of the sweep YAML: how its value is read, its default (absent or null -> default), its YAML name."""
+    meta = {"parse": parse, "yaml": yaml_key}
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
+def _yaml_key(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("yaml") or f.name
+
+
+def _as_list(value: Any, key: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()] if key != "skip_layers" else [value]
+    if isinstance(value, list):
+        return value
+    raise UsageError(f"sweep config: '{key}' must be a list, got {type(value).__name__}")
+
+
+def _text(value: Any, key: str, base: Path | None) -> str:
+    return str(value)
+
+
+def _raw(value: Any, key: str, base: Path | None) -> Any:
+    return value
+
+
+def _int(value: Any, key: str, base: Path | None) -> int:
+    if isinstance(value, bool):
+        raise UsageError(f"sweep config: '{key}' must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"sweep config: '{key}' must be an integer, got {value!r}") from None
+
+
+def _path(value: Any, key: str, base: Path | None) -> str | None:
+    """Relative paths are taken relative to the YAML's folder when they exist there, else to the current one."""
+    if value in (None, ""):
+        return None
+    cand = Path(str(value)).expanduser()
+    if not cand.is_absolute() and base is not None and (base / cand).exists():
+        return str((base / cand).resolve())
+    return str(cand)
+
+
+def _dtype(value: Any, key: str, base: Path | None) -> str:
+    name = str(value)
+    # a named dtype needs no checkpoint to resolve (aliases -> the name `kvcal eval` records); 'auto' does
+    return name if name == "auto" else resolve_dtype(name, model_dir=".")
+
+
+def _granularities(value: Any, key: str, base: Path | None) -> tuple[str, ...] | None:
+    grans = tuple(str(g) for g in _as_list(value, key))
+    if any(g not in ("tensor", "head") for g in grans):
+        raise UsageError(f"sweep config: recipe granularity must be tensor or head, got {list(grans)}")
+    return grans or None
+
+
+def _recipe_name(value: Any, key: str, base: Path | None) -> str:
+    return slug(str(value))
 
 
 @dataclass(frozen=True)
 class Recipe:
     """One calibration recipe (the arguments of kvcal.calibrate.run.calibrate)."""
 
-    name: str = "default"
-    observer: str = "minmax"
-    granularity: tuple[str, ...] | None = None  # restrict the recipe to these granularities; None = all asked
-    dataset: str | None = None  # None = kvcal's built-in generated corpus
-    num_samples: int = 128
-    seq_len: int = 512
-    seed: int = 0
-    engine: str = "native"
-    observer_params: dict[str, Any] | None = None
-    text_field: str | None = None
+    name: str = _key(_recipe_name, "default")
+    observer: str = _key(_text, "minmax")
+    granularity: tuple[str, ...] | None = _key(
+        _granularities, None
+    )  # only these granularities; None = all asked
+    dataset: str | None = _key(_path, None)  # None = kvcal's built-in generated corpus
+    num_samples: int = _key(_int, 128)
+    seq_len: int = _key(_int, 512)
+    seed: int = _key(_int, 0)
+    engine: str = _key(_text, "native")
+    observer_params: dict[str, Any] | None = _key(_raw, None)
+    text_field: str | None = _key(_raw, None)
+
+
+def _tasks(value: Any, key: str, base: Path | None) -> list[str]:
+    return parse_task_list([str(t) for t in _as_list(value, key)])
+
+
+def _formats(value: Any, key: str, base: Path | None) -> list[str]:
+    formats: list[str] = []
+    for f in _as_list(value, key):
+        canon = get_format(str(f)).name
+        if canon not in formats:
+            formats.append(canon)
+    return formats
+
+
+_SCALE_ALIASES = {"per_tensor": "tensor", "calibrated": "tensor", "per_head": "head"}
+
+
+def _scales(value: Any, key: str, base: Path | None) -> list[str]:
+    scales = [str(s).lower() for s in _as_list(value, key)]
+    scales = [_SCALE_ALIASES.get(s, s) for s in scales]
+    bad = [s for s in scales if s not in SCALE_VARIANTS]
+    if bad or not scales:
+        raise UsageError(
+            f"sweep config: scales must be a list of {', '.join(SCALE_VARIANTS)}; got {bad or 'nothing'}"
+        )
+    return scales
+
+
+def _skips(value: Any, key: str, base: Path | None) -> list[str]:
+    skips: list[str] = []
+    for s in _as_list(value, key):
+        s = "none" if s in (None, "", False) or str(s).strip().lower() == "none" else str(s).strip()
+        if s not in skips:
+            skips.append(s)
+    return skips
+
+
+def _limit(value: Any, key: str, base: Path | None) -> int | dict[str, int]:
+    if isinstance(value, dict):
+        value = {("default" if k == "default" else parse_task_list([str(k)])[0]): v for k, v in value.items()}
+        values = list(value.values())
+    else:
+        values = [value]
+    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0) for v in values):
+        raise UsageError(
+            f"sweep config: limit must be a positive integer or a mapping task: integer, got {value!r}"
+        )
+    return value
+
+
+def _recipes(value: Any, key: str, base: Path | None) -> list[Recipe]:
+    raw = [value] if isinstance(value, dict) else value
+    if not isinstance(raw, list):
+        raise UsageError("sweep config: 'calibration' must be a recipe mapping or a list of them")
+    recipes: list[Recipe] = []
+    for i, r in enumerate(raw or [{}]):
+        if not isinstance(r, dict):
+            raise UsageError(f"sweep config: calibration recipe {i + 1} must be a mapping")
+        r = dict(r)
+        if not r.get("name"):
+            r["name"] = "default" if len(raw) <= 1 else f"recipe{i + 1}"
+        recipes.append(Recipe(**_read_fields(Recipe, r, base, "calibration key")))
+    names = [r.name for r in recipes]
+    if len(set(names)) != len(names):
+        raise UsageError(f"sweep config: calibration recipe names must be unique, got {names}")
+    return recipes
 
 
 @dataclass
 class SweepConfig:
-    model: str
-    tasks: list[str]
-    formats: list[str]
-    scales: list[str] = field(default_factory=lambda: ["uncalibrated", "tensor"])
-    skip_layers: list[str] = field(default_factory=lambda: ["none"])
-    recipes: list[Recipe] = field(default_factory=lambda: [Recipe()])
-    limit: int | dict[str, int] | None = None  # samples per task; a mapping gives each task its own
-    num_fewshot: int | None = None
-    data_dir: str | None = None
-    include_path: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    impl: str = "auto"
-    batch_size: int = 1
-    seed: int = 0
-    kl_seq_len: int | None = None
-    max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
-    baseline: str = "bf16"
+    model: str = _key(_text)
+    tasks: list[str] = _key(_tasks)
+    formats: list[str] = _key(_formats)
+    scales: list[str] = _key(_scales, factory=lambda: ["uncalibrated", "tensor"])
+    skip_layers: list[str] = _key(_skips, factory=lambda: ["none"])
+    limit: int | dict[str, int] | None = _key(
+        _limit, None
+    )  # samples per task; a mapping gives each task its own
+    num_fewshot: int | None = _key(_int, None)
+    data_dir: str | None = _key(_path, None)
+    include_path: str | None = _key(_path, None)
+    dtype: str = _key(_dtype, "float32")
+    device: str = _key(_text, "cpu")
+    impl: str = _key(_text, "auto")
+    batch_size: int = _key(_int, 1)
+    seed: int = _key(_int, 0)
+    kl_seq_len: int | None = _key(_int, None)
+    max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
+    baseline: str = _key(_text, "bf16")
+    recipes: list[Recipe] = _key(_recipes, factory=lambda: [Recipe()], yaml_key="calibration")
 
     def limit_for(self, task: str) -> int | None:
         if isinstance(self.limit, dict):
             return self.limit.get(task, self.limit.get("default"))
         return self.limit
+
+
+def _read_fields(cls: type, raw: dict[str, Any], base: Path | None, what: str) -> dict[str, Any]:
+    """Keyword arguments of dataclass `cls` from a YAML mapping, each value through its field's parser; absent and
+    null keys keep their defaults. UsageError for unknown keys."""
+    known = {_yaml_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise UsageError(
+            f"sweep config: unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
+        )
+    return {
+        f.name: f.metadata["parse"](raw[key], key, base)
+        for key, f in known.items()
+        if raw.get(key) is not None
+    }
+
+
+def parse_sweep_config(raw: dict[str, Any], base_dir: Path | None = None) -> SweepConfig:
+    """Validate a sweep config dict (the YAML). Relative paths are taken relative to `base_dir` when they exist
+    there, else to the current folder."""
+    if not isinstance(raw, dict):
+        raise UsageError("sweep config must be a YAML mapping (see configs/ for examples)")
+    required = [_yaml_key(f) for f in dataclasses.fields(SweepConfig) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    kwargs = _read_fields(SweepConfig, raw, base_dir, "key")
+    for key in required:
+        if not raw.get(key):
+            raise UsageError(f"sweep config: '{key}' is required (see configs/ for examples)")
+    return SweepConfig(**kwargs)
+
+
+def load_sweep_config(path: str | os.PathLike[str]) -> SweepConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"sweep config {p} does not exist; see configs/ for examples")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise UsageError(f"sweep config {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"sweep config {p} is not UTF-8 text; save it as UTF-8") from None
+    return parse_sweep_config(raw, base_dir=p.parent)
+
+
+def config_dict(cfg: SweepConfig) -> dict[str, Any]:
+    """The YAML mapping of `cfg` (what sweep.yaml records; parse_sweep_config reads it back to the same config)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SweepConfig):
+        value = getattr(cfg, f.name)
+        if f.name == "recipes":
+            value = [
+                {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(r).items() if v is not None}
+                for r in value
+            ]  # fmt: skip
+        out[_yaml_key(f)] = value
+    return out
+
+
+# ---- the plan -------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -186,170 +385,45 @@ class SweepPlan:
         }
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Config
+def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
+    """The whole matrix with the status of every cell and scale file, from what is on disk (touches nothing)."""
+    root = Path(runs_dir)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"-o {root} is a file; pass a directory for the sweep's runs")
+    model = model_short(cfg.model)
+    calibrations: dict[tuple[str, str, str], Calibration] = {}
+    cells: list[Cell] = []
+    for fmt, label, gran, recipe, skip, baseline in _configurations(cfg):
+        cal = None
+        if gran is not None and recipe is not None:
+            key = (recipe.name, fmt, gran)
+            if key not in calibrations:
+                calibrations[key] = _calibration(root, recipe, fmt, gran)
+            cal = calibrations[key]
+        name = _cell_name(model, fmt, label, skip)
+        for task in cfg.tasks:
+            cell = Cell(name, task, fmt, label, skip, root / task / name, cal, baseline)
+            cell.status, cell.detail = _cell_state(cell, cfg)
+            cells.append(cell)
+    return SweepPlan(root, cells, list(calibrations.values()))
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", str(text)).strip("-").lower() or "x"
-
-
-def _as_list(value: Any, key: str) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()] if key != "skip_layers" else [value]
-    if isinstance(value, list):
-        return value
-    raise UsageError(f"sweep config: '{key}' must be a list, got {type(value).__name__}")
-
-
-def parse_sweep_config(raw: dict[str, Any], base_dir: Path | None = None) -> SweepConfig:
-    """Validate a sweep config dict (the YAML). Relative paths are taken relative to `base_dir` when they exist
-    there, else to the current folder."""
-    from kvcal.evaluate.tasks import parse_task_list
-    from kvcal.formats import get_format
-
-    if not isinstance(raw, dict):
-        raise UsageError("sweep config must be a YAML mapping (see configs/ for examples)")
-    unknown = sorted(set(raw) - _TOP_KEYS)
-    if unknown:
-        raise UsageError(
-            f"sweep config: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(_TOP_KEYS))}"
-        )
-    for key in ("model", "tasks", "formats"):
-        if not raw.get(key):
-            raise UsageError(f"sweep config: '{key}' is required (see configs/ for examples)")
-
-    def _path(p: Any) -> str | None:
-        if p in (None, ""):
-            return None
-        cand = Path(str(p)).expanduser()
-        if not cand.is_absolute() and base_dir is not None and (base_dir / cand).exists():
-            return str((base_dir / cand).resolve())
-        return str(cand)
-
-    tasks = parse_task_list([str(t) for t in _as_list(raw["tasks"], "tasks")])
-    formats: list[str] = []
-    for f in _as_list(raw["formats"], "formats"):
-        canon = get_format(str(f)).name
-        if canon not in formats:
-            formats.append(canon)
-    scales = [str(s).lower() for s in _as_list(raw.get("scales", ["uncalibrated", "tensor"]), "scales")]
-    scales = [
-        "tensor" if s in ("per_tensor", "calibrated") else "head" if s == "per_head" else s for s in scales
-    ]
-    bad = [s for s in scales if s not in SCALE_VARIANTS]
-    if bad or not scales:
-        raise UsageError(
-            f"sweep config: scales must be a list of {', '.join(SCALE_VARIANTS)}; got {bad or 'nothing'}"
-        )
-    skips: list[str] = []
-    for s in _as_list(raw.get("skip_layers", ["none"]), "skip_layers"):
-        s = "none" if s in (None, "", False) else str(s).strip()
-        if isinstance(s, str) and s.lower() == "none":
-            s = "none"
-        if s not in skips:
-            skips.append(s)
-    cal = raw.get("calibration")
-    recipes_raw = [cal] if isinstance(cal, dict) else (cal or [{}])
-    if not isinstance(recipes_raw, list):
-        raise UsageError("sweep config: 'calibration' must be a recipe mapping or a list of them")
-    recipes: list[Recipe] = []
-    for i, r in enumerate(recipes_raw):
-        if not isinstance(r, dict):
-            raise UsageError(f"sweep config: calibration recipe {i + 1} must be a mapping")
-        unknown = sorted(set(r) - _RECIPE_KEYS)
-        if unknown:
-            raise UsageError(
-                f"sweep config: unknown calibration key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_RECIPE_KEYS))}"
-            )
-        gran = r.get("granularity")
-        gran_t = tuple(str(g) for g in _as_list(gran, "granularity")) if gran else None
-        if gran_t and any(g not in ("tensor", "head") for g in gran_t):
-            raise UsageError(f"sweep config: recipe granularity must be tensor or head, got {list(gran_t)}")
-        name = _slug(r.get("name") or ("default" if len(recipes_raw) == 1 else f"recipe{i + 1}"))
-        recipes.append(
-            Recipe(
-                name=name,
-                observer=str(r.get("observer", "minmax")),
-                granularity=gran_t,
-                dataset=_path(r.get("dataset")),
-                num_samples=int(r.get("num_samples", 128)),
-                seq_len=int(r.get("seq_len", 512)),
-                seed=int(r.get("seed", 0)),
-                engine=str(r.get("engine", "native")),
-                observer_params=r.get("observer_params"),
-                text_field=r.get("text_field"),
-            )
-        )
-    names = [r.name for r in recipes]
-    if len(set(names)) != len(names):
-        raise UsageError(f"sweep config: calibration recipe names must be unique, got {names}")
-    limit = raw.get("limit")
-    if isinstance(limit, dict):
-        limit = {("default" if k == "default" else parse_task_list([str(k)])[0]): v for k, v in limit.items()}
-        values = list(limit.values())
-    else:
-        values = [limit]
-    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0) for v in values):
-        raise UsageError(
-            f"sweep config: limit must be a positive integer or a mapping task: integer, got {raw.get('limit')!r}"
-        )
-    return SweepConfig(
-        model=str(raw["model"]),
-        tasks=tasks,
-        formats=formats,
-        scales=scales,
-        skip_layers=skips,
-        recipes=recipes,
-        limit=limit,
-        num_fewshot=raw.get("num_fewshot"),
-        data_dir=_path(raw.get("data_dir")),
-        include_path=_path(raw.get("include_path")),
-        dtype=str(raw.get("dtype", "float32")),
-        device=str(raw.get("device", "cpu")),
-        impl=str(raw.get("impl", "auto")),
-        batch_size=int(raw.get("batch_size", 1)),
-        seed=int(raw.get("seed", 0)),
-        kl_seq_len=raw.get("kl_seq_len"),
-        max_gen_toks=int(raw["max_gen_toks"]) if raw.get("max_gen_toks") is not None else None,
-        baseline=str(raw.get("baseline", "bf16")),
-    )
-
-
-def load_sweep_config(path: str | os.PathLike[str]) -> SweepConfig:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"sweep config {p} does not exist; see configs/ for examples")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise UsageError(f"sweep config {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    return parse_sweep_config(raw, base_dir=p.parent)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Planning
-
-
-def _model_short(model: str) -> str:
-    try:
-        from kvcal.evaluate.run import model_short
-
-        return model_short(model)
-    except ImportError:  # pragma: no cover - run.py is part of the package
-        return _slug(Path(model.rstrip("/")).name.removesuffix(".gguf"))
-
-
-def _skip_tag(skip: str) -> str:
-    return "none" if skip == "none" else _slug(skip.replace(",", "-"))
+def _configurations(cfg: SweepConfig) -> Iterator[tuple[str, str, str | None, Recipe | None, str, bool]]:
+    """(format, scales label, granularity, recipe, skip, is_baseline) of every configuration: the baseline first,
+    without skipped layers; BF16 / auto never skip layers."""
+    base_fmt = get_format(cfg.baseline).name
+    yield base_fmt, "none", None, None, "none", True
+    for fmt in cfg.formats:
+        if fmt == base_fmt:
+            continue
+        skips = ["none"] if fmt in ("auto", "bf16") else cfg.skip_layers
+        for label, gran, recipe in _scale_variants(fmt, cfg):
+            for skip in skips:
+                yield fmt, label, gran, recipe, skip, False
 
 
 def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | None, Recipe | None]]:
     """[(label, granularity, recipe)] for one format: only calibratable formats get scale variants."""
-    from kvcal.formats import get_format
-
     fmt = get_format(fmt_name)
     if fmt.name in ("auto", "bf16"):
         return [("none", None, None)]
@@ -369,20 +443,61 @@ def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | No
     return out
 
 
+def _cell_name(model: str, fmt: str, label: str, skip: str) -> str:
+    """kvcal eval's run directory name (evaluate.run.run_dir_name): uncalibrated and dynamic are both 'none'."""
+    tag = label if label.startswith("calib-") else "none"
+    return f"{model}__{fmt}__{tag}__skip-{skip_tag(skip)}"
+
+
+def _calibration(root: Path, recipe: Recipe, fmt: str, gran: str) -> Calibration:
+    path = root / "scales" / f"{recipe.name}__{fmt}__{gran}.safetensors"
+    return Calibration(recipe, fmt, gran, path, "done" if _scale_file_ok(path) else "todo")
+
+
+def _scale_file_ok(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        load_scale_file(path)
+        return True
+    except KvcalError:
+        return False
+
+
 def _cell_state(cell: Cell, cfg: SweepConfig) -> tuple[str, str]:
     """('complete'|'partial'|'todo'|'stale', detail) from what is on disk; never modifies anything."""
     d = cell.path
-    conf = d / "config.yaml"
     if not d.exists():
         return "todo", ""
+    conf = d / CONFIG
     if not conf.is_file():
         if any(p for p in d.iterdir() if not p.name.startswith(".")):
-            return "stale", f"{d} exists but holds no run (no config.yaml); move it aside"
+            return "stale", f"{d} exists but holds no run (no {CONFIG}); move it aside"
         return "todo", ""
-    try:
-        have = yaml.safe_load(conf.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError):
+    have = _read_run_config(conf)
+    if have is None:
         return "stale", f"{conf} does not parse; move {d} aside"
+    diffs = _run_differences(have, cell, cfg)
+    if diffs:
+        return (
+            "stale",
+            f"{d} holds another configuration ({'; '.join(diffs[:3])}); use a new RUNS_DIR or move it aside",
+        )
+    if (d / COMPLETE).is_file():
+        return "complete", ""
+    return "partial", "interrupted; resumes"
+
+
+def _read_run_config(conf: Path) -> RunConfig | None:
+    try:
+        raw = yaml.safe_load(conf.read_text(encoding="utf-8"))
+        return RunConfig.from_dict(raw) if isinstance(raw, dict) else None
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError, TypeError):
+        return None
+
+
+def _run_differences(have: RunConfig, cell: Cell, cfg: SweepConfig) -> list[str]:
+    """What differs between a run directory's recorded configuration and what the sweep would run there."""
     want: dict[str, Any] = {
         "kv_format": cell.kv_format,
         "limit": cfg.limit_for(cell.task),
@@ -393,147 +508,26 @@ def _cell_state(cell: Cell, cfg: SweepConfig) -> tuple[str, str]:
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
     }
-    diffs = [
-        f"{k}: {have.get(k)!r} there, {want[k]!r} here"
-        for k in _MATCH_FIELDS
-        if k in have and have.get(k) != want[k]
-    ]
-    if have.get("tasks") not in (None, [cell.task]):
-        diffs.append(f"tasks: {have.get('tasks')!r} there, {[cell.task]!r} here")
-    skip_have = have.get("skip_layers") or "none"
-    if str(skip_have) != cell.skip:
-        diffs.append(f"skip_layers: {skip_have!r} there, {cell.skip!r} here")
-    if bool(have.get("scales_path")) != (cell.calibration is not None):
+    if cfg.dtype == "auto":  # recorded as what the checkpoint resolved to: any dtype is that one
+        del want["dtype"]
+    diffs = [f"{k}: {getattr(have, k)!r} there, {v!r} here" for k, v in want.items() if getattr(have, k) != v]
+    if have.tasks and have.tasks != [cell.task]:
+        diffs.append(f"tasks: {have.tasks!r} there, {[cell.task]!r} here")
+    if (have.skip_layers or "none") != cell.skip:
+        diffs.append(f"skip_layers: {have.skip_layers or 'none'!r} there, {cell.skip!r} here")
+    cal = cell.calibration
+    if have.calibrated != (cal is not None):
         diffs.append(
-            "scales: " + ("calibrated there, not here" if have.get("scales_path") else "not calibrated there")
+            "scales: " + ("calibrated there, not here" if have.calibrated else "not calibrated there")
         )
-    elif cell.calibration is not None and cell.calibration.path.is_file():
-        sha = (have.get("scales") or {}).get("sha256") if isinstance(have.get("scales"), dict) else None
-        if sha and sha != _sha256(cell.calibration.path):
-            diffs.append(f"scales: {d.name} used another version of {cell.calibration.path.name}")
-    if diffs:
-        return (
-            "stale",
-            f"{d} holds another configuration ({'; '.join(diffs[:3])}); use a new RUNS_DIR or move it aside",
-        )
-    if (d / "COMPLETE").is_file():
-        return "complete", ""
-    return "partial", "interrupted; resumes"
+    elif cal is not None and cal.path.is_file():
+        sha = have.scales.get("sha256") if isinstance(have.scales, dict) else None
+        if sha and sha != sha256_file(cal.path):
+            diffs.append(f"scales: {cell.path.name} used another version of {cal.path.name}")
+    return diffs
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _scale_file_ok(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        from kvcal.scales import load_scale_file
-
-        load_scale_file(path)
-        return True
-    except KvcalError:
-        return False
-
-
-def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
-    """The whole matrix with the status of every cell and scale file, from what is on disk (touches nothing)."""
-    root = Path(runs_dir)
-    if root.exists() and not root.is_dir():
-        raise UsageError(f"-o {root} is a file; pass a directory for the sweep's runs")
-    model = _model_short(cfg.model)
-    calibrations: dict[tuple[str, str, str], Calibration] = {}
-    cells: list[Cell] = []
-
-    def add_cells(
-        fmt: str, label: str, gran: str | None, recipe: Recipe | None, skip: str, baseline: bool
-    ) -> None:
-        cal = None
-        if gran is not None and recipe is not None:
-            key = (recipe.name, fmt, gran)
-            if key not in calibrations:
-                path = root / "scales" / f"{recipe.name}__{fmt}__{gran}.safetensors"
-                calibrations[key] = Calibration(
-                    recipe, fmt, gran, path, "done" if _scale_file_ok(path) else "todo"
-                )
-            cal = calibrations[key]
-        # the directory name scheme of kvcal eval (run_dir_name): uncalibrated and dynamic are both 'none'
-        tag = label if label.startswith("calib-") else "none"
-        name = f"{model}__{fmt}__{tag}__skip-{_skip_tag(skip)}"
-        for task in cfg.tasks:
-            cell = Cell(name, task, fmt, label, skip, root / task / name, cal, baseline)
-            cell.status, cell.detail = _cell_state(cell, cfg)
-            cells.append(cell)
-
-    from kvcal.formats import get_format
-
-    base_fmt = get_format(cfg.baseline).name
-    add_cells(base_fmt, "none", None, None, "none", True)
-    for fmt in cfg.formats:
-        if fmt == base_fmt:
-            continue
-        skips = ["none"] if fmt in ("auto", "bf16") else cfg.skip_layers
-        for label, gran, recipe in _scale_variants(fmt, cfg):
-            for skip in skips:
-                add_cells(fmt, label, gran, recipe, skip, False)
-    return SweepPlan(root, cells, list(calibrations.values()))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Execution
-
-
-def _calibrate_all(
-    cfg: SweepConfig,
-    todo: list[Calibration],
-    step: Callable[[str, bool], None],
-    warn: Callable[[str], None],
-) -> dict[str, str]:
-    """Write every missing scale file; one model load for all of them. Returns {scale file: error}."""
-    if not todo:
-        return {}
-    from kvcal.calibrate.run import calibrate
-    from kvcal.evaluate.adapter import resolve_pretrained
-    from kvcal.models import load_model
-
-    _, model_dir = resolve_pretrained(cfg.model)
-    step(f"loading {cfg.model} for calibration", False)
-    lm = load_model(str(model_dir), dtype=cfg.dtype, device=cfg.device)
-    errors: dict[str, str] = {}
-    for cal in todo:
-        r = cal.recipe
-        step(f"calibrating {cal.name}", False)
-        try:
-            res = calibrate(
-                lm,
-                cal.kv_format,
-                granularity=cal.granularity,
-                observer=r.observer,
-                dataset=r.dataset,
-                num_samples=r.num_samples,
-                seq_len=r.seq_len,
-                seed=r.seed,
-                engine=r.engine,
-                output=cal.path,
-                observer_params=r.observer_params,
-                text_field=r.text_field,
-                dtype=cfg.dtype,
-                device=cfg.device,
-            )
-            for w in getattr(res, "warnings", []) or []:
-                warn(f"{cal.name}: {w}")
-            cal.status = "done"
-        except KvcalError as exc:
-            if os.environ.get("KVCAL_DEBUG"):
-                raise
-            errors[str(cal.path)] = str(exc)
-        step(f"calibrated {cal.name}", True)
-    return errors
+# ---- execution ----------------------------------------------------------------------------------------------
 
 
 def execute_sweep(
@@ -550,41 +544,85 @@ def execute_sweep(
     scale files count as done from the start). A failing cell is recorded and the sweep goes on; stale cells
     (another configuration in their directory) are never touched.
     """
-    from kvcal.evaluate.run import EvalConfig, run_eval
-
     root = Path(runs_dir)
     plan = plan or plan_sweep(cfg, root)
-    say_warn = warn or (lambda _m: None)
-    total = plan.total_steps
-    done = plan.n_done + sum(c.status == "done" for c in plan.calibrations)
-    state = {"done": done}
+    step = _stepper(plan, progress)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(root / "sweep.yaml", yaml.safe_dump(config_dict(cfg), sort_keys=False))
+    step(f"{plan.n_done} of {len(plan.cells)} cells complete", False)
+
+    failed = [{"cell": f"{cell.task}/{cell.name}", "error": cell.detail} for cell in plan.stale]
+    skipped = plan.n_done
+    needed = plan.calibrations_todo
+    for c in plan.calibrations:  # scale files whose cells are all complete or stale: nothing to do
+        if c.status == "todo" and c not in needed:
+            step(f"{c.name}: not needed", True)
+    cal_errors = _calibrate_all(cfg, needed, step, warn or (lambda _m: None))
+    ran, cell_failures = _run_cells(cfg, plan, cal_errors, step, gpqa_password)
+    summary = {
+        "runs_dir": str(root),
+        "ran": ran,
+        "skipped_complete": skipped,
+        "failed": failed + cell_failures,
+        "calibrated": sum(1 for c in needed if c.status == "done"),
+        "plan": plan.to_dict(),
+    }
+    atomic_write_json(root / "sweep.json", summary)
+    return summary
+
+
+def _stepper(plan: SweepPlan, progress: ProgressCallback | None) -> Step:
+    """step(message, advance): count progress units over the whole matrix and report each event."""
+    state = {"done": plan.n_done + sum(c.status == "done" for c in plan.calibrations)}
 
     def step(message: str, advance: bool) -> None:
         if advance:
             state["done"] += 1
         if progress:
-            progress({"done": state["done"], "total": total, "message": message})
+            progress({"done": state["done"], "total": plan.total_steps, "message": message})
 
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(root / "sweep.yaml", yaml.safe_dump(_config_dict(cfg), sort_keys=False))
-    step(f"{plan.n_done} of {len(plan.cells)} cells complete", False)
+    return step
 
+
+def _calibrate_all(
+    cfg: SweepConfig, todo: list[Calibration], step: Step, warn: Callable[[str], None]
+) -> dict[str, str]:
+    """Write every missing scale file; one model load for all of them. Returns {scale file: error}."""
+    if not todo:
+        return {}
+    from kvcal.calibrate.run import calibrate  # imports transformers: planning (--dry-run) stays without it
+
+    model_dir = resolve_model(cfg.model)
+    step(f"loading {cfg.model} for calibration", False)
+    lm = load_model(str(model_dir), dtype=cfg.dtype, device=cfg.device)
+    errors: dict[str, str] = {}
+    for cal in todo:
+        r = cal.recipe
+        step(f"calibrating {cal.name}", False)
+        try:
+            res = calibrate(
+                lm, cal.kv_format, granularity=cal.granularity, observer=r.observer, dataset=r.dataset,
+                num_samples=r.num_samples, seq_len=r.seq_len, seed=r.seed, engine=r.engine, output=cal.path,
+                observer_params=r.observer_params, text_field=r.text_field, dtype=cfg.dtype, device=cfg.device,
+            )  # fmt: skip
+            for w in res.warnings:
+                warn(f"{cal.name}: {w}")
+            cal.status = "done"
+        except KvcalError as exc:
+            if os.environ.get("KVCAL_DEBUG"):
+                raise
+            errors[str(cal.path)] = str(exc)
+        step(f"calibrated {cal.name}", True)
+    return errors
+
+
+def _run_cells(
+    cfg: SweepConfig, plan: SweepPlan, cal_errors: dict[str, str], step: Step, gpqa_password: str | None
+) -> tuple[int, list[dict[str, str]]]:
+    """Run every cell still to run (the baseline first). Returns (cells run, [{cell, error}] of the failures)."""
+    ran = 0
     failed: list[dict[str, str]] = []
-    for cell in plan.stale:
-        failed.append({"cell": f"{cell.task}/{cell.name}", "error": cell.detail})
-    needed = plan.calibrations_todo
-    unused = [c for c in plan.calibrations if c.status == "todo" and c not in needed]
-    for c in unused:  # scale files whose cells are all complete or stale: nothing to do, count them as done
-        step(f"{c.name}: not needed", True)
-    cal_errors = _calibrate_all(cfg, needed, step, say_warn)
-
-    ran = skipped = 0
-    order = sorted(plan.cells, key=lambda c: (not c.is_baseline, c.name, c.task))
-    for cell in order:
-        if cell.status in ("complete", "stale"):
-            if cell.status == "complete":
-                skipped += 1
-            continue
+    for cell in sorted(plan.todo, key=lambda c: (not c.is_baseline, c.name, c.task)):
         label = f"{cell.task}/{cell.name}"
         if cell.calibration is not None and str(cell.calibration.path) in cal_errors:
             failed.append(
@@ -593,29 +631,10 @@ def execute_sweep(
             step(f"{label}: skipped (calibration failed)", True)
             continue
         step(f"{label}: running", False)
-        ec = EvalConfig(
-            model=cfg.model,
-            kv_format=cell.kv_format,
-            tasks=[cell.task],
-            output=str(cell.path),
-            scales=str(cell.calibration.path) if cell.calibration else None,
-            skip_layers=None if cell.skip == "none" else cell.skip,
-            include_path=cfg.include_path,
-            limit=cfg.limit_for(cell.task),
-            num_fewshot=cfg.num_fewshot,
-            data_dir=cfg.data_dir,
-            gpqa_password=gpqa_password,
-            impl=cfg.impl,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            batch_size=cfg.batch_size,
-            seed=cfg.seed,
-        )
-        if cfg.kl_seq_len is not None:
-            ec.kl_seq_len = int(cfg.kl_seq_len)
-        ec.max_gen_toks = cfg.max_gen_toks
         try:
-            run_eval(ec, progress=lambda m, _l=label: step(f"{_l}: {m}", False))
+            run_eval(
+                _eval_config(cfg, cell, gpqa_password), progress=lambda m, _l=label: step(f"{_l}: {m}", False)
+            )
             cell.status = "complete"
             ran += 1
         except KvcalError as exc:
@@ -624,27 +643,30 @@ def execute_sweep(
             failed.append({"cell": label, "error": str(exc)})
             cell.status, cell.detail = "failed", str(exc)
         step(f"{label}: {cell.status}", True)
-
-    summary = {
-        "runs_dir": str(root),
-        "ran": ran,
-        "skipped_complete": skipped,
-        "failed": failed,
-        "calibrated": sum(1 for c in needed if c.status == "done"),
-        "plan": plan.to_dict(),
-    }
-    atomic_write_json(root / "sweep.json", summary)
-    return summary
+    return ran, failed
 
 
-def _config_dict(cfg: SweepConfig) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        k: getattr(cfg, k)
-        for k in ("model", "tasks", "formats", "scales", "skip_layers", "limit", "num_fewshot", "data_dir",
-                  "include_path", "dtype", "device", "impl", "batch_size", "seed", "kl_seq_len", "max_gen_toks", "baseline")
-    }  # fmt: skip
-    d["calibration"] = [
-        {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.__dict__.items() if v is not None}
-        for r in cfg.recipes
-    ]
-    return d
+def _eval_config(cfg: SweepConfig, cell: Cell, gpqa_password: str | None) -> EvalConfig:
+    """The `kvcal eval` of one cell."""
+    ec = EvalConfig(
+        model=cfg.model,
+        kv_format=cell.kv_format,
+        tasks=[cell.task],
+        output=str(cell.path),
+        scales=str(cell.calibration.path) if cell.calibration else None,
+        skip_layers=None if cell.skip == "none" else cell.skip,
+        include_path=cfg.include_path,
+        limit=cfg.limit_for(cell.task),
+        num_fewshot=cfg.num_fewshot,
+        data_dir=cfg.data_dir,
+        gpqa_password=gpqa_password,
+        impl=cfg.impl,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        max_gen_toks=cfg.max_gen_toks,
+    )
+    if cfg.kl_seq_len is not None:
+        ec.kl_seq_len = cfg.kl_seq_len
+    return ec

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import invoke
-from test_calibrate_helpers import save_tiny, tiny_model
 from transformers import DynamicCache
 
 from kvcal.calibrate.data import build_samples, load_texts
@@ -24,23 +22,9 @@ from kvcal.scales import load_scale_file
 N, L = 6, 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # tiny models: one thread is ~10x faster than two on a shared 2-core machine
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+Invoke = Callable[[list[str]], tuple[int, str, str]]  # the `invoke` fixture of tests/conftest.py
 
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny("gemma3", tmp_path_factory.mktemp("tiny-gemma3"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reference_kv(model_dir: Path) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -59,11 +43,11 @@ def _reference_kv(model_dir: Path) -> dict[int, tuple[torch.Tensor, torch.Tensor
     return {i: (torch.cat(ks[i], 2), torch.cat(vs[i], 2)) for i in ks}
 
 
-@pytest.mark.parametrize("arch_dir", ["llama_dir", "gemma3_dir"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_minmax_scales_equal_amax_over_448_and_file_round_trips(
-    arch_dir: str, request: pytest.FixtureRequest, tmp_path: Path
+    arch: str, tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    model_dir = request.getfixturevalue(arch_dir)
+    model_dir = tiny_model_dir(arch)
     ref = _reference_kv(model_dir)
     out = tmp_path / "s.safetensors"
     seen: list[tuple[int, int, str]] = []
@@ -91,9 +75,9 @@ def test_minmax_scales_equal_amax_over_448_and_file_round_trips(
     assert ss.manifest["binding"]["model_type"] in ("llama", "gemma3_text")
 
 
-def test_nvfp4_global_scale_and_tensor_granularity(llama_dir: Path) -> None:
-    ref = _reference_kv(llama_dir)
-    res = calibrate(str(llama_dir), "nvfp4", num_samples=N, seq_len=L)
+def test_nvfp4_global_scale_and_tensor_granularity(tiny_llama_dir: Path) -> None:
+    ref = _reference_kv(tiny_llama_dir)
+    res = calibrate(str(tiny_llama_dir), "nvfp4", num_samples=N, seq_len=L)
     for i, (k, _v) in ref.items():
         torch.testing.assert_close(
             res.scale_set.k_scales[i], k.abs().amax().reshape(1) / (448 * 6), rtol=1e-7, atol=0
@@ -105,10 +89,12 @@ def test_nvfp4_global_scale_and_tensor_granularity(llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
-def test_llmcompressor_static_minmax_agrees_with_native_minmax(llama_dir: Path, granularity: str) -> None:
-    lm = load_model(llama_dir)
+def test_llmcompressor_static_minmax_agrees_with_native_minmax(
+    tiny_llama_dir: Path, granularity: str
+) -> None:
+    lm = load_model(tiny_llama_dir)
     native = calibrate(lm, "fp8_e4m3", granularity=granularity, num_samples=N, seq_len=L)
-    llmc = calibrate(load_model(llama_dir), "fp8_e4m3", granularity=granularity, num_samples=N, seq_len=L,
+    llmc = calibrate(load_model(tiny_llama_dir), "fp8_e4m3", granularity=granularity, num_samples=N, seq_len=L,
                      engine="llmcompressor")  # fmt: skip
     assert llmc.samples.token_sha256 == native.samples.token_sha256
     for a, b in zip(llmc.scale_set.k_scales + llmc.scale_set.v_scales, native.scale_set.k_scales + native.scale_set.v_scales, strict=True):  # fmt: skip
@@ -120,9 +106,9 @@ def test_llmcompressor_static_minmax_agrees_with_native_minmax(llama_dir: Path, 
     assert llmc.scale_set.layer_stats[0]["k_amax"] == pytest.approx(native.scale_set.layer_stats[0]["k_amax"])
 
 
-def test_llmcompressor_default_observer_underestimates_and_show_reveals_it(llama_dir: Path) -> None:
-    static = calibrate(load_model(llama_dir), "fp8_e4m3", num_samples=N, seq_len=L)
-    moving = calibrate(load_model(llama_dir), "fp8_e4m3", num_samples=N, seq_len=L, engine="llmcompressor",
+def test_llmcompressor_default_observer_underestimates_and_show_reveals_it(tiny_llama_dir: Path) -> None:
+    static = calibrate(load_model(tiny_llama_dir), "fp8_e4m3", num_samples=N, seq_len=L)
+    moving = calibrate(load_model(tiny_llama_dir), "fp8_e4m3", num_samples=N, seq_len=L, engine="llmcompressor",
                        llmc_observer="minmax")  # fmt: skip
     ratios = [float(m / s) for m, s in zip(moving.scale_set.k_scales, static.scale_set.k_scales, strict=True)]
     assert max(ratios) <= 1 + 1e-6 and min(ratios) < 0.999
@@ -130,12 +116,12 @@ def test_llmcompressor_default_observer_underestimates_and_show_reveals_it(llama
     assert max(clipped) > 0  # the under-estimate is visible in the scale file's statistics
 
 
-def test_cli_json_and_warning(llama_dir: Path, tmp_path: Path) -> None:
+def test_cli_json_and_warning(tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> None:
     data = tmp_path / "few.jsonl"
     data.write_text("".join(json.dumps({"content": f"short text {i}"}) + "\n" for i in range(3)))
     out = tmp_path / "cli.safetensors"
     code, stdout, stderr = invoke(
-        ["calibrate", str(llama_dir), "-f", "fp8_e5m2", "--observer", "percentile", "--dataset", str(data),
+        ["calibrate", str(tiny_llama_dir), "-f", "fp8_e5m2", "--observer", "percentile", "--dataset", str(data),
               "--num-samples", "5", "--seq-len", "16", "-o", str(out), "--json"],
     )  # fmt: skip
     assert code == 0, stderr
@@ -145,49 +131,59 @@ def test_cli_json_and_warning(llama_dir: Path, tmp_path: Path) -> None:
     assert load_scale_file(out).kv_format == "fp8_e5m2"
 
 
-def _cli_error(args: list[str]) -> tuple[int, str]:
+def _cli_error(invoke: Invoke, args: list[str]) -> tuple[int, str]:
     code, _out, err = invoke(["calibrate", *args])
     lines = [ln for ln in err.splitlines() if ln.startswith("Error: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return code, lines[0]
 
 
-def test_bad_input_is_one_line_and_leaves_no_file(llama_dir: Path, tmp_path: Path) -> None:
+def test_bad_input_is_one_line_and_leaves_no_file(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke
+) -> None:
     out = tmp_path / "o.safetensors"
     small = ["--num-samples", "2", "--seq-len", "8", "-o", str(out)]
-    code, msg = _cli_error([str(llama_dir), "-f", "mxfp4", *small])
+    code, msg = _cli_error(invoke, [str(tiny_llama_dir), "-f", "mxfp4", *small])
     assert code == 2 and "nothing to calibrate" in msg
-    code, msg = _cli_error([str(tmp_path / "missing-model"), "-f", "fp8", *small])
-    assert code == 2 and "does not exist" in msg
-    code, msg = _cli_error([str(llama_dir), "-f", "fp8", "--dataset", str(tmp_path / "none.jsonl"), *small])
+    code, msg = _cli_error(invoke, [str(tmp_path / "missing-model"), "-f", "fp8", *small])
     assert code == 2 and "does not exist" in msg
     code, msg = _cli_error(
-        [str(llama_dir), "-f", "fp8", "--num-samples", "2", "--seq-len", "65", "-o", str(out)]
+        invoke, [str(tiny_llama_dir), "-f", "fp8", "--dataset", str(tmp_path / "none.jsonl"), *small]
+    )
+    assert code == 2 and "does not exist" in msg
+    code, msg = _cli_error(
+        invoke, [str(tiny_llama_dir), "-f", "fp8", "--num-samples", "2", "--seq-len", "65", "-o", str(out)]
     )
     assert code == 2 and "maximum of 64" in msg
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    code, msg = _cli_error([str(llama_dir), "-f", "fp8", *small[:4], "-o", str(blocker / "s.safetensors")])
+    code, msg = _cli_error(
+        invoke, [str(tiny_llama_dir), "-f", "fp8", *small[:4], "-o", str(blocker / "s.safetensors")]
+    )
     assert code == 2 and "not a folder" in msg
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir()
         ro.chmod(0o500)
         try:
-            code, msg = _cli_error([str(llama_dir), "-f", "fp8", *small[:4], "-o", str(ro / "s.safetensors")])
+            code, msg = _cli_error(
+                invoke, [str(tiny_llama_dir), "-f", "fp8", *small[:4], "-o", str(ro / "s.safetensors")]
+            )
             assert code == 2 and "not writable" in msg
         finally:
             ro.chmod(0o700)
     code, msg = _cli_error(
-        [str(llama_dir), "-f", "fp8", "--engine", "llmcompressor", "--observer", "mse", *small]
+        invoke, [str(tiny_llama_dir), "-f", "fp8", "--engine", "llmcompressor", "--observer", "mse", *small]
     )
     assert code == 2 and "llm-compressor" in msg
     assert not out.exists() and not list(tmp_path.glob(".o.safetensors*"))
 
 
-def test_non_finite_activations_name_the_layer(tmp_path: Path) -> None:
+def test_non_finite_activations_name_the_layer(
+    tmp_path: Path, tiny_model: Callable[[str], torch.nn.Module], tiny_llama_dir: Path
+) -> None:
     model = tiny_model("llama")
-    lm = load_model(save_tiny("llama", tmp_path / "m"))
+    lm = load_model(tiny_llama_dir)  # a copy: the shared model stays intact
     with torch.no_grad():
         lm.model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("nan")
     out = tmp_path / "nan.safetensors"
@@ -200,12 +196,12 @@ def test_non_finite_activations_name_the_layer(tmp_path: Path) -> None:
     ).any()  # the shared fixture is intact
 
 
-def test_sensitivity_isolates_one_layer(llama_dir: Path, tmp_path: Path) -> None:
-    from kvcal.pipeline.sensitivity import layer_sensitivity, sensitivity
+def test_sensitivity_isolates_one_layer(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from kvcal.formats import get_format
     from kvcal.models import kv_spec
+    from kvcal.pipeline.sensitivity import layer_sensitivity, sensitivity
 
-    lm = load_model(llama_dir)
+    lm = load_model(tiny_llama_dir)
     good = calibrate(lm, "fp8", num_samples=3, seq_len=16)
     data, kv, fmt = good.samples.samples, kv_spec(lm.model.config), get_format("fp8")
     ks, vs = good.scale_set.k_scales, good.scale_set.v_scales

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_calibrate_helpers import tiny_tokenizer
 
 from kvcal.calibrate.data import build_samples, choose_field, load_texts, token_sha256
 from kvcal.calibrate.default_corpus import generate_corpus
@@ -14,8 +14,8 @@ from kvcal.errors import KvcalError, UsageError
 
 
 @pytest.fixture(scope="module")
-def tok():  # noqa: ANN201
-    return tiny_tokenizer()
+def tok(tiny_tokenizer: Any) -> Any:
+    return tiny_tokenizer
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -99,3 +99,10 @@ def test_generated_corpus_is_deterministic_and_varied() -> None:
     assert a == b and len(set(a)) == 64
     joined = "\n".join(a)
     assert "def " in joined and "The answer is" in joined and "| name |" in joined
+
+
+def test_tiny_tokenizer_round_trips(tok: Any) -> None:
+    """The shared tiny tokenizer (tests/conftest.py) prepends <bos> and decodes back to the text."""
+    ids = tok("Hello, kvcal: 12 + 30 = 42.")["input_ids"]
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == "Hello, kvcal: 12 + 30 = 42."

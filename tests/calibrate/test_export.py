@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import invoke
 
 from kvcal.calibrate.export import (
     INDEX_NAME,
@@ -24,7 +24,7 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.models import kv_spec, load_config
 from kvcal.scales import K_NAME, compute_binding, make_scale_set, save_scale_file
 
-NUM_LAYERS, KV_HEADS = 2, 2
+NUM_LAYERS, KV_HEADS = 2, 2  # the geometry of tests/conftest.py's `word_llama_dir`
 
 # What llm-compressor 0.14.0.1 `oneshot` wrote into config.json for a kv_cache_scheme-only recipe (FP8,
 # strategy tensor) on a tiny Llama with compressed-tensors 0.19.0 (recorded from a real run).
@@ -55,33 +55,7 @@ LLMCOMPRESSOR_QUANTIZATION_CONFIG = {
 }
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(256)}, unk_token="t0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t1", eos_token="t2")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-export") / "llama"
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
+Invoke = Callable[[list[str]], tuple[int, str, str]]  # the `invoke` fixture of tests/conftest.py
 
 
 def scale_set(model_dir: Path, granularity: str = "tensor", kv_format: str = "fp8_e4m3"):
@@ -112,24 +86,24 @@ def test_quantization_config_matches_llmcompressor_and_parses() -> None:
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
-def test_vllm_export_loads_with_transformers(tiny_model: Path, tmp_path: Path, granularity: str) -> None:
+def test_vllm_export_loads_with_transformers(word_llama_dir: Path, tmp_path: Path, granularity: str) -> None:
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    ss = scale_set(tiny_model, granularity)
-    before = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
+    ss = scale_set(word_llama_dir, granularity)
+    before = {p.name: p.read_bytes() for p in word_llama_dir.iterdir() if p.is_file()}
     out = tmp_path / "export"
-    summary = export_vllm(ss, tiny_model, out)
+    summary = export_vllm(ss, word_llama_dir, out)
     assert (
         summary["num_layers"] == NUM_LAYERS
         and summary["strategy"] == {"tensor": "tensor", "head": "attn_head"}[granularity]
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp folder left
     # the source checkpoint is untouched; weights are hard links
-    assert {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()} == before
+    assert {p.name: p.read_bytes() for p in word_llama_dir.iterdir() if p.is_file()} == before
     assert not (out / "model.safetensors").exists()  # linked under a shard name (see kvcal.calibrate.export)
-    assert (out / RENAMED_SINGLE).stat().st_ino == (tiny_model / "model.safetensors").stat().st_ino
+    assert (out / RENAMED_SINGLE).stat().st_ino == (word_llama_dir / "model.safetensors").stat().st_ino
     assert (out / "tokenizer.json").is_file()
     # the index maps every tensor of every shard
     index = json.loads((out / INDEX_NAME).read_text())
@@ -152,18 +126,18 @@ def test_vllm_export_loads_with_transformers(tiny_model: Path, tmp_path: Path, g
         torch.testing.assert_close(attn.k_scale.detach().reshape(-1), ss.k_scales[i], rtol=0, atol=0)
         torch.testing.assert_close(attn.v_scale.detach().reshape(-1), ss.v_scales[i], rtol=0, atol=0)
     # and the weights are the original ones
-    src = AutoModelForCausalLM.from_pretrained(tiny_model)
+    src = AutoModelForCausalLM.from_pretrained(word_llama_dir)
     torch.testing.assert_close(model.lm_head.weight, src.lm_head.weight, rtol=0, atol=0)
 
 
-def test_vllm_export_sharded_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
+def test_vllm_export_sharded_checkpoint(word_llama_dir: Path, tmp_path: Path) -> None:
     """A checkpoint that already has an index: the index is extended, the shards keep their names."""
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
-    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(sharded, max_shard_size="40KB")
+    AutoModelForCausalLM.from_pretrained(word_llama_dir).save_pretrained(sharded, max_shard_size="40KB")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model / name, sharded / name)
+        shutil.copy(word_llama_dir / name, sharded / name)
     src_index = json.loads((sharded / INDEX_NAME).read_text())
     assert len(set(src_index["weight_map"].values())) > 1
     ss = scale_set(sharded)
@@ -185,31 +159,31 @@ def test_vllm_export_sharded_checkpoint(tiny_model: Path, tmp_path: Path) -> Non
     assert torch.equal(model.model.layers[1].self_attn.v_scale.detach(), ss.v_scales[1])
 
 
-def test_vllm_export_refusals(tiny_model: Path, tmp_path: Path) -> None:
+def test_vllm_export_refusals(word_llama_dir: Path, tmp_path: Path) -> None:
     for fmt, message in (("fp8_e5m2", "FP8 E4M3 scales only"), ("nvfp4", "NVFP4 global scale")):
         with pytest.raises(UsageError, match=message):
-            export_vllm(scale_set(tiny_model, kv_format=fmt), tiny_model, tmp_path / fmt)
+            export_vllm(scale_set(word_llama_dir, kv_format=fmt), word_llama_dir, tmp_path / fmt)
     (tmp_path / "exists").mkdir()
     with pytest.raises(UsageError, match="already exists"):
-        export_vllm(scale_set(tiny_model), tiny_model, tmp_path / "exists")
+        export_vllm(scale_set(word_llama_dir), word_llama_dir, tmp_path / "exists")
     with pytest.raises(UsageError, match="inside the model folder"):
-        export_vllm(scale_set(tiny_model), tiny_model, tiny_model / "sub")
+        export_vllm(scale_set(word_llama_dir), word_llama_dir, word_llama_dir / "sub")
     # exporting an export again is refused (it already holds scales)
-    export_vllm(scale_set(tiny_model), tiny_model, tmp_path / "once")
+    export_vllm(scale_set(word_llama_dir), word_llama_dir, tmp_path / "once")
     with pytest.raises(UsageError, match="already holds KV scales"):
-        export_vllm(scale_set(tiny_model), tmp_path / "once", tmp_path / "twice")
+        export_vllm(scale_set(word_llama_dir), tmp_path / "once", tmp_path / "twice")
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(KvcalError, match="cannot write export folder"):
-        export_vllm(scale_set(tiny_model), tiny_model, tmp_path / "file.txt" / "out")
+        export_vllm(scale_set(word_llama_dir), word_llama_dir, tmp_path / "file.txt" / "out")
     with pytest.raises(KvcalError, match="cannot write"):
-        export_sglang(scale_set(tiny_model), tiny_model, tmp_path / "file.txt" / "kv.json")
+        export_sglang(scale_set(word_llama_dir), word_llama_dir, tmp_path / "file.txt" / "kv.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "file.txt", "once"]
 
 
-def test_sglang_json(tiny_model: Path, tmp_path: Path) -> None:
-    ss = scale_set(tiny_model)
+def test_sglang_json(word_llama_dir: Path, tmp_path: Path) -> None:
+    ss = scale_set(word_llama_dir)
     out = tmp_path / "kv.json"
-    export_sglang(ss, tiny_model, out, tp_size=2)
+    export_sglang(ss, word_llama_dir, out, tp_size=2)
     doc = json.loads(out.read_text())
     assert doc["model_type"] == "llama"
     assert doc["kv_cache"]["dtype"] == "float8_e4m3fn"
@@ -219,32 +193,36 @@ def test_sglang_json(tiny_model: Path, tmp_path: Path) -> None:
     assert {int(k): {int(i): float(v) for i, v in m.items()} for k, m in sf.items()}[0] == {
         i: max(ss.k_scales[i].item(), ss.v_scales[i].item()) for i in range(NUM_LAYERS)
     }
-    head = scale_set(tiny_model, "head")
+    head = scale_set(word_llama_dir, "head")
     with pytest.raises(UsageError, match="per KV head"):
-        export_sglang(head, tiny_model, tmp_path / "head.json")
+        export_sglang(head, word_llama_dir, tmp_path / "head.json")
     assert not (tmp_path / "head.json").exists()
-    export_sglang(head, tiny_model, tmp_path / "head.json", reduce_heads=True)
+    export_sglang(head, word_llama_dir, tmp_path / "head.json", reduce_heads=True)
     reduced = json.loads((tmp_path / "head.json").read_text())["kv_cache"]["scaling_factor"]["0"]
     assert reduced["1"] == max(head.k_scales[1].max().item(), head.v_scales[1].max().item())
     with pytest.raises(UsageError, match="FP8 E4M3 scales only"):
-        export_sglang(scale_set(tiny_model, kv_format="fp8_e5m2"), tiny_model, tmp_path / "e5m2.json")
+        export_sglang(scale_set(word_llama_dir, kv_format="fp8_e5m2"), word_llama_dir, tmp_path / "e5m2.json")
 
 
-def test_cli_export(tiny_model: Path, tmp_path: Path) -> None:
-    path = save_scale_file(tmp_path / "s.safetensors", scale_set(tiny_model))
-    code, out, err = invoke(["export", str(path), str(tiny_model), "--to", "vllm", "-o", str(tmp_path / "v")])
+def test_cli_export(word_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> None:
+    path = save_scale_file(tmp_path / "s.safetensors", scale_set(word_llama_dir))
+    code, out, err = invoke(
+        ["export", str(path), str(word_llama_dir), "--to", "vllm", "-o", str(tmp_path / "v")]
+    )
     assert code == 0, err
     assert "vllm serve" in out and (tmp_path / "v" / SCALE_SHARD).is_file()
     code, out, err = invoke(
-        ["export", str(path), str(tiny_model), "--to", "sglang", "-o", str(tmp_path / "s.json"), "--json"]
+        ["export", str(path), str(word_llama_dir), "--to", "sglang", "-o", str(tmp_path / "s.json"), "--json"]
     )
     assert code == 0, err
     assert json.loads(out)["engine"] == "sglang" and (tmp_path / "s.json").is_file()
-    code, _, err = invoke(["export", str(path), str(tiny_model), "--to", "trtllm", "-o", str(tmp_path / "t")])
+    code, _, err = invoke(
+        ["export", str(path), str(word_llama_dir), "--to", "trtllm", "-o", str(tmp_path / "t")]
+    )
     assert code == 2 and err.startswith("Error: ") and "unknown export target" in err
     # stale scales: refused (exit 1), exported with --force and a loud warning
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_model, copy)
+    shutil.copytree(word_llama_dir, copy)
     (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
     code, _, err = invoke(["export", str(path), str(copy), "--to", "sglang", "-o", str(tmp_path / "x.json")])
     assert code == 1 and err.startswith("Error: ") and "config.json changed" in err

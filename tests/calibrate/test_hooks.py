@@ -2,31 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-from test_calibrate_helpers import ARCHS, WINDOW, tiny_model
 from transformers import DynamicCache
 
 from kvcal.calibrate.hooks import ObservingCache, _backbone, observe
 from kvcal.errors import KvcalError
 from kvcal.models import kv_spec
 
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gpt_oss")  # tests/conftest.py's tiny models
+WINDOW = 8  # their sliding window
 T = 3 * WINDOW + 5  # longer than the sliding window: sliding layers keep only their tail
 
+TinyModel = Callable[[str], torch.nn.Module]  # the `tiny_model` fixture of tests/conftest.py
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # tiny models: one thread is much faster than two on a shared 2-core machine
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_observed_kv_equals_dynamic_cache(arch: str) -> None:
+def test_observed_kv_equals_dynamic_cache(arch: str, tiny_model: TinyModel) -> None:
     model = tiny_model(arch)
     kv = kv_spec(model.config)
     ids = torch.randint(3, 320, (2, T), generator=torch.Generator().manual_seed(1))
@@ -70,7 +66,7 @@ def test_observed_kv_equals_dynamic_cache(arch: str) -> None:
         torch.testing.assert_close(torch.cat(streamed[i], 0), k, rtol=1e-6, atol=1e-6)
 
 
-def test_observe_streams_and_reports_progress() -> None:
+def test_observe_streams_and_reports_progress(tiny_model: TinyModel) -> None:
     model = tiny_model("llama")
     calls: list[tuple[int, int, str]] = []
     shapes: list[tuple[int, ...]] = []
@@ -82,7 +78,7 @@ def test_observe_streams_and_reports_progress() -> None:
     assert [s[2] for s in shapes[::3]] == [5, 9, 7]  # each sample its own batch, all layers
 
 
-def test_model_that_writes_no_cache_is_refused() -> None:
+def test_model_that_writes_no_cache_is_refused(tiny_model: TinyModel) -> None:
     model = tiny_model("llama")
     with pytest.raises(KvcalError, match="did not write K/V|wrote nothing"):
         observe(model, [torch.arange(3, 9)], lambda i, k, v: None, expected_layers=5)

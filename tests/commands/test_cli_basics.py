@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvcal import __version__
@@ -56,9 +57,7 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path) -> None:
         tmp.write_text("partial")
         raise RuntimeError("interrupted")
 
-    try:
+    with pytest.raises(RuntimeError, match="interrupted"):
         atomic_write_with(target, boom)
-    except RuntimeError:
-        pass
     assert target.read_text().strip().startswith("{")  # the old file survives
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left behind

@@ -1,4 +1,4 @@
-"""kvcal's lm-eval adapter, end to end on tiny random models (Llama and Gemma 3 with sliding layers) built here.
+"""kvcal's lm-eval adapter, end to end on tiny random models (Llama and Gemma 3 with sliding layers; `tiny_lm_dir`).
 
 Parity: with kv_format=auto, `simple_evaluate(model="kvcal")` equals `simple_evaluate(model="hf")` exactly on a
 loglikelihood (multiple-choice), a rolling-loglikelihood and a generate_until task (tiny task YAMLs + jsonl data
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+pytestmark = pytest.mark.slow  # lm-eval end to end on tiny models: ~2 minutes on 2 cores
 
 CORPUS = [
     "the cat sat on the mat and the dog sat on the log",
@@ -96,66 +99,6 @@ metadata:
 }
 
 
-def build_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer trained here (offline), saved as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(str(path))
-
-
-def build_model(path: Path, kind: str) -> Path:
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
-
-    build_tokenizer(path)
-    vocab = len(AutoTokenizer.from_pretrained(str(path)))
-    torch.manual_seed(0)
-    if kind == "llama":
-        cfg = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        model = LlamaForCausalLM(cfg)
-    else:
-        cfg = Gemma3TextConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=256,
-            sliding_window=6,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        model = Gemma3ForCausalLM(cfg)
-    model.eval()
-    model.save_pretrained(str(path))
-    return path
-
-
 def write_tasks(task_dir: Path) -> Path:
     task_dir.mkdir(parents=True, exist_ok=True)
     for name, docs in (("mc", MC_DOCS), ("roll", ROLL_DOCS), ("gen", GEN_DOCS)):
@@ -166,12 +109,12 @@ def write_tasks(task_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny_eval")
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_lm_dir: Callable[..., Path]) -> dict[str, Path]:
+    """Tiny Llama and Gemma 3 (tests/conftest.py's `tiny_lm_dir`, tokenizer trained on CORPUS) and the tasks."""
     return {
-        "llama": build_model(root / "llama", "llama"),
-        "gemma3": build_model(root / "gemma3", "gemma3"),
-        "tasks": write_tasks(root / "tasks"),
+        "llama": tiny_lm_dir("llama", CORPUS),
+        "gemma3": tiny_lm_dir("gemma3", CORPUS),
+        "tasks": write_tasks(tmp_path_factory.mktemp("tiny_eval") / "tasks"),
     }
 
 
@@ -238,11 +181,14 @@ def _config(tiny: dict[str, Path], out: Path, **kw: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def fp8_run(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fp8_run(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     from kvcal.evaluate.run import run_eval
 
-    os.environ["KVCAL_CACHE"] = str(tmp_path_factory.mktemp("kvcal_cache"))
-    return run_eval(_config(tiny, tmp_path_factory.mktemp("runs") / "fp8"))
+    # A fresh kvcal cache from here to the end of this module (the KL baseline-cache counts below start from it);
+    # restored afterwards so later modules keep the session's cache.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCAL_CACHE", str(tmp_path_factory.mktemp("kvcal_cache")))
+        yield run_eval(_config(tiny, tmp_path_factory.mktemp("runs") / "fp8"))
 
 
 def test_quantized_run_end_to_end(fp8_run: Path) -> None:

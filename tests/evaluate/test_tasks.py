@@ -19,8 +19,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from kvcal.errors import UsageError  # noqa: E402
 from kvcal.evaluate import tasks as T  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
-
 WIKI_ROWS = [
     "",
     " = Alpha = \n",
@@ -186,9 +184,8 @@ def test_include_path_and_unknown_tasks(tmp_path: Path) -> None:
         T.resolve_tasks(" , ")
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent")
-def test_real_shared_data() -> None:
-    plan = T.resolve_tasks("gsm8k,aime25,wikitext", data_dir=SHARED)
+def test_real_shared_data(shared_data: Path) -> None:  # ../shared/data: marked slow, skipped when absent
+    plan = T.resolve_tasks("gsm8k,aime25,wikitext", data_dir=shared_data)
     from lm_eval.tasks import get_task_dict
 
     built = get_task_dict(list(plan.lm_eval_specs.values()), T.task_manager_for(plan))
@@ -197,5 +194,5 @@ def test_real_shared_data() -> None:
     assert len(built["wikitext"].test_docs()) == 62  # EleutherAI/wikitext_document_level test has 62 pages
     password = os.environ.get(T.GPQA_PASSWORD_ENV)
     if password:
-        rows = T.read_gpqa_rows(SHARED / "gpqa" / "dataset.zip", "dataset/gpqa_diamond.csv", password)
+        rows = T.read_gpqa_rows(shared_data / "gpqa" / "dataset.zip", "dataset/gpqa_diamond.csv", password)
         assert len(rows) == 198  # counted only: GPQA questions are never printed

@@ -15,108 +15,25 @@ Left-padded batches of 2 with prompts longer than the window exercise padding an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
-from transformers import (
-    DynamicCache,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GptOssConfig,
-    GptOssForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import DynamicCache
 
 from kvcal import formats
 from kvcal.kernels.cache import QuantizedKVCache
 from kvcal.kernels.runtime import KVRuntime, install_plans
 
-WINDOW = 6
+# The families of tests/kernels/conftest.py (`kv_model`), each with its reference attention.
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gpt_oss")
+DECODE = 8  # new tokens: decoding runs past the kernels models' sliding window (6)
 
+KvModel = Callable[..., torch.nn.Module]  # the `kv_model` fixture
+Batch = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # the `batch` fixture
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: thread hand-offs cost more than the math (15x slower with 2 threads on a loaded machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
-SWA3 = ["sliding_attention", "full_attention", "sliding_attention"]
-
-# name -> (config factory, model class, reference attention implementation)
-ARCHS = {
-    "llama": (lambda: LlamaConfig(**COMMON), LlamaForCausalLM, "sdpa"),
-    "qwen2": (lambda: Qwen2Config(**COMMON), Qwen2ForCausalLM, "sdpa"),
-    "mistral": (lambda: MistralConfig(sliding_window=WINDOW, **COMMON), MistralForCausalLM, "sdpa"),
-    "gemma2": (
-        lambda: Gemma2Config(
-            sliding_window=WINDOW,
-            layer_types=SWA3,
-            attn_logit_softcapping=0.5,  # small enough to bite on a random model
-            final_logit_softcapping=None,
-            query_pre_attn_scalar=16,
-            **COMMON,
-        ),
-        Gemma2ForCausalLM,
-        "eager",
-    ),
-    "gemma3": (
-        lambda: Gemma3TextConfig(sliding_window=WINDOW, layer_types=SWA3, query_pre_attn_scalar=24, **COMMON),
-        Gemma3ForCausalLM,
-        "sdpa",
-    ),
-    "gpt_oss": (
-        lambda: GptOssConfig(
-            sliding_window=WINDOW, layer_types=SWA3, num_local_experts=4, num_experts_per_tok=2, **COMMON
-        ),
-        GptOssForCausalLM,
-        "eager",
-    ),
-}
-
-
-def build_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random float32 model of `arch` with its reference attention implementation."""
-    make_config, cls, ref_attn = ARCHS[arch]
-    torch.manual_seed(seed)
-    config = make_config()
-    config._attn_implementation = ref_attn
-    model = cls(config).eval()
-    with torch.no_grad():
-        for mod in model.modules():  # gpt-oss: sinks of order 1 so they matter
-            if hasattr(mod, "sinks"):
-                mod.sinks.normal_(0.0, 1.0)
-    return model
-
-
-def batch(seed: int = 1, length: int = 13, pad: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, the second left-padded by `pad` tokens: input_ids, attention_mask [2, length]."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, length), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :pad] = 0
-    return ids, mask
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class BF16DynamicCache(DynamicCache):
@@ -136,7 +53,7 @@ def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert err <= 2e-5 * max(1.0, b.abs().max().item()), err
 
 
-def _gen(model, ids, mask, cache, new_tokens: int = WINDOW + 2) -> torch.Tensor:
+def _gen(model, ids, mask, cache, new_tokens: int = DECODE) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
             input_ids=ids,
@@ -148,9 +65,9 @@ def _gen(model, ids, mask, cache, new_tokens: int = WINDOW + 2) -> torch.Tensor:
         )
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_auto_plans_reproduce_transformers_exactly(arch: str) -> None:
-    model = build_model(arch)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_plans_reproduce_transformers_exactly(arch: str, kv_model: KvModel, batch: Batch) -> None:
+    model = kv_model(arch)
     ids, mask = batch()
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
@@ -167,9 +84,9 @@ def test_auto_plans_reproduce_transformers_exactly(arch: str) -> None:
     assert _gen(model, ids, mask, QuantizedKVCache(plans)).tolist() == ref_tokens.tolist()
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_bf16_cache_reproduces_transformers_with_bf16_kv(arch: str) -> None:
-    model = build_model(arch)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_cache_reproduces_transformers_with_bf16_kv(arch: str, kv_model: KvModel, batch: Batch) -> None:
+    model = kv_model(arch)
     ids, mask = batch(seed=2)
     with torch.no_grad():
         ref = model(
@@ -189,8 +106,8 @@ def test_bf16_cache_reproduces_transformers_with_bf16_kv(arch: str) -> None:
     assert (_real(plain, mask) - _real(out, mask)).abs().max() > 0
 
 
-def test_auto_leaves_model_untouched_and_restores() -> None:
-    model = build_model("llama")
+def test_auto_leaves_model_untouched_and_restores(kv_model: KvModel) -> None:
+    model = kv_model("llama")
     original = model.config._attn_implementation
     rt = KVRuntime(model, "auto")
     assert model.config._attn_implementation == original
@@ -203,13 +120,16 @@ def test_auto_leaves_model_untouched_and_restores() -> None:
     assert not any(hasattr(m, "kvcal_config") for m in model.modules())
 
 
-def test_triton_impl_through_the_model_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.slow  # Triton's CPU interpreter: ~20 s
+def test_triton_impl_through_the_model_matches_torch(
+    monkeypatch: pytest.MonkeyPatch, kv_model: KvModel, batch: Batch
+) -> None:
     """impl='triton' (the kernels in Triton's CPU interpreter) on gpt-oss (sinks, sliding window, left padding)
     with an FP4 cache: same logits as the torch reference to float32 rounding, same greedy tokens."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    model = build_model("gpt_oss")
+    model = kv_model("gpt_oss")
     ids, mask = batch(seed=3)
     results = {}
     for impl in ("torch", "triton"):

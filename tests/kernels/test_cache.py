@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from test_architectures import COMMON, SWA3, WINDOW, _one_thread, batch  # noqa: F401  (fixture re-export)
-from transformers import (
-    BertConfig,
-    BertModel,
-    DeepseekV3Config,
-    DynamicCache,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import BertConfig, BertModel, DeepseekV3Config, DynamicCache
 
 from kvcal import formats
 from kvcal.capacity import kv_bytes_per_token
@@ -28,36 +20,30 @@ QUANT_FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "fp4_e2
 ALL_FORMATS = ["bf16", *QUANT_FORMATS]
 
 
-def gemma3(head_dim: int = 32, seed: int = 0) -> torch.nn.Module:
-    """Tiny Gemma 3 (sliding, full, sliding; window 6) with head_dim 32 so every block size fits."""
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        sliding_window=WINDOW, layer_types=SWA3, query_pre_attn_scalar=24, **{**COMMON, "head_dim": head_dim}
-    )
-    config._attn_implementation = "sdpa"
-    return Gemma3ForCausalLM(config).eval()
+Model = Callable[..., torch.nn.Module]
+Batch = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # the `batch` fixture of tests/kernels/conftest.py
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def llama(head_dim: int = 16) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**COMMON, "head_dim": head_dim})
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
+@pytest.fixture
+def gemma3(kv_model: Model) -> Model:
+    """(head_dim=32, seed=0) -> a new tiny Gemma 3 (sliding, full, sliding; window 6; sdpa); head_dim 32 so every
+    block size fits."""
+    return lambda head_dim=32, seed=0: kv_model("gemma3", seed=seed, head_dim=head_dim)
 
 
 class FakeQuantDynamicCache(DynamicCache):
     """transformers' DynamicCache storing fake-quantized K/V, each write quantized on its own — the independent
-    reference for what kvcal's cache must hold. nvfp4 fixes its dynamic global at a layer's first write."""
+    reference for what kvcal's cache must hold. nvfp4 uses global scale 1.0 (the runtime's default, vLLM's)."""
 
     def __init__(self, fmt: str, **kwargs):
         super().__init__(**kwargs)
         self.fmt = fmt
-        self.globals: dict[tuple[int, str], torch.Tensor] = {}
 
     def _fq(self, x: torch.Tensor, layer_idx: int, which: str) -> torch.Tensor:
         if self.fmt == "nvfp4":
-            g = self.globals.setdefault((layer_idx, which), formats.quantize(x, "nvfp4").scale)
-            return formats.fake_quantize(x, "nvfp4", scale=g)
+            return formats.fake_quantize(x, "nvfp4", scale=1.0)
         return formats.fake_quantize(x, self.fmt)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -88,8 +74,8 @@ def test_stored_codes_dequantize_to_fake_quantize_of_each_write(fmt: str) -> Non
         assert kph.shape == (2, 2, layer.kept, 32) and kph.stride() == (0, 0, 0, 0)  # placeholder, no memory
         assert read.q_start == sum(c.shape[2] for c in ks[:t]) and read.k_start == 0
         assert read.k.codes.shape[-2] == layer.kept
-    gk = formats.quantize(ks[0], "nvfp4").scale if fmt == "nvfp4" else None
-    gv = formats.quantize(vs[0], "nvfp4").scale if fmt == "nvfp4" else None
+    gk = gv = 1.0 if fmt == "nvfp4" else None  # the default nvfp4 global (tests/kernels/test_batch_invariance.py
+    # covers "per_sequence")
     want_k = torch.cat([formats.fake_quantize(k, f, scale=gk) for k in ks], dim=2)
     want_v = torch.cat([formats.fake_quantize(v, f, scale=gv) for v in vs], dim=2)
     assert torch.equal(formats.dequantize(layer.k, f), want_k)
@@ -132,7 +118,7 @@ def test_sliding_layer_keeps_window_but_prefill_reads_the_whole_chunk() -> None:
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_model_reads_quantized_kv_in_prefill_and_decode(fmt: str) -> None:
+def test_model_reads_quantized_kv_in_prefill_and_decode(fmt: str, gemma3: Model, batch: Batch) -> None:
     """kvcal (cache + attention) == transformers sdpa over a cache of fake-quantized writes, on a left-padded
     batch through a sliding-window model: every read, prefill included, sees the quantized values."""
     model = gemma3()
@@ -161,7 +147,7 @@ def test_model_reads_quantized_kv_in_prefill_and_decode(fmt: str) -> None:
     assert (out[real] - plain[real]).abs().max() > 0  # quantization is visible in the prefill logits
 
 
-def test_chunked_prefill_past_the_window() -> None:
+def test_chunked_prefill_past_the_window(gemma3: Model, batch: Batch) -> None:
     """A second multi-token chunk after the window is full reads the kept window plus the whole chunk."""
     model = gemma3()
     ids, mask = batch(seed=9, length=16)
@@ -174,7 +160,7 @@ def test_chunked_prefill_past_the_window() -> None:
     assert torch.allclose(outs[1], outs[0], atol=2e-5, rtol=0)
 
 
-def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv() -> None:
+def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv(gemma3: Model, batch: Batch) -> None:
     model = gemma3()
     ids, mask = batch(seed=6)
     rt = KVRuntime(model, "fp4_e2m1", impl="torch")
@@ -187,13 +173,13 @@ def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv() -> None:
     assert torch.allclose(no_cache[real], with_cache[real], atol=1e-5, rtol=0)
 
 
-def test_generate_without_a_cache_uses_a_kvcal_cache() -> None:
-    """lm-eval calls generate() without past_key_values: the runtime supplies its own cache (nvfp4's dynamic global
-    fixed at prefill would differ if every step re-quantized a transformers cache)."""
+def test_generate_without_a_cache_uses_a_kvcal_cache(gemma3: Model, batch: Batch) -> None:
+    """lm-eval calls generate() without past_key_values: the runtime supplies its own cache (nvfp4's per-sequence
+    global fixed at prefill would differ if every step re-quantized a transformers cache)."""
     model = gemma3()
     ids, mask = batch(seed=8)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    rt = KVRuntime(model, "nvfp4", impl="torch")
+    rt = KVRuntime(model, "nvfp4", impl="torch", nvfp4_global="per_sequence")
     with torch.no_grad():
         want = model.generate(
             past_key_values=rt.new_cache(), **kw, output_scores=True, return_dict_in_generate=True
@@ -205,7 +191,7 @@ def test_generate_without_a_cache_uses_a_kvcal_cache() -> None:
     assert "_prepare_cache_for_generation" not in vars(model)
 
 
-def test_beam_search_reorders_the_quantized_cache() -> None:
+def test_beam_search_reorders_the_quantized_cache(gemma3: Model, batch: Batch) -> None:
     model = gemma3()
     ids, mask = batch(seed=7)
     kw = dict(
@@ -229,7 +215,7 @@ def test_beam_search_reorders_the_quantized_cache() -> None:
         ("", []),
     ],
 )
-def test_skip_layers_keep_bf16(spec, want) -> None:
+def test_skip_layers_keep_bf16(spec, want, gemma3: Model, batch: Batch) -> None:
     model = gemma3()
     rt = KVRuntime(model, "fp8_e4m3", skip_layers=spec, impl="torch")
     d = rt.describe()
@@ -245,7 +231,7 @@ def test_skip_layers_keep_bf16(spec, want) -> None:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 @pytest.mark.parametrize("skip", ["", "full_attention"])
-def test_cache_bytes_equal_capacity_formula(fmt: str, skip: str) -> None:
+def test_cache_bytes_equal_capacity_formula(fmt: str, skip: str, gemma3: Model, batch: Batch) -> None:
     model = gemma3()
     kv = kv_spec(model.config)
     rt = KVRuntime(model, fmt, skip_layers=skip, impl="torch")
@@ -262,10 +248,10 @@ def test_cache_bytes_equal_capacity_formula(fmt: str, skip: str) -> None:
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
             n_tokens += 1
-    assert n_tokens > WINDOW
+    assert n_tokens > model.config.sliding_window
     per_token = kv_bytes_per_token(kv, fmt, rt.skip_layers, context=n_tokens)
     assert cache.nbytes() == round(2 * per_token * n_tokens)  # batch of 2
-    # and from first principles (DESIGN.md): codes + scales of min(context, window) tokens per layer
+    # and from first principles (docs/formats.md): codes + scales of min(context, window) tokens per layer
     expect = 0
     for layer in kv.layers:
         bits = 16 if layer.index in rt.skip_layers else formats.bits_per_element(fmt, layer.head_dim)
@@ -284,7 +270,7 @@ def _scale_set(fmt: str, n_layers: int, per_layer: int, value: float = 0.05) -> 
     )
 
 
-def test_describe_scale_source_and_calibrated_reads() -> None:
+def test_describe_scale_source_and_calibrated_reads(gemma3: Model, batch: Batch) -> None:
     model = gemma3()
     d = KVRuntime(model, "fp8", impl="torch").describe()
     assert d["kv_format"] == "fp8_e4m3" and d["uncalibrated"] and "1.0" in d["scale_source"]
@@ -301,12 +287,12 @@ def test_describe_scale_source_and_calibrated_reads() -> None:
     assert torch.equal(cache.layers[1].k.scale, torch.full((2,), 0.004))
 
 
-def test_bad_input_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_input_errors(monkeypatch: pytest.MonkeyPatch, gemma3: Model, kv_model: Model) -> None:
     model = gemma3(head_dim=16)
     with pytest.raises(UsageError, match="mxfp4 needs head_dim divisible by its 32-element block"):
         KVRuntime(model, "mxfp4")
     with pytest.raises(UsageError, match="block"):
-        KVRuntime(llama(head_dim=24), "nvfp4")
+        KVRuntime(kv_model("llama", head_dim=24), "nvfp4")
     with pytest.raises(UsageError, match="unknown KV format"):
         KVRuntime(model, "fp3")
     with pytest.raises(UsageError, match="has 2 layers of k_scale but the model has 3"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import yaml
 
 from kvcal.cli import app
 from kvcal.errors import UsageError
-from kvcal.evaluate import sweep
+from kvcal.pipeline import sweep
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -206,41 +208,15 @@ metadata:
 """
 
 
-def _tiny_gemma3(path: Path) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(str(path))
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=6,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # large K/V so that uncalibrated FP8 (scale 1.0) and FP4 measurably differ
-        for layer in model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    model.save_pretrained(str(path))
-    return path
-
-
 @pytest.mark.slow
-def test_real_sweep_resume_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_real_sweep_resume_and_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_lm_dir: Callable[..., Path]
+) -> None:
     pytest.importorskip("kvcal.calibrate.run")
-    model = _tiny_gemma3(tmp_path / "model")
+    # A tiny Gemma 3 (sliding layers) with large K/V (k_proj x 8), so that uncalibrated FP8 (scale 1.0) and FP4
+    # measurably differ; copied to a folder named "model", the name the run labels below carry.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm_dir("gemma3", CORPUS, vocab_size=300, k_gain=8.0), model)
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))

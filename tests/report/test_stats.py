@@ -1,4 +1,7 @@
-"""kvcal.report.stats against known answers: coverage of the paired bootstrap, McNemar's exact p, MDD power."""
+"""kvcal.report.stats against known answers: interval coverage, McNemar's exact p, MDD power, standard errors.
+
+The gate statistics of issue 13 (insufficient data, Newcombe vs McNemar, Fieller, alpha, Holm) are in
+test_gate_stats.py."""
 
 from __future__ import annotations
 
@@ -11,26 +14,27 @@ from scipy import stats as sps
 from kvcal.report import stats
 
 
-def test_paired_bootstrap_covers_planted_difference_at_stated_rate() -> None:
-    """200 replications of paired binary data with a known difference: the 95% interval covers it ~95% of
-    the time (accept the central ~99.7% of Binomial(200, 0.95): 181..199)."""
+def test_binary_interval_covers_planted_difference_at_stated_rate() -> None:
+    """200 replications of paired binary data with a known difference: the 95% interval (Newcombe, widened to 0
+    where McNemar does not reject) covers it ~95% of the time (accept the central ~99.7% of Binomial(200, 0.95):
+    181..199)."""
     rng = np.random.default_rng(7)
     n, reps = 150, 200
     p_base, p_lose, p_gain = 0.6, 0.15, 0.05
     true_diff = (1 - p_base) * p_gain - p_base * p_lose  # E[other] - E[base] = -0.07
     covered = 0
-    for rep in range(reps):
+    for _ in range(reps):
         base = (rng.random(n) < p_base).astype(float)
         u = rng.random(n)
         other = np.where(base == 1, (u >= p_lose).astype(float), (u < p_gain).astype(float))
-        r = stats.paired_bootstrap(base, other, n_boot=1000, seed=rep)
-        assert r.diff == pytest.approx(other.mean() - base.mean())
+        r, _, _ = stats.binary_difference(base, other)
         covered += r.ci_low <= true_diff <= r.ci_high
     assert 181 <= covered <= 199, covered
 
 
-def test_paired_bootstrap_covers_planted_ratio_difference() -> None:
-    """The same for a perplexity-like ratio statistic exp(sum(-ll) / sum(words)) with a planted 3% increase."""
+def test_bca_covers_planted_ratio_difference() -> None:
+    """The paired BCa interval of a perplexity-like ratio statistic exp(sum(-ll) / sum(words)) with a planted 3%
+    increase covers the truth at the stated rate."""
     rng = np.random.default_rng(11)
     n, reps = 60, 120
     covered = 0
@@ -42,9 +46,7 @@ def test_paired_bootstrap_covers_planted_ratio_difference() -> None:
         other_nll = (nll_per_word + shift) * words + rng.normal(0, 3, size=n)
         # the population-level truth: exp(E[nll/word] + shift) - exp(E[nll/word])
         true_diff = math.exp(3.0 + shift) - math.exp(3.0)
-        r = stats.paired_bootstrap(
-            base_nll, other_nll, words, words, stats.exp_transform, n_boot=800, seed=rep
-        )
+        r = stats.bca_difference(base_nll, other_nll, words, words, "exp", n_boot=800, seed=rep)
         covered += r.ci_low <= true_diff <= r.ci_high
     # Binomial(120, 0.95): mean 114, sd 2.4
     assert 106 <= covered <= 120, covered
@@ -52,12 +54,11 @@ def test_paired_bootstrap_covers_planted_ratio_difference() -> None:
 
 def test_paired_is_tighter_than_unpaired_and_identical_is_zero() -> None:
     rng = np.random.default_rng(0)
-    base = (rng.random(300) < 0.5).astype(float)
-    r = stats.paired_bootstrap(base, base.copy(), n_boot=500)
-    assert (r.diff, r.ci_low, r.ci_high, r.se_diff) == (0.0, 0.0, 0.0, 0.0)
-    other = base.copy()
-    other[:6] = 1 - other[:6]
-    r = stats.paired_bootstrap(base, other, n_boot=2000)
+    base = rng.normal(0.5, 0.2, 300)
+    r = stats.bca_difference(base, base.copy(), n_boot=500)
+    assert (r.ci_low, r.ci_high, r.se_diff, r.p_value) == (0.0, 0.0, 0.0, 1.0)
+    other = base + rng.normal(0.0, 0.02, 300)
+    r = stats.bca_difference(base, other, n_boot=2000)
     unpaired = math.hypot(stats.standard_error_of_mean(base), stats.standard_error_of_mean(other))
     assert r.se_diff < unpaired / 3
 
@@ -65,8 +66,8 @@ def test_paired_is_tighter_than_unpaired_and_identical_is_zero() -> None:
 def test_seeded_and_reproducible() -> None:
     rng = np.random.default_rng(3)
     a, b = rng.random(100), rng.random(100)
-    assert stats.paired_bootstrap(a, b, seed=5) == stats.paired_bootstrap(a, b, seed=5)
-    assert stats.paired_bootstrap(a, b, seed=5) != stats.paired_bootstrap(a, b, seed=6)
+    assert stats.bca_difference(a, b, seed=5) == stats.bca_difference(a, b, seed=5)
+    assert stats.bca_difference(a, b, seed=5) != stats.bca_difference(a, b, seed=6)
 
 
 @pytest.mark.parametrize(("b", "c"), [(10, 2), (0, 0), (5, 5), (40, 4), (0, 7), (123, 98)])
@@ -118,13 +119,21 @@ def test_mdd_paired_binary_has_the_stated_power() -> None:
     assert stats.mdd_paired_binary(1000, 0.1) < stats.mdd_paired_binary(100, 0.1)
 
 
-def test_bootstrap_se_and_sem() -> None:
+def test_delta_method_standard_errors() -> None:
+    """The score SEs: a plain mean's is sqrt(var / n) (lm-eval's *_stderr); a perplexity's (delta method) agrees
+    with scipy's bootstrap standard error as a peer."""
     rng = np.random.default_rng(2)
     x = rng.normal(0, 1, 400)
-    sem = stats.standard_error_of_mean(x)
-    assert sem == pytest.approx(x.std(ddof=1) / 20)
-    assert stats.bootstrap_se(x, n_boot=3000) == pytest.approx(sem, rel=0.1)
+    assert stats.standard_error_of_mean(x) == pytest.approx(x.std(ddof=1) / 20)
     assert stats.standard_error_of_mean(np.array([1.0])) == 0.0
+    words = rng.integers(50, 150, 300).astype(float)
+    nll = rng.normal(3.0, 0.4, 300) * words
+
+    def ppl(nll_: np.ndarray, words_: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.exp(nll_.sum(axis) / words_.sum(axis))
+
+    peer = sps.bootstrap((nll, words), ppl, paired=True, n_resamples=4000, rng=np.random.default_rng(0))
+    assert stats.standard_error(nll, words, "exp") == pytest.approx(peer.standard_error, rel=0.08)
     assert stats.mdd_continuous(0.01) == pytest.approx(0.01 * (1.959964 + 0.841621), rel=1e-5)
 
 

@@ -1,0 +1,145 @@
+"""The comparison as a Markdown report: the tables a release engineer acts on."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from kvcal import __version__
+from kvcal.report import numbers as fmt
+from kvcal.report.compare import Comparison
+from kvcal.report.verdicts import MetricResult
+
+
+def _esc(s: str) -> str:
+    return s.replace("|", "\\|")
+
+
+def by_metric(task_results: list[MetricResult]) -> list[tuple[str, list[MetricResult]]]:
+    """One task's results grouped by metric label, in first-seen order (the order compare produced)."""
+    groups: dict[str, list[MetricResult]] = {}
+    for r in task_results:
+        groups.setdefault(r.label, []).append(r)
+    return list(groups.items())
+
+
+def _header(cmp: Comparison) -> list[str]:
+    gate = fmt.gate_line(len(cmp.failures), len(cmp.insufficient))
+    return [
+        "# kvcal KV-cache comparison report",
+        "",
+        f"- **Model:** `{cmp.model}`",
+        f"- **Baseline:** `{cmp.baseline}`",
+        f"- **Tasks:** {', '.join(cmp.tasks)}",
+        f"- **Gate:** {gate} — a configuration fails when a key metric degrades significantly (p < {cmp.alpha:g}"
+        f"{', Holm-adjusted' if cmp.multiple_testing == 'holm' else ''}) by more than {cmp.max_drop:g} "
+        "(absolute for accuracy-like metrics, relative for perplexity/KL)",
+        f"- **Multiple testing:** {fmt.correction_words(cmp.multiple_testing, cmp.alpha)}",
+        f"- **Minimum paired samples:** {cmp.min_samples} (fewer: insufficient data, not judged)",
+        f"- **Generated:** {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')} by kvcal {__version__}",
+        "",
+    ]
+
+
+def _gate_lists(cmp: Comparison) -> list[str]:
+    lines: list[str] = []
+    if cmp.failures:
+        lines += ["## Regressions over the gate threshold", ""]
+        lines += [
+            f"- `{r.config}`: {r.verdict} (difference {fmt.diff(r)}, relative {fmt.rel(r)})"
+            for r in cmp.failures
+        ]
+        lines.append("")
+    if cmp.insufficient:
+        lines += ["## Insufficient data (not judged by the gate)", ""]
+        lines += [f"- `{r.config}`: {r.verdict}" for r in cmp.insufficient]
+        lines.append("")
+    return lines
+
+
+def _summary(cmp: Comparison) -> list[str]:
+    lines = [
+        "## Summary",
+        "",
+        "| configuration | kv format | scales | skip layers | tokens vs BF16 | throughput vs baseline | gate | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cmp.configs:
+        verdict = "baseline" if c.label == cmp.baseline else cmp.config_verdict(c.label)
+        lines.append(
+            f"| `{c.label}` | {c.kv_format} | {c.scales} | {c.skip} | {fmt.mult(c.capacity)} | "
+            f"{fmt.mult(c.throughput_ratio)} | {cmp.config_gate(c.label)} | {_esc(verdict)} |"
+        )
+    return lines + [""]
+
+
+def _metric_table(cmp: Comparison, task: str, label: str, rows: list[MetricResult]) -> list[str]:
+    r0 = rows[0]
+    direction = "higher is better" if r0.higher_is_better else "lower is better"
+    key = "key metric" if r0.key else "secondary"
+    kinds = sorted({fmt.INTERVAL_NAMES[r.interval] for r in rows if r.interval != "none"})
+    tests = sorted({"McNemar exact" if r.binary else "BCa bootstrap" for r in rows if r.interval != "none"})
+    p_col = "p (Holm-adjusted)" if any(r.p_adjusted is not None for r in rows) else "p"
+    lines = [
+        f"### {task} · `{label}` ({direction}; {key})",
+        "",
+        f"Baseline `{cmp.baseline}`: {fmt.score(r0, base=True)} (n = {r0.n_base_total}). "
+        f"Interval: {', '.join(kinds) or 'none'}; test: {', '.join(tests) or 'none'}.",
+        "",
+        f"| configuration | score ± SE | difference [{1 - cmp.alpha:.0%} CI] | relative change [Fieller] | {p_col} | "
+        "min. detectable | n paired | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        status = "**FAIL**" if r.status == "FAIL" else r.status
+        lines.append(
+            f"| `{r.config}` | {fmt.score(r)} | {fmt.diff(r)} | {fmt.rel(r)} | {fmt.p_column(r)} | {fmt.mdd(r)} | "
+            f"{r.n} | {status} |"
+        )
+    return lines + [""]
+
+
+def _tasks(cmp: Comparison) -> list[str]:
+    lines: list[str] = []
+    for task in cmp.tasks:
+        task_results = [r for r in cmp.results if r.task == task]
+        if task_results:
+            lines += [f"## {task}", ""]
+            for label, rows in by_metric(task_results):
+                lines += _metric_table(cmp, task, label, rows)
+    return lines
+
+
+def how_to_read(cmp: Comparison) -> list[str]:
+    """The notes under the tables: which interval is shown for which metric type, and what the tests are."""
+    level = f"{1 - cmp.alpha:.0%}"
+    return [
+        f"- **difference [{level} CI]**: configuration minus baseline over the samples both runs scored. "
+        "*Exact-match/accuracy (binary) metrics*: Newcombe's square-and-add interval for paired proportions, "
+        "widened to reach 0 where McNemar's exact test does not reject, so the interval excludes 0 exactly when "
+        f"the test is significant. *Other metrics* (perplexity, KL, agreement rates): paired BCa bootstrap "
+        f"({cmp.n_boot} resamples, seed {cmp.seed}); its p-value is the interval's dual.",
+        "- **p**: McNemar's exact two-sided test on the discordant pairs for binary metrics; the bootstrap's p for "
+        "the others. In parentheses: the Holm-adjusted p-value over the gate's family (every key metric tested, "
+        "configurations x tasks x filters); key metrics are significant when the adjusted p < alpha, secondary "
+        "metrics on their own p.",
+        "- **relative change [Fieller]**: configuration / baseline - 1 with Fieller's interval for a ratio (delta-"
+        "method covariance); *unbounded* when the baseline is not clearly above 0. The gate threshold is relative "
+        "for lower-is-better metrics, except where the baseline is ~0 (kvcal's `kl` of a BF16 run, measured "
+        "against a BF16 cache): there it applies to the absolute difference (nats).",
+        f"- **min. detectable**: the smallest change this many samples would detect with 80% power at the level a "
+        f"result must clear (alpha {cmp.alpha:g}, divided by the family size for Holm-corrected key metrics; "
+        "relative for lower-is-better metrics). *No significant change* is not *no change*.",
+        f"- **insufficient data**: fewer than {cmp.min_samples} paired samples (--min-samples): no test, no "
+        "interval, never FAIL; the gate does not fail on it but lists it.",
+        "- **tokens vs BF16**: KV-cache tokens that fit in the same memory as a BF16 cache (skipped layers stay at "
+        "16 bits). **throughput**: measured tokens/s relative to the baseline run (same machine assumed).",
+    ]
+
+
+def render_markdown(cmp: Comparison) -> str:
+    """The report as Markdown."""
+    lines = _header(cmp) + _gate_lists(cmp) + _summary(cmp) + _tasks(cmp)
+    if cmp.warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in cmp.warnings] + [""]
+    lines += ["## How to read this report", ""] + how_to_read(cmp) + [""]
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""How the Markdown and HTML reports write numbers, intervals and statuses (one place, so both read the same)."""
+
+from __future__ import annotations
+
+import math
+
+from kvcal.report.verdicts import HOLM, INSUFFICIENT, MetricResult
+
+# What each kind of interval is, in the reports' words.
+INTERVAL_NAMES = {
+    "newcombe": "Newcombe (paired), consistent with McNemar",
+    "bca": "paired BCa bootstrap",
+    "none": "none (insufficient data)",
+}
+
+
+def f(x: float | None, digits: int = 3) -> str:
+    if x is None or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.{digits}f}"
+
+
+def sig(x: float | None, digits: int = 4) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.{digits}g}"
+
+
+def pct(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:+.2%}"
+
+
+def p(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return "<0.001" if x < 0.001 else f"{x:.3f}"
+
+
+def mult(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _accuracy_like(r: MetricResult) -> bool:
+    return r.higher_is_better and abs(r.base) <= 1
+
+
+def score(r: MetricResult, base: bool = False) -> str:
+    v, se = (r.base, r.base_se) if base else (r.score, r.score_se)
+    if r.higher_is_better and abs(v) <= 1:
+        return f"{v:.3f} ± {se:.3f}"
+    return f"{sig(v)} ± {sig(se, 2)}"
+
+
+def diff(r: MetricResult) -> str:
+    """The difference and its interval, e.g. '-0.180 [-0.235, -0.125]'."""
+    point = f"{r.diff:+.3f}" if _accuracy_like(r) else f"{r.diff:+.4g}"
+    if r.ci_low is None or r.ci_high is None:
+        return f"{point} [{INSUFFICIENT}]"
+    if _accuracy_like(r):
+        return f"{point} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+    return f"{point} [{r.ci_low:+.4g}, {r.ci_high:+.4g}]"
+
+
+def rel(r: MetricResult) -> str:
+    """The relative change and its Fieller interval ('unbounded' where the baseline is not clearly nonzero)."""
+    if r.rel_change is None:
+        return "n/a"
+    if r.rel_ci_unbounded:
+        return f"{pct(r.rel_change)} [unbounded]"
+    if r.rel_ci_low is None or r.rel_ci_high is None:
+        return pct(r.rel_change)
+    return f"{pct(r.rel_change)} [{pct(r.rel_ci_low)}, {pct(r.rel_ci_high)}]"
+
+
+def mdd(r: MetricResult) -> str:
+    if r.mdd is None:
+        return "n/a"
+    if not r.higher_is_better and r.mdd_rel is not None:
+        return f"{r.mdd_rel:.2%}"
+    return f(r.mdd) if _accuracy_like(r) else sig(r.mdd)
+
+
+def p_column(r: MetricResult) -> str:
+    """'p' or 'p (adjusted p)' of a result."""
+    if r.p_value is None:
+        return "—"
+    if r.p_adjusted is None:
+        return p(r.p_value)
+    return f"{p(r.p_value)} ({p(r.p_adjusted)})"
+
+
+def gate_line(failures: int, insufficient: int) -> str:
+    if failures:
+        return f"FAILED ({failures} regression(s))"
+    if insufficient:
+        return f"PASSED, but {insufficient} key result(s) had {INSUFFICIENT} and were not judged"
+    return "PASSED"
+
+
+def correction_words(multiple_testing: str, alpha: float) -> str:
+    if multiple_testing == HOLM:
+        return f"Holm-Bonferroni over the key metrics tested (family-wise error rate {alpha:g})"
+    return "none (each key metric tested on its own at alpha; --no-multiple-testing-correction)"
