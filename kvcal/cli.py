@@ -17,8 +17,10 @@ from kvcal import __version__
 from kvcal.commands.calibrate import calibrate_cmd
 from kvcal.commands.capacity import capacity_cmd
 from kvcal.commands.compare import compare_cmd, sweep_cmd
+from kvcal.commands.drift import drift_cmd
 from kvcal.commands.evaluate import eval_cmd
 from kvcal.commands.models import models_install, models_list, models_path
+from kvcal.commands.release import release_cmd
 from kvcal.commands.scalefile import export_cmd, show_cmd, verify_cmd
 from kvcal.commands.sensitivity import sensitivity_cmd
 from kvcal.errors import KvcalError
@@ -68,10 +70,12 @@ app.command("calibrate")(calibrate_cmd)
 app.command("sensitivity")(sensitivity_cmd)
 app.command("show")(show_cmd)
 app.command("verify")(verify_cmd)
+app.command("drift")(drift_cmd)
 app.command("export")(export_cmd)
 app.command("eval")(eval_cmd)
 app.command("sweep")(sweep_cmd)
 app.command("compare")(compare_cmd)
+app.command("release")(release_cmd)
 
 models_app = typer.Typer(
     help="The two real models of kvcal's demos: install, list, locate/convert.", no_args_is_help=True

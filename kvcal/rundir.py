@@ -64,6 +64,9 @@ class RunConfig:
     seed: int = 0
     kl_seq_len: int | None = None
     max_gen_toks: int | None = None
+    # nvfp4 without a scale file: "one" | "per_sequence" (kvcal.kernels.cache.NVFP4_GLOBALS); None otherwise.
+    # Written only when set, so runs of every other configuration keep their identity hash.
+    nvfp4_global: str | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -71,6 +74,8 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        if d["nvfp4_global"] is None:
+            del d["nvfp4_global"]
         d.update(self.extra)
         return d
 

@@ -30,8 +30,13 @@ def compare_cmd(
         "--fail-on-regression",
         help="Exit 1 when a configuration regresses significantly beyond --max-drop.",
     ),
-    max_drop: float = typer.Option(
-        0.02, "--max-drop", help="Gate threshold: absolute for accuracy metrics, relative for perplexity/KL."
+    max_drop: list[str] | None = typer.Option(
+        None,
+        "--max-drop",
+        help="Gate threshold, repeatable: a bare number is the default for every gated metric (absolute for "
+        "accuracy, relative for perplexity, nats for kl); METRIC=VALUE or TASK/METRIC=VALUE sets one metric "
+        "(e.g. --max-drop 0.02 --max-drop kl=0.05 --max-drop gsm8k/exact_match=0.03); naming a metric makes it "
+        "gate (top1_agree is reported but gates only when named). Default: 0.02.",
     ),
     alpha: float = typer.Option(
         0.05, "--alpha", help="Significance level of every test and interval (intervals are 1 - alpha)."

@@ -72,6 +72,14 @@ TrustRemoteCodeOpt = Annotated[
     bool,
     typer.Option("--trust-remote-code", help="Run the checkpoint's own Python code (config.json auto_map)."),
 ]
+Nvfp4GlobalOpt = Annotated[
+    str,
+    typer.Option(
+        "--nvfp4-global",
+        help="nvfp4 without --scales: 'one' (global scale 1.0, vLLM's default) or 'per_sequence' "
+        "(each sequence's amax/(448*6) over its real tokens, fixed at its first write).",
+    ),
+]
 StrictOpt = Annotated[
     bool,
     typer.Option(
@@ -102,6 +110,7 @@ def eval_cmd(
     kl_seq_len: KlSeqLenOpt = _DEFAULT["kl_seq_len"],
     max_gen_toks: MaxGenToksOpt = _DEFAULT["max_gen_toks"],
     trust_remote_code: TrustRemoteCodeOpt = _DEFAULT["trust_remote_code"],
+    nvfp4_global: Nvfp4GlobalOpt = _DEFAULT["nvfp4_global"],
     strict: StrictOpt = _DEFAULT["strict"],
     json_out: JsonOpt = False,
 ) -> None:

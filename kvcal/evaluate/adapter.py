@@ -39,7 +39,7 @@ def _as_bool(value: Any) -> bool:
 @register_model("kvcal")
 class KvcalLM(HFLM):
     """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
-    force_scales, model_ref (the name recorded in results; defaults to `pretrained`)."""
+    force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`)."""
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class KvcalLM(HFLM):
         impl: str = "auto",
         force_scales: bool | str = False,
         model_ref: str | None = None,
+        nvfp4_global: str = "one",
         **kwargs: Any,
     ) -> None:
         if isinstance(pretrained, (str, os.PathLike)):
@@ -70,6 +71,7 @@ class KvcalLM(HFLM):
         self.scales_path = str(kv_scales) if kv_scales not in (None, "", "none", "None") else None
         self.skip_spec = str(skip_layers) if skip_layers not in (None, "", "none", "None") else ""
         self.force_scales = _as_bool(force_scales)
+        self.nvfp4_global = str(nvfp4_global)
         self.scale_set: Any = None
         self.skip_layers: frozenset[int] = frozenset()
         self.runtime: Any = None
@@ -88,6 +90,7 @@ class KvcalLM(HFLM):
             skip_spec=self.skip_spec,
             impl=self.impl,
             force_scales=self.force_scales,
+            nvfp4_global=self.nvfp4_global,
         )
 
     # ---- the two places HFLM calls the model -------------------------------------------------------------
@@ -131,7 +134,12 @@ class KvcalLM(HFLM):
         from kvcal.kernels.runtime import KVRuntime
 
         rt = KVRuntime(
-            self.model, self.kv_format, scales=self.scale_set, skip_layers=self.skip_layers, impl=self.impl
+            self.model,
+            self.kv_format,
+            scales=self.scale_set,
+            skip_layers=self.skip_layers,
+            impl=self.impl,
+            nvfp4_global=self.nvfp4_global,
         )
         self.runtime = None if self.kv_format == "auto" else rt
 
@@ -188,6 +196,7 @@ def build_runtime(
     skip_spec: str,
     impl: str,
     force_scales: bool,
+    nvfp4_global: str = "one",
 ) -> tuple[Any, Any, frozenset[int]]:
     """(KVRuntime, ScaleSet | None, skipped layer indices) for `model`; the scale file is checked against the
     checkpoint (binding, format, layer count) by kvcal.scales."""
@@ -206,7 +215,9 @@ def build_runtime(
         scale_set = load_scales_for_model(
             scales_path, model_ref, model_dir, kv, kv_format=kv_format, force=force_scales
         )
-    runtime = KVRuntime(model, kv_format, scales=scale_set, skip_layers=skip, impl=impl)
+    runtime = KVRuntime(
+        model, kv_format, scales=scale_set, skip_layers=skip, impl=impl, nvfp4_global=nvfp4_global
+    )
     return runtime, scale_set, skip
 
 

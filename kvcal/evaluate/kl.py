@@ -44,7 +44,9 @@ KL_VERSION = 2
 DEFAULT_SEQ_LEN = 256
 
 # Held-out text for `kl` when no --data-dir is given. Written for kvcal (not copied from any corpus); plain
-# English prose with numbers, names and some structure so that attention has something to do.
+# English prose with numbers, names and some structure so that attention has something to do. About 2,270
+# Gemma 3 / 2,320 SmolLM2 tokens: 17 windows of 128 tokens (Gemma, BOS + 127), enough for `kvcal compare`'s
+# default --min-samples 10 with room to spare.
 EMBEDDED_TEXT = """\
 The harbour town of Calloway sits where two rivers meet before they reach the sea. For most of the nineteenth
 century it was known for rope, not fish: the long sheds along the eastern bank turned hemp from the inland farms
@@ -89,6 +91,68 @@ The lesson has an obvious appeal for a town that has changed its trade three tim
 Each new way of earning a living was laid against the grain of the last, and the community held together because
 of the tension between them rather than in spite of it. Whether that is history or only a good story told to
 visitors is a question the museum leaves open, printed in small letters on the last panel before the exit.
+The museum keeps one more document that visitors rarely ask about: the ferry ledger. From 1922 until the bridge
+opened in 1964, a flat-bottomed ferry crossed the western river twelve times a day in summer and eight in winter.
+The ferryman wrote every crossing in a ledger ruled into seven columns: the date, the hour, the number of foot
+passengers, bicycles, carts, motor cars and a last column headed simply "other". Over forty-two years that column
+recorded, among other things, a piano, two cows that refused to stand still, a coffin with its mourners, a
+travelling dentist and his chair, and on 3 March 1947 a rowing eight that had lost its way in the fog.
+
+The fares changed only four times. A foot passenger paid a penny until 1931, then three halfpence; a car paid
+sixpence, later a shilling. Children under seven crossed free if they could prove their age, which in practice
+meant that nobody under ten ever paid. The ledger shows the busiest single day as 14 August 1953, the day of the
+county show, with 1,208 foot passengers and 96 cars carried in thirty-one crossings, several of them after dark.
+The quietest full day, 19 January 1940, carried a single passenger, the postman, who went over and came back.
+
+When engineers first proposed the bridge in 1956, the town divided almost evenly. A petition against it gathered
+2,141 signatures, one in favour 2,087, and the parish council, unable to agree, sent both to the county with a
+covering letter that managed to say nothing at all. The bridge was built anyway, a little downstream of the
+crossing, with three spans of pre-stressed concrete and a footway on the seaward side. The ferryman, Harold
+Penwarden, was given a job as its first toll keeper and kept the same hours he had kept on the water.
+
+A small weather station stands beside the old ferry slip. It was installed by a retired teacher in 1958 and has
+been read every morning at nine o'clock ever since, first by her, then by a rota of volunteers who keep the
+records in a blue binder in the bakery. The instruments are simple: a rain gauge, a pair of thermometers in a
+white louvred box, a wind vane and a tide board painted in tenths of a metre. From these the volunteers have
+built one of the longest unbroken local records in the region, more than 24,000 daily entries without a gap.
+
+The numbers show what everyone in Calloway already suspected. The wettest month on record is November 1960,
+with 231 millimetres of rain; the driest is June 1976, with two. The highest tide, in February 1990, reached 7.4
+metres on the board and flooded the lower quay to the depth of a boot. Since 1960 the average temperature at the
+nine o'clock reading has risen by a little over one degree, and the number of mornings with frost has fallen from
+about thirty a year to fewer than twelve. None of this is dramatic on any single day, which is exactly why the
+binder matters: change that is too slow to notice can still be counted.
+
+Counting, in fact, is what holds the museum's collection together. The rope, the ledgers, the register and the
+binder are all, in their way, instruments for noticing what would otherwise slip past. A visitor who reads the
+panels in order will meet the same idea four times, in different clothes: someone in the town decided to write
+down a small thing every day, kept doing it long after the reason was forgotten, and left a record that later
+people could question in ways the writer never imagined.
+
+Restoring a boat in the workshop follows a rhythm the volunteers describe without much ceremony. First the hull
+is surveyed and every plank is numbered with chalk, port side in odd numbers and starboard in even. Then the
+damaged planks are taken off one at a time, never two neighbours together, so the shape of the hull is held by
+what remains. Each new plank is steamed for an hour per inch of thickness, bent over the frames while it is
+still hot, and fastened with copper nails that are clenched over small washers called roves. A dinghy of four
+metres takes about three hundred hours of work; a pilot gig of ten metres took the volunteers almost two years.
+
+The oldest boat in the shed is a crabber built in 1898, its transom carved with the initials of a man whose
+descendants still live on the eastern bank. When it arrived for restoration in 2011, only the keel and eleven of
+its frames could be kept. The volunteers argued for a whole winter about whether the result would still be the
+same boat. They settled the matter, in the end, by agreeing that it did not matter: the boat would be launched
+under its old name, and anyone who wanted to debate its identity was welcome to do so while rowing it.
+
+It was launched on a Saturday in May 2014, at the top of a spring tide, with a crowd of about four hundred on
+the quay and a brass band that knew only three tunes. It floated, leaked a little for a week until the planks
+swelled, and has been rowed in every regatta since. Its crew won the second class in 2016 and came last in 2017,
+and both results are recorded, with equal pride, on a small board beside the workshop door.
+
+Visitors who stay until closing sometimes see the last ritual of the day. At five o'clock one of the volunteers
+walks the length of the ropewalk with a lamp, checks that the stove in the workshop is out, writes the number of
+visitors in yet another ledger, and locks the door with a key that is older than the bridge. The number is
+rarely large. On an ordinary weekday in spring it might be forty; on a wet Tuesday in February it has been three.
+But it is written down every time, and the volunteers say that this, more than anything on the panels, is the
+part of the town's history they are still making.
 """
 
 

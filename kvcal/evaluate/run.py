@@ -56,6 +56,7 @@ class EvalConfig:
     kl_seq_len: int = DEFAULT_SEQ_LEN
     max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
+    nvfp4_global: str = "one"  # nvfp4 without --scales: "one" (vLLM: global 1.0) or "per_sequence"
     strict: bool = False  # a NaN/Inf K/V value reaching the cache is an error (default: warn + metrics.json)
 
 
@@ -93,7 +94,10 @@ def run_dir_name(config: EvalConfig) -> str:
     """`{model_short}__{kv_format}__{scales_tag}__skip-{skip_tag}`, e.g.
     `gemma3-270m__fp8_e4m3__calib-tensor__skip-sliding_window`."""
     fmt = parse_kv_format(config.kv_format)
-    return f"{model_short(config.model)}__{fmt}__{scales_tag(config.scales)}__skip-{skip_tag(config.skip_layers)}"
+    tag = scales_tag(config.scales)
+    if fmt == "nvfp4" and not config.scales and config.nvfp4_global != "one":
+        tag = f"global-{slug(config.nvfp4_global)}"
+    return f"{model_short(config.model)}__{fmt}__{tag}__skip-{skip_tag(config.skip_layers)}"
 
 
 # ---- validation + the recorded config -----------------------------------------------------------------------
@@ -115,6 +119,7 @@ def _check_numbers(config: EvalConfig) -> None:
 def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
     """Check everything that needs no model (nothing here imports lm-eval's model code). Returns (task plan,
     canonical format, checked device)."""
+    from kvcal.kernels.cache import check_nvfp4_global
     from kvcal.kernels.runtime import IMPLS
 
     _check_numbers(config)
@@ -124,6 +129,11 @@ def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
         raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{config.impl}'")
     device = models.check_device(config.device)
     fmt = parse_kv_format(config.kv_format)
+    check_nvfp4_global(config.nvfp4_global)
+    if config.nvfp4_global != "one" and (fmt != "nvfp4" or config.scales):
+        raise UsageError(
+            "--nvfp4-global applies to --kv-format nvfp4 without --scales (a scale file fixes the global scale)"
+        )
     if fmt == "auto" and (config.scales or config.skip_layers):
         raise UsageError(
             "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
@@ -209,6 +219,7 @@ def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, mod
         seed=config.seed,
         kl_seq_len=config.kl_seq_len if plan.has_kl else None,
         max_gen_toks=config.max_gen_toks,
+        nvfp4_global=config.nvfp4_global if fmt == "nvfp4" and not config.scales else None,
         kvcal_version=__version__,
     )
 
@@ -490,6 +501,7 @@ def _make_lm(config: EvalConfig, recorded: RunConfig) -> Any:
         device=recorded.device,
         batch_size=recorded.batch_size,
         trust_remote_code=config.trust_remote_code,
+        nvfp4_global=config.nvfp4_global,
     )
 
 

@@ -25,15 +25,19 @@ from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, load_
 from kvcal.report.verdicts import (
     HOLM,
     NO_CORRECTION,
+    GatePolicy,
     GateSettings,
     MetricResult,
     bootstrap_resolution_warning,
     config_gate,
     config_verdict,
     judge,
+    parse_gate_policy,
 )
 from kvcal.rundir import RunConfig
 
+# --max-drop as compare_runs takes it: see verdicts.parse_gate_policy.
+MaxDrop = float | list[str] | dict[str, Any] | GatePolicy | None
 # Below this the baseline counts as zero: no relative change, the gate compares absolute differences.
 NEAR_ZERO_BASELINE = 1e-4
 Warn = Callable[[str], None]
@@ -80,7 +84,12 @@ class Comparison:
 
     @property
     def max_drop(self) -> float:
+        """The default threshold; `policy` has the per-metric ones."""
         return self.settings.max_drop
+
+    @property
+    def policy(self) -> GatePolicy:
+        return self.settings.policy
 
     @property
     def alpha(self) -> float:
@@ -114,23 +123,24 @@ class Comparison:
 
     @property
     def insufficient(self) -> list[MetricResult]:
-        """Key results the gate could not judge (fewer paired samples than min_samples)."""
-        return [r for r in self.results if r.key and r.insufficient]
+        """Gated results the gate could not judge (fewer paired samples than min_samples)."""
+        return [r for r in self.results if r.gated and r.insufficient]
 
     def config_verdict(self, label: str) -> str:
-        return config_verdict([r for r in self.by_config(label) if r.key])
+        return config_verdict([r for r in self.by_config(label) if r.key or r.gated])
 
     def config_gate(self, label: str) -> str:
         """'baseline' | 'FAIL' | 'insufficient data' | 'pass'."""
         if label == self.baseline:
             return "baseline"
-        return config_gate([r for r in self.by_config(label) if r.key])
+        return config_gate(self.by_config(label))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "baseline": self.baseline,
             "max_drop": self.max_drop,
+            "gate_policy": self.policy.to_dict(),
             "alpha": self.alpha,
             "min_samples": self.min_samples,
             "multiple_testing": self.multiple_testing,
@@ -151,10 +161,13 @@ class Comparison:
     def _gate_dict(self) -> dict[str, Any]:
         def brief(r: MetricResult) -> dict[str, Any]:
             return {"config": r.config, "task": r.task, "metric": r.label, "diff": r.diff,
-                    "rel_change": r.rel_change, "p_adjusted": r.p_adjusted, "verdict": r.verdict}  # fmt: skip
+                    "rel_change": r.rel_change, "threshold": r.gate_threshold, "p_adjusted": r.p_adjusted,
+                    "verdict": r.verdict}  # fmt: skip
 
         return {
             "passed": not self.failures,
+            "policy": self.policy.to_dict(),
+            "gated": sorted({f"{r.task}/{r.label}" for r in self.results if r.gated}),
             "failures": [brief(r) for r in self.failures],
             "insufficient_data": [
                 {"config": r.config, "task": r.task, "metric": r.label, "n": r.n, "verdict": r.verdict}
@@ -185,10 +198,14 @@ class Comparison:
 
 
 def describe_scales(cfg: RunConfig) -> str:
-    """'calib-<granularity>' | 'uncalibrated' (FP8 without scales: scale 1) | 'dynamic' | 'none' (16-bit)."""
+    """'calib-<granularity>' | 'uncalibrated' (FP8, or nvfp4 with global 1.0: scale 1) | 'per-sequence' (nvfp4's
+    dynamic global) | 'dynamic' (per token / block formats) | 'none' (16-bit)."""
     if cfg.calibrated:
         return f"calib-{cfg.scales_granularity or 'tensor'}"
     fmt = cfg.kv_format
+    if fmt == "nvfp4":
+        # run_format 1 recorded no policy: kvcal 0.1's nvfp4 took a dynamic global scale
+        return {"one": "uncalibrated", "per_sequence": "per-sequence"}.get(cfg.nvfp4_global or "", "dynamic")
     if fmt.startswith("fp8"):
         return "uncalibrated"
     return "none" if fmt in ("auto", "bf16") else "dynamic"
@@ -461,25 +478,36 @@ def measure(
 
 
 def _settings(
-    max_drop: float, on_bad_run: str, alpha: float, min_samples: int, multiple_testing: str
+    max_drop: MaxDrop, on_bad_run: str, alpha: float, min_samples: int, multiple_testing: str
 ) -> GateSettings:
     if on_bad_run not in ("fail", "skip"):
         raise UsageError(f"--on-bad-run must be 'skip' or 'fail', got {on_bad_run!r}")
-    if max_drop < 0:
-        raise UsageError(f"--max-drop must be >= 0, got {max_drop}")
+    policy = parse_gate_policy(max_drop)
     if not 0 < alpha < 1:
         raise UsageError(f"--alpha must be between 0 and 1 (e.g. 0.05), got {alpha}")
     if min_samples < 2:
         raise UsageError(f"--min-samples must be at least 2, got {min_samples}")
     if multiple_testing not in (HOLM, NO_CORRECTION):
         raise UsageError(f"multiple_testing must be {HOLM!r} or {NO_CORRECTION!r}, got {multiple_testing!r}")
-    return GateSettings(max_drop, alpha, min_samples, multiple_testing)
+    return GateSettings(policy, alpha, min_samples, multiple_testing)
+
+
+def _unmatched_policy_warnings(results: list[MetricResult], policy: GatePolicy, warn: Warn) -> None:
+    """A threshold that names no compared result is almost always a typo (kl vs KL, exact-match)."""
+    have: set[str] = set()
+    for r in results:
+        flt = "" if r.filter in ("none", "") else f",{r.filter}"
+        have |= {f"{r.task}/{r.metric}{flt}", f"{r.task}/{r.metric}", f"{r.metric}{flt}", r.metric}
+    for sel in policy.names():
+        if sel not in have:
+            warn(f"--max-drop names {sel}, which no compared result has; it gates nothing (metrics here: "
+                 f"{', '.join(sorted({f'{r.task}/{r.label}' for r in results}))})")  # fmt: skip
 
 
 def _insufficient_warnings(results: list[MetricResult], min_samples: int, warn: Warn) -> None:
     lacking: dict[str, int] = {}
     for r in results:
-        if r.key and r.insufficient:
+        if r.gated and r.insufficient:
             lacking[r.task] = min(r.n, lacking.get(r.task, r.n))
     for task, n in lacking.items():
         warn(
@@ -491,7 +519,7 @@ def _insufficient_warnings(results: list[MetricResult], min_samples: int, warn: 
 def compare_runs(
     run_dirs: Iterable[str | Path],
     baseline: str = "bf16",
-    max_drop: float = 0.02,
+    max_drop: MaxDrop = None,
     on_bad_run: str = "fail",
     alpha: float = stats.ALPHA,
     n_boot: int = stats.DEFAULT_BOOTSTRAP,
@@ -503,6 +531,9 @@ def compare_runs(
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
 
     `baseline` matches a run directory name first, then a kv_format ('bf16' also matches 'bfloat16').
+    `max_drop`: the gate policy — a number (the default for every gated metric), `--max-drop` strings
+    (['0.02', 'kl=0.05', 'gsm8k/exact_match=0.03']), a mapping ({'default': 0.02, 'kl': 0.05}), a GatePolicy,
+    or None for the built-in defaults (kvcal.report.verdicts).
     `on_bad_run`: 'fail' raises on an incomplete or corrupt run directory; 'skip' leaves it out with a warning.
     `multiple_testing`: 'holm' (Holm-Bonferroni over the gate's family) or 'none'.
     `warn` is called with each warning as it arises (they are also collected in Comparison.warnings).
@@ -522,6 +553,7 @@ def compare_runs(
     _add_capacity_and_throughput(configs)
     results = _compare_configs(configs, settings, resampling, _warn)
     judge(results, settings)
+    _unmatched_policy_warnings(results, settings.policy, _warn)
     _insufficient_warnings(results, min_samples, _warn)
     note = bootstrap_resolution_warning(results, settings, n_boot)
     if note:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from kvcal import __version__
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
-from kvcal.report.markdown import by_metric, how_to_read
+from kvcal.report.markdown import by_metric, gated_list, how_to_read
 from kvcal.report.plots import forest_png, pareto_png
 from kvcal.report.verdicts import MetricResult
 
@@ -49,8 +49,9 @@ def _head(cmp: Comparison) -> list[str]:
         f"<p><b>Model:</b> <code>{e(cmp.model)}</code> &nbsp; <b>Baseline:</b> <code>{e(cmp.baseline)}</code> "
         f"&nbsp; <b>Tasks:</b> {e(', '.join(cmp.tasks))}</p>",
         f"<p><b>Gate:</b> <span class='{'gate-pass' if gate_ok else 'gate-fail'}'>{e(gate_txt)}</span> "
-        f"<span class='note'>(significant at p &lt; {cmp.alpha:g} and larger than {cmp.max_drop:g}: absolute for "
-        f"accuracy, relative for perplexity/KL; multiple testing: "
+        f"<span class='note'>(significant at p &lt; {cmp.alpha:g} and larger than the metric's threshold — "
+        f"{e(cmp.policy.describe())}: absolute for accuracy, relative for perplexity, nats for kl; gated: "
+        f"{e(gated_list(cmp))}; multiple testing: "
         f"{e(fmt.correction_words(cmp.multiple_testing, cmp.alpha))}; at least {cmp.min_samples} paired "
         "samples)</span></p>",
     ]
@@ -68,7 +69,7 @@ def _summary(cmp: Comparison) -> list[str]:
     for c in cmp.configs:
         gate = cmp.config_gate(c.label)
         verdict = "baseline" if c.label == cmp.baseline else cmp.config_verdict(c.label)
-        worse = any(r.worse and r.key for r in cmp.by_config(c.label))
+        worse = any(r.worse and r.gated for r in cmp.by_config(c.label))
         cls = "fail" if gate == "FAIL" else ("worse" if worse else _ROW_CLASS.get(gate, ""))
         out.append(
             f"<tr class='{cls}'><td><code>{e(c.label)}</code></td><td>{e(c.kv_format)}</td><td>{e(c.scales)}</td>"
@@ -97,7 +98,7 @@ def _metric_table(cmp: Comparison, task: str, label: str, rows: list[MetricResul
     )
     out = [
         f"<h3>{e(task)} · <code>{e(label)}</code> <span class='note'>({direction}; "
-        f"{'key metric' if r0.key else 'secondary'}; baseline {e(fmt.score(r0, base=True))}, "
+        f"{e(fmt.role(r0))}; baseline {e(fmt.score(r0, base=True))}, "
         f"n = {r0.n_base_total}; interval: {e(kinds)})</span></h3>",
         f"<table><tr><th>configuration</th><th>score ± SE</th><th>difference [{1 - cmp.alpha:.0%} CI]</th>"
         "<th>relative change [Fieller]</th><th>p (Holm-adjusted)</th><th>min. detectable</th>"

@@ -30,9 +30,10 @@ def _header(cmp: Comparison) -> list[str]:
         f"- **Model:** `{cmp.model}`",
         f"- **Baseline:** `{cmp.baseline}`",
         f"- **Tasks:** {', '.join(cmp.tasks)}",
-        f"- **Gate:** {gate} — a configuration fails when a key metric degrades significantly (p < {cmp.alpha:g}"
-        f"{', Holm-adjusted' if cmp.multiple_testing == 'holm' else ''}) by more than {cmp.max_drop:g} "
-        "(absolute for accuracy-like metrics, relative for perplexity/KL)",
+        f"- **Gate:** {gate} — a configuration fails when a gated metric degrades significantly (p < {cmp.alpha:g}"
+        f"{', Holm-adjusted' if cmp.multiple_testing == 'holm' else ''}) by more than its threshold "
+        "(absolute for accuracy-like metrics, relative for perplexity, nats for kl)",
+        f"- **Gate policy (--max-drop):** {cmp.policy.describe()}; gated: {_esc(gated_list(cmp))}",
         f"- **Multiple testing:** {fmt.correction_words(cmp.multiple_testing, cmp.alpha)}",
         f"- **Minimum paired samples:** {cmp.min_samples} (fewer: insufficient data, not judged)",
         f"- **Generated:** {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')} by kvcal {__version__}",
@@ -72,10 +73,16 @@ def _summary(cmp: Comparison) -> list[str]:
     return lines + [""]
 
 
+def gated_list(cmp: Comparison) -> str:
+    """'kl/kl, gsm8k/exact_match,strict-match, ...' — the task/metric pairs the gate judged."""
+    names = list(dict.fromkeys(f"{r.task}/{r.label}" for r in cmp.results if r.gated))
+    return ", ".join(names) or "nothing (no compared result matches the policy)"
+
+
 def _metric_table(cmp: Comparison, task: str, label: str, rows: list[MetricResult]) -> list[str]:
     r0 = rows[0]
     direction = "higher is better" if r0.higher_is_better else "lower is better"
-    key = "key metric" if r0.key else "secondary"
+    key = fmt.role(r0)
     kinds = sorted({fmt.INTERVAL_NAMES[r.interval] for r in rows if r.interval != "none"})
     tests = sorted({"McNemar exact" if r.binary else "BCa bootstrap" for r in rows if r.interval != "none"})
     p_col = "p (Holm-adjusted)" if any(r.p_adjusted is not None for r in rows) else "p"
@@ -119,15 +126,16 @@ def how_to_read(cmp: Comparison) -> list[str]:
         f"the test is significant. *Other metrics* (perplexity, KL, agreement rates): paired BCa bootstrap "
         f"({cmp.n_boot} resamples, seed {cmp.seed}); its p-value is the interval's dual.",
         "- **p**: McNemar's exact two-sided test on the discordant pairs for binary metrics; the bootstrap's p for "
-        "the others. In parentheses: the Holm-adjusted p-value over the gate's family (every key metric tested, "
-        "configurations x tasks x filters); key metrics are significant when the adjusted p < alpha, secondary "
-        "metrics on their own p.",
+        "the others. In parentheses: the Holm-adjusted p-value over the gate's family (every gated metric "
+        "tested, configurations x tasks x filters); gated metrics are significant when the adjusted p < alpha, "
+        "the others (secondary metrics, top1_agree unless the policy names it) on their own p.",
         "- **relative change [Fieller]**: configuration / baseline - 1 with Fieller's interval for a ratio (delta-"
         "method covariance); *unbounded* when the baseline is not clearly above 0. The gate threshold is relative "
         "for lower-is-better metrics, except where the baseline is ~0 (kvcal's `kl` of a BF16 run, measured "
-        "against a BF16 cache): there it applies to the absolute difference (nats).",
+        "against a BF16 cache): there it applies to the absolute difference (nats). Each metric's threshold is "
+        "in its table's heading (--max-drop METRIC=VALUE or TASK/METRIC=VALUE sets one).",
         f"- **min. detectable**: the smallest change this many samples would detect with 80% power at the level a "
-        f"result must clear (alpha {cmp.alpha:g}, divided by the family size for Holm-corrected key metrics; "
+        f"result must clear (alpha {cmp.alpha:g}, divided by the family size for Holm-corrected gated metrics; "
         "relative for lower-is-better metrics). *No significant change* is not *no change*.",
         f"- **insufficient data**: fewer than {cmp.min_samples} paired samples (--min-samples): no test, no "
         "interval, never FAIL; the gate does not fail on it but lists it.",

@@ -101,5 +101,26 @@ def gate_line(failures: int, insufficient: int) -> str:
 
 def correction_words(multiple_testing: str, alpha: float) -> str:
     if multiple_testing == HOLM:
-        return f"Holm-Bonferroni over the key metrics tested (family-wise error rate {alpha:g})"
-    return "none (each key metric tested on its own at alpha; --no-multiple-testing-correction)"
+        return f"Holm-Bonferroni over the gated metrics tested (family-wise error rate {alpha:g})"
+    return "none (each gated metric tested on its own at alpha; --no-multiple-testing-correction)"
+
+
+def threshold(r: MetricResult) -> str:
+    """The gate threshold of a result in its units: '0.02 absolute', '0.02 relative (2.0%)', '0.02 nats, absolute
+    since the baseline is ~0'."""
+    t = r.gate_threshold
+    if t is None:
+        return "not gated"
+    if r.higher_is_better:
+        return f"{t:g} absolute"
+    if r.rel_change is None:
+        return f"{t:g}{' nats' if r.metric == 'kl' else ''}, absolute since the baseline is ~0"
+    return f"{t:.3g} relative ({t:.1%})"
+
+
+def role(r: MetricResult) -> str:
+    """'key metric, gated at 0.02 absolute' | 'key metric, reported (not gated)' | 'secondary' | ..."""
+    kind = "key metric" if r.key else "secondary"
+    if r.gated:
+        return f"{kind}, gated at {threshold(r)}"
+    return f"{kind}, reported (not gated)" if r.key else kind

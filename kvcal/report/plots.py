@@ -40,11 +40,15 @@ def _plot_values(r: MetricResult) -> tuple[float, float, float, str]:
     return r.diff, lo, hi, "difference"
 
 
-def _threshold(cmp: Comparison, r: MetricResult) -> float:
-    """Where the gate line goes in the units `_plot_values` uses for this metric (signed: the bad side)."""
+def _threshold(cmp: Comparison, r: MetricResult) -> float | None:
+    """Where the gate line goes in the units `_plot_values` uses for this metric (signed: the bad side); None
+    for a metric that does not gate."""
+    t = r.gate_threshold
+    if t is None:
+        return None
     if r.higher_is_better:
-        return -cmp.max_drop
-    return 100 * cmp.max_drop if r.rel_change is not None else cmp.max_drop
+        return -t
+    return 100 * t if r.rel_change is not None else t
 
 
 def _key_panels(cmp: Comparison) -> list[tuple[str, str]]:

@@ -1,37 +1,189 @@
-"""Judging measured differences: significance over the gate's family, the regression gate, and the sentences.
+"""Judging measured differences: the gate policy, significance over the gate's family, the gate and the sentences.
 
 - Too few paired samples (fewer than `min_samples`, `kvcal compare --min-samples`, default 10): the result is
   "insufficient data": no test, no interval, never FAIL and never a pass on its merits. The gate does not fail
   on it; the report and the JSON list it.
-- The gate's family is every key metric tested: configurations x tasks x key metrics x filters, less the
-  insufficient ones. With Holm-Bonferroni (the default; `--no-multiple-testing-correction` turns it off) a key
+- Which metrics gate (`GatePolicy`, `--max-drop`): by default every task's key metric (kvcal.report.metrics)
+  except those in REPORT_ONLY: kl for kvcal's kl task, exact_match for gsm8k / aime, acc for gpqa,
+  word_perplexity for wikitext, the first metric of any other task. `top1_agree` is reported but gates only
+  when the policy names it: argmax flips at near-ties, which even FP8 causes on a few percent of tokens
+  (the table below: FP8 loses 3.9 to 5.3 points of it at a KL of 0.004-0.007 nats), so a fixed threshold on
+  it fails every quantized cache. Any metric the policy names gates (a secondary one too).
+- Thresholds: `--max-drop 0.02` (a bare number: the default for every gated metric), `--max-drop kl=0.05`
+  (a metric in every task, `METRIC,FILTER` for one lm-eval filter), `--max-drop gsm8k/exact_match=0.03` (one
+  task's metric); repeatable. The same as a YAML mapping (sweep/release configs):
+  `max_drop: {default: 0.02, kl: 0.05, gsm8k/exact_match: 0.03}` -> `parse_gate_policy`. The most specific
+  entry wins: TASK/METRIC,FILTER > TASK/METRIC > METRIC,FILTER > METRIC > default.
+- The gate's family is every gated result tested: configurations x tasks x gated metrics x filters, less the
+  insufficient ones. With Holm-Bonferroni (the default; `--no-multiple-testing-correction` turns it off) a gated
   result is significant when its Holm-adjusted p-value is below alpha, which keeps the chance of any false
-  alarm in a whole report at alpha. Secondary metrics are judged on their own, unadjusted p-values.
-- A key result fails the gate when it is a significant degradation larger than `max_drop`: absolute for
-  higher-is-better metrics (0.02 = 2 points of accuracy), relative for lower-is-better ones (0.02 = perplexity or
-  KL up by 2%). Where the baseline is ~0 (kvcal's kl of a BF16 run, measured against a BF16 cache) there is no
+  alarm in a whole report at alpha. Results outside the family (secondary metrics, top1_agree unless named)
+  are judged on their own, unadjusted p-values.
+- A gated result fails the gate when it is a significant degradation larger than its threshold: absolute for
+  higher-is-better metrics (0.02 = 2 points of accuracy), relative for lower-is-better ones (0.02 = perplexity
+  up by 2%). Where the baseline is ~0 (kvcal's kl of a BF16 run, measured against a BF16 cache) there is no
   relative change and the threshold is absolute (0.02 nats of KL).
-- The minimum detectable change (80% power) is computed at the level a result has to clear: alpha / m for a key
-  result under Holm with m tests (what the first Holm step asks of a lone real regression), alpha otherwise.
+- The minimum detectable change (80% power) is computed at the level a result has to clear: alpha / m for a
+  gated result under Holm with m tests (what the first Holm step asks of a lone real regression), alpha
+  otherwise.
+
+Default thresholds: DEFAULT_MAX_DROP = 0.02 for every gated metric, with no per-metric override
+(DEFAULT_METRIC_DROPS is empty): measured, 0.02 falls in the gap between FP8 and FP4 caches both as nats of KL
+and as relative perplexity. `kvcal eval MODEL --tasks kl --limit 12 --kl-seq-len 128 --kv-format F [--scales
+S]` (kvcal's embedded held-out text, 12 windows of 128 tokens, float32 on CPU; Gemma's FP8 scales from
+`make demo`, SmolLM2's from `kvcal calibrate smollm2 --kv-format fp8_e4m3 --dataset ../shared/data/c4_calib
+--num-samples 32 --seq-len 512`), each against a BF16 cache:
+
+    model           configuration            kl (nats)   perplexity   top1_agree
+    Gemma-3-270M    fp8_e4m3 uncalibrated    0.0044      +0.42 %      -3.9 points
+    Gemma-3-270M    fp8_e4m3 calibrated      0.0054      +0.54 %      -4.7
+    Gemma-3-270M    nvfp4                    0.071       +4.4 %       -16.7
+    SmolLM2-135M    fp8_e4m3 calibrated      0.0067      +1.0 %       -5.3
+    SmolLM2-135M    nvfp4                    0.078       +7.1 %       -16.5
+    SmolLM2-135M    mxfp4                    0.156       +13.2 %      -22.3
+
+- kl 0.02 nats: 3x the worst FP8 (0.0067), 3.5x below the best NVFP4 (0.071).
+- perplexity 0.02 relative (wikitext's word_perplexity): FP8 moved it by at most 1.0 %, NVFP4 by 4.4 % or more
+  (the kl task's token perplexity on the same windows).
+- exact_match (gsm8k, aime) and acc (gpqa) 0.02 absolute = 2 points: not calibrated on these models (135M and
+  270M parameters score near chance on them); at the sample sizes those tasks have, the minimum detectable
+  change is usually larger than 2 points anyway, and the report prints it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvcal.errors import UsageError
 from kvcal.report import stats
 
 HOLM, NO_CORRECTION = "holm", "none"
 INSUFFICIENT = "insufficient data"
 
+DEFAULT_MAX_DROP = 0.02
+# Per-metric defaults where one differs from DEFAULT_MAX_DROP (selector -> threshold); see the module docstring.
+DEFAULT_METRIC_DROPS: dict[str, float] = {}
+# Key metrics that are reported but gate only when the policy names them.
+REPORT_ONLY = frozenset({"top1_agree"})
+DEFAULT_KEY = "default"
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    """Which results gate and at what threshold. `thresholds`: selector -> threshold, a selector being METRIC,
+    METRIC,FILTER, TASK/METRIC or TASK/METRIC,FILTER; `default`: every other gated (key, not REPORT_ONLY) metric."""
+
+    default: float = DEFAULT_MAX_DROP
+    thresholds: tuple[tuple[str, float], ...] = tuple(DEFAULT_METRIC_DROPS.items())
+
+    def threshold(self, task: str, metric: str, filter: str, key: bool) -> float | None:
+        """The threshold of one result, or None when it does not gate."""
+        named = dict(self.thresholds)
+        flt = "" if filter in ("none", "") else f",{filter}"
+        for selector in (f"{task}/{metric}{flt}", f"{task}/{metric}", f"{metric}{flt}", metric):
+            if selector in named:
+                return named[selector]
+        return self.default if key and metric not in REPORT_ONLY else None
+
+    def names(self) -> list[str]:
+        return [sel for sel, _ in self.thresholds]
+
+    def to_dict(self) -> dict[str, float]:
+        """The YAML/JSON mapping `parse_gate_policy` reads back to this policy."""
+        return {DEFAULT_KEY: self.default, **dict(self.thresholds)}
+
+    def describe(self) -> str:
+        """'0.02 for every gated metric; kl 0.05; gsm8k/exact_match 0.03'."""
+        parts = [f"{self.default:g} for every gated metric"]
+        parts += [f"{sel} {v:g}" for sel, v in self.thresholds]
+        return "; ".join(parts)
+
+
+def _threshold_value(raw: object, where: str) -> float:
+    if isinstance(raw, bool):
+        raise UsageError(f"{where}: expected a number >= 0, got {raw!r}")
+    try:
+        v = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise UsageError(f"{where}: expected a number >= 0 (e.g. 0.02), got {raw!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise UsageError(f"{where}: the threshold must be a finite number >= 0, got {raw!r}")
+    return v
+
+
+def _selector(name: object, where: str) -> str:
+    sel = str(name).strip() if isinstance(name, str) else ""
+    task, slash, metric = sel.rpartition("/")
+    if not sel or not metric.strip(", ") or (slash and not task.strip()) or sel.count("/") > 1 or " " in sel:
+        raise UsageError(
+            f"{where}: {name!r} is not a metric; write METRIC=VALUE, METRIC,FILTER=VALUE or TASK/METRIC=VALUE "
+            "(e.g. kl=0.05, gsm8k/exact_match=0.03)"
+        )
+    return sel
+
+
+def _from_entries(entries: list[tuple[str | None, object]], where: str) -> GatePolicy:
+    """(selector or None for the default, raw value) pairs -> the policy. A default given replaces the built-in
+    per-metric defaults too (a bare number is the default for every gated metric); named entries win over both."""
+    defaults = [raw for sel, raw in entries if sel is None]
+    if len(defaults) > 1:
+        raise UsageError(f"{where}: {len(defaults)} default thresholds given ({', '.join(map(str, defaults))}); "
+                         "give one bare number and name the metrics that differ (METRIC=VALUE)")  # fmt: skip
+    named: dict[str, float] = {} if defaults else dict(DEFAULT_METRIC_DROPS)
+    seen: set[str] = set()
+    for sel, raw in entries:
+        if sel is None:
+            continue
+        if sel in seen:
+            raise UsageError(f"{where}: {sel} is given twice; give each metric one threshold")
+        seen.add(sel)
+        named[sel] = _threshold_value(raw, f"{where} {sel}")
+    default = _threshold_value(defaults[0], where) if defaults else DEFAULT_MAX_DROP
+    return GatePolicy(default=default, thresholds=tuple(named.items()))
+
+
+def parse_gate_policy(
+    values: list[str] | dict | float | GatePolicy | None, where: str = "--max-drop"
+) -> GatePolicy:
+    """The gate policy from `--max-drop` values (['0.02', 'kl=0.05', 'gsm8k/exact_match=0.03']), a YAML mapping
+    ({'default': 0.02, 'kl': 0.05, 'gsm8k/exact_match': 0.03}) or one number; None -> the built-in defaults.
+    UsageError (naming `where`) for anything else."""
+    if values is None:
+        return GatePolicy()
+    if isinstance(values, GatePolicy):
+        return values
+    if isinstance(values, (int, float)) and not isinstance(values, bool):
+        return _from_entries([(None, values)], where)
+    if isinstance(values, str):
+        values = [values]
+    if isinstance(values, dict):
+        entries = [(None if k == DEFAULT_KEY else _selector(k, where), v) for k, v in values.items()]
+        return _from_entries(entries, where)
+    if isinstance(values, (list, tuple)):
+        parsed: list[tuple[str | None, object]] = []
+        for item in values:
+            text = str(item).strip()
+            sel, eq, raw = text.rpartition("=")
+            parsed.append((_selector(sel, where), raw) if eq else (None, text))
+        return _from_entries(parsed, where)
+    raise UsageError(
+        f"{where} must be a number, a list of METRIC=VALUE / TASK/METRIC=VALUE entries or a mapping "
+        f"{{default: 0.02, kl: 0.05}}, got {type(values).__name__}"
+    )
+
 
 @dataclass(frozen=True)
 class GateSettings:
-    max_drop: float = 0.02
+    policy: GatePolicy = field(default_factory=GatePolicy)
     alpha: float = stats.ALPHA
     min_samples: int = stats.DEFAULT_MIN_SAMPLES
     multiple_testing: str = HOLM  # HOLM | NO_CORRECTION
+
+    @property
+    def max_drop(self) -> float:
+        """The default threshold (what a bare --max-drop sets)."""
+        return self.policy.default
 
 
 @dataclass
@@ -66,7 +218,8 @@ class MetricResult:
     se_diff: float
     identical: bool
     insufficient: bool
-    p_adjusted: float | None = None  # Holm over the gate's family (key metrics tested); None otherwise
+    gate_threshold: float | None = None  # the policy's threshold; None: not gated (reported only)
+    p_adjusted: float | None = None  # Holm over the gate's family (gated results tested); None otherwise
     mdd: float | None = None  # minimum detectable difference (metric units); None: insufficient data
     mdd_rel: float | None = None  # the same relative to the baseline (lower-is-better metrics)
     significant: bool = False
@@ -76,23 +229,30 @@ class MetricResult:
     status: str = ""  # FAIL | worse | better | n.s. | identical | insufficient data
     verdict: str = ""
 
+    @property
+    def gated(self) -> bool:
+        return self.gate_threshold is not None
+
 
 def gate_family(results: list[MetricResult]) -> list[MetricResult]:
-    """The tests the gate's multiple-testing correction covers: key metrics with enough data."""
-    return [r for r in results if r.key and not r.insufficient and r.p_value is not None]
+    """The tests the gate's multiple-testing correction covers: gated results with enough data."""
+    return [r for r in results if r.gated and not r.insufficient and r.p_value is not None]
 
 
 def judge(results: list[MetricResult], s: GateSettings) -> None:
-    """Fill in p_adjusted, significance, the detectable change, the gate and the verdict of every result."""
+    """Fill in the threshold, p_adjusted, significance, the detectable change, the gate and the verdict of
+    every result."""
+    for r in results:
+        r.gate_threshold = s.policy.threshold(r.task, r.metric, r.filter, r.key)
     family = gate_family(results)
     holm = s.multiple_testing == HOLM and bool(family)
     if holm:
         raw = [r.p_value for r in family if r.p_value is not None]  # every one: see gate_family
         for r, p in zip(family, stats.holm(raw, s.alpha), strict=True):
             r.p_adjusted = p
-    key_alpha = s.alpha / len(family) if holm else s.alpha
+    family_alpha = s.alpha / len(family) if holm else s.alpha
     for r in results:
-        _judge_one(r, s, key_alpha if r.key else s.alpha)
+        _judge_one(r, s, family_alpha if r.gated else s.alpha)
 
 
 def _judge_one(r: MetricResult, s: GateSettings, mdd_alpha: float) -> None:
@@ -111,7 +271,7 @@ def _judge_one(r: MetricResult, s: GateSettings, mdd_alpha: float) -> None:
         magnitude = degrade
     else:
         magnitude = r.rel_change
-    r.gate_fail = bool(r.worse and r.key and magnitude > s.max_drop)
+    r.gate_fail = bool(r.worse and r.gate_threshold is not None and magnitude > r.gate_threshold)
     if r.binary and r.discordant is not None:
         r.mdd = stats.mdd_paired_binary(r.n, sum(r.discordant) / r.n, alpha=mdd_alpha)
     else:
@@ -169,8 +329,9 @@ def _no_change_sentence(judged: list[MetricResult]) -> str:
 
 
 def config_verdict(key_results: list[MetricResult]) -> str:
-    """One sentence per configuration, the worst news first; 'no significant change' always carries the
-    minimum detectable change, so it is not read as 'no change'; results without enough data are named."""
+    """One sentence per configuration over its key and gated results, the worst news first; 'no significant
+    change' always carries the minimum detectable change, so it is not read as 'no change'; results without
+    enough data are named."""
     if not key_results:
         return "no tasks in common with the baseline"
     judged = [r for r in key_results if not r.insufficient]
@@ -178,7 +339,10 @@ def config_verdict(key_results: list[MetricResult]) -> str:
     parts: list[str] = []
     worse = [r for r in judged if r.worse]
     for r in worse:
-        over = " (over the gate threshold)" if r.gate_fail else " (within the gate threshold)"
+        if not r.gated:
+            over = " (reported, not gated)"
+        else:
+            over = " (over the gate threshold)" if r.gate_fail else " (within the gate threshold)"
         parts.append(r.verdict + over)
     if judged and not worse:
         parts.append(_no_change_sentence(judged))
@@ -189,11 +353,12 @@ def config_verdict(key_results: list[MetricResult]) -> str:
     return "; ".join(parts)
 
 
-def config_gate(key_results: list[MetricResult]) -> str:
-    """'FAIL' | 'insufficient data' (nothing failed, but some key result lacks data) | 'pass'."""
-    if any(r.gate_fail for r in key_results):
+def config_gate(results: list[MetricResult]) -> str:
+    """'FAIL' | 'insufficient data' (nothing failed, but some gated result lacks data) | 'pass'."""
+    gated = [r for r in results if r.gated]
+    if any(r.gate_fail for r in gated):
         return "FAIL"
-    return INSUFFICIENT if any(r.insufficient for r in key_results) else "pass"
+    return INSUFFICIENT if any(r.insufficient for r in gated) else "pass"
 
 
 def bootstrap_resolution_warning(results: list[MetricResult], s: GateSettings, n_boot: int) -> str | None:

@@ -26,7 +26,17 @@ def test_version() -> None:
 def test_every_design_command_exists() -> None:
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for name in ("calibrate", "show", "verify", "export", "eval", "sweep", "compare", "capacity", "sensitivity"):
+    for name in (
+        "calibrate",
+        "show",
+        "verify",
+        "export",
+        "eval",
+        "sweep",
+        "compare",
+        "capacity",
+        "sensitivity",
+    ):
         assert name in result.stdout, name
 
 

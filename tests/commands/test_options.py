@@ -59,8 +59,8 @@ def _params_with_flag(flag: str) -> list[tuple[str, Any]]:
 def test_the_app_has_every_command() -> None:
     names = {" ".join(path) for path in LEAVES}
     assert names == {
-        "capacity", "calibrate", "sensitivity", "show", "verify", "export", "eval", "sweep", "compare",
-        "models list", "models install", "models path",
+        "capacity", "calibrate", "sensitivity", "show", "verify", "drift", "export", "eval", "sweep", "compare",
+        "release", "models list", "models install", "models path",
     }  # fmt: skip
 
 
@@ -92,8 +92,10 @@ def test_model_argument_has_one_help_everywhere() -> None:
         "calibrate",
         "sensitivity",
         "verify",
+        "drift",
         "export",
         "eval",
+        "release",
     }
     assert {p.help for _, p in models} == {options.MODEL_HELP}
 

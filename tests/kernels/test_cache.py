@@ -74,8 +74,8 @@ def test_stored_codes_dequantize_to_fake_quantize_of_each_write(fmt: str) -> Non
         assert kph.shape == (2, 2, layer.kept, 32) and kph.stride() == (0, 0, 0, 0)  # placeholder, no memory
         assert read.q_start == sum(c.shape[2] for c in ks[:t]) and read.k_start == 0
         assert read.k.codes.shape[-2] == layer.kept
-    gk = gv = 1.0 if fmt == "nvfp4" else None  # the default nvfp4 global (tests/kernels/test_batch_invariance.py
-    # covers "per_sequence")
+    # nvfp4: the default global 1.0 (tests/kernels/test_batch_invariance.py covers "per_sequence")
+    gk = gv = 1.0 if fmt == "nvfp4" else None
     want_k = torch.cat([formats.fake_quantize(k, f, scale=gk) for k in ks], dim=2)
     want_v = torch.cat([formats.fake_quantize(v, f, scale=gv) for v in vs], dim=2)
     assert torch.equal(formats.dequantize(layer.k, f), want_k)

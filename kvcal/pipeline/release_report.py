@@ -1,0 +1,70 @@
+"""OUT/release.md: the release decision a person reads (the record of OUT/release.json, then kvcal compare's report
+of the evaluations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _md(s: Any) -> str:
+    return str(s).replace("|", "\\|")
+
+
+def _header(r: dict[str, Any]) -> list[str]:
+    decision = "SHIP" if r["decision"] == "ship" else "DO NOT SHIP"
+    lines = [
+        f"# kvcal release: {decision}",
+        "",
+        f"- **Model:** `{r['model']}` (checkpoint sha256 `{r['model_sha256'][:16]}…`)",
+        f"- **Ships:** {r['kv_format']} per-{r['granularity']} scales, skip layers {r['skip_layers']}",
+        f"- **Scale file:** `{r['scales_path']}` (sha256 `{r['scales_sha256'][:16]}…`)",
+        f"- **Recalibrated:** {'yes' if r['recalibrated'] else 'no'} — {r['reason']}",
+    ]
+    d = r.get("drift")
+    if d is None:
+        lines.append("- **Drift:** not checked (no drift: section)")
+    else:
+        why = f": {'; '.join(d['reasons'][:3])}" if d.get("reasons") else ""
+        lines.append(f"- **Drift** on `{d['traffic']}`: {d['verdict']}{why} (on_drift: {d['on_drift']})")
+    lines.append(f"- **Gate:** {r['gate']}")
+    if r.get("failed_because"):
+        lines.append(f"- **Failed because:** {r['failed_because']}")
+    w = r.get("work", {})
+    lines.append(
+        f"- **Work:** {w.get('calibrations_run', 0)} calibration(s), {w.get('drift_checks_run', 0)} drift check(s), "
+        f"{w.get('evaluations_run', 0)} evaluation(s) run; {w.get('evaluations_reused', 0)} evaluation(s), "
+        f"{w.get('calibrations_reused', 0)} scale file(s), {w.get('drift_checks_reused', 0)} drift check(s), "
+        f"{w.get('exports_reused', 0)} export(s) reused"
+    )
+    return lines + [""]
+
+
+def _configurations(r: dict[str, Any]) -> list[str]:
+    if not r.get("configurations"):
+        return []
+    lines = ["## Configurations", "", "| configuration | role | gate | verdict |", "|---|---|---|---|"]
+    for c in r["configurations"]:
+        lines.append(f"| {_md(c['label'])} | {c['role']} | {c['gate']} | {_md(c['verdict'])} |")
+    return lines + [""]
+
+
+def _serve(r: dict[str, Any]) -> list[str]:
+    if not r.get("serve_commands"):
+        return []
+    lines = ["## Serve", ""]
+    for engine, cmd in r["serve_commands"].items():
+        lines += [f"{engine} ({r['exports'][engine]['kind']} `{r['exports'][engine]['path']}`):", "",
+                  "```", cmd, "```", ""]  # fmt: skip
+    return lines
+
+
+def render_release(record: dict[str, Any], cmp: Any) -> str:
+    """The Markdown of a release record; `cmp` (a kvcal.report.compare.Comparison, or None when nothing was
+    evaluated) adds kvcal compare's full report below."""
+    lines = _header(record) + _configurations(record) + _serve(record)
+    if cmp is not None:
+        from kvcal.report.markdown import render_markdown
+
+        body = render_markdown(cmp).splitlines()
+        lines += ["## Evaluation report", ""] + ["#" + ln if ln.startswith("#") else ln for ln in body]
+    return "\n".join(lines) + "\n"
