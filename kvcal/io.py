@@ -31,6 +31,14 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def temp_dir_beside(path: str | os.PathLike[str]) -> Path:
+    """A new empty folder beside `path` (same filesystem, hidden name), to fill and then os.replace onto `path`;
+    the caller removes it if that fails. OSError when the parent cannot be created or written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+
+
 def public_mode(mode: int) -> int:
     """`mode` filtered by the process umask (what open() would have given a new file)."""
     umask = os.umask(0)

@@ -317,13 +317,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import importlib.util
     import json
     import shutil
-    import tempfile
+
+    from kvcal.io import temp_dir_beside
 
     if importlib.util.find_spec("gguf") is None:
         raise UsageError("reading a .gguf file needs the `gguf` package: pip install gguf==0.19.0")
     try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+        tmp = temp_dir_beside(out_dir)
     except OSError as exc:
         raise UsageError(
             f"cannot write the converted model under '{out_dir.parent}' ({exc.strerror or exc}); "

@@ -7,6 +7,7 @@ Tiny random-weight models (wiring only; accuracy claims come from the real model
 - `word_llama`, `word_llama_dir`: a Llama with a word-level tokenizer "t0".."t255" (vocab 256, 2 KV heads,
   max_pos 128) for the scale-file and export tests.
 - `tiny_lm_dir`: a Llama or Gemma 3 whose BPE tokenizer is trained on a caller's corpus (the lm-eval tests).
+- `lm_eval_task`: writes a tiny local lm-eval task (YAML + jsonl docs) for `--include_path`.
 tests/kernels/conftest.py has the kernels' own models (vocab 96, max_pos 128, window 6).
 
 Markers: `slow` (real model, ../shared/data, or a pipeline end to end) and `realmodel`; see pyproject.toml.
@@ -16,6 +17,7 @@ Conftest modules are never imported by tests (`--import-mode=importlib`): everyt
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 # ../shared/data beside the checkout (read-only); KVCAL_TEST_SHARED_DATA points elsewhere (a missing path
 # shows the skips). Tests that need it skip when it is absent.
@@ -365,3 +368,43 @@ def tiny_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
         return saved[key]
 
     return get
+
+
+# ------------------------------------------------------------------------------------------- lm-eval task files
+
+# How each lm-eval output type reads a doc of the tiny tasks: multiple_choice docs are {"q", "choices",
+# "label"}, loglikelihood_rolling docs {"text"}, generate_until docs {"q", "a"}.
+_TASK_DOC_FIELDS: dict[str, dict[str, Any]] = {
+    "multiple_choice": {"doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}", "doc_to_target": "label"},
+    "loglikelihood_rolling": {"doc_to_text": "", "doc_to_target": "{{text}}"},
+    "generate_until": {"doc_to_text": "question : {{q}} answer :", "doc_to_target": "{{a}}"},
+}
+
+
+def _write_lm_eval_task(
+    task_dir: Path, name: str, output_type: str, docs: Sequence[dict[str, Any]], metrics: Sequence[str],
+    **extra: Any,
+) -> None:  # fmt: skip
+    task_dir.mkdir(parents=True, exist_ok=True)
+    data = task_dir / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    task = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": output_type,
+        **_TASK_DOC_FIELDS[output_type],
+        **extra,
+        "metric_list": [{"metric": m} for m in metrics],
+        "metadata": {"version": 1.0},
+    }
+    (task_dir / f"{name}.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
+
+
+@pytest.fixture(scope="session")
+def lm_eval_task() -> Callable[..., None]:
+    """(task_dir, name, output_type, docs, metrics, **extra keys) -> writes task_dir/name.jsonl (the docs) and
+    task_dir/name.yaml, a local lm-eval task over them that `--include_path task_dir` loads as `name`. The doc
+    fields each output type reads are in _TASK_DOC_FIELDS; `extra` adds or overrides task keys."""
+    return _write_lm_eval_task

@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 import kvcal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,29 +56,38 @@ def _plant(path: Path, line: str) -> None:
         fh.write(f"\n\ndef _planted() -> None:\n    {line}  # planted by the test\n")
 
 
-def test_upward_import_breaks_the_layers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("module", "line", "messages"),
+    [
+        pytest.param(
+            "formats.py",
+            "from kvcal.report import stats  # noqa: F401",
+            ["kvcal.formats is not allowed to import kvcal.report", "kvcal.formats -> kvcal.report.stats"],
+            id="upward-import-breaks-the-layers",
+        ),
+        pytest.param(
+            "calibrate/hooks.py",
+            "from kvcal.kernels import cache  # noqa: F401",
+            ["kvcal.calibrate is not allowed to import kvcal.kernels"],
+            id="calibrate-importing-kernels-breaks-independence",
+        ),
+        pytest.param(
+            "io.py",
+            "import rich  # noqa: F401",
+            ["kvcal.io is not allowed to import rich"],
+            id="rich-in-library-code-breaks-the-forbidden-contract",
+        ),
+    ],
+)
+def test_planted_import_breaks_a_contract(
+    tmp_path: Path, module: str, line: str, messages: list[str]
+) -> None:
     scratch = _scratch_copy(tmp_path)
-    _plant(scratch / "kvcal" / "formats.py", "from kvcal.report import stats  # noqa: F401")
+    _plant(scratch / "kvcal" / module, line)
     proc = _lint_imports(scratch)
     assert proc.returncode == 1, proc.stdout
-    assert "kvcal.formats is not allowed to import kvcal.report" in proc.stdout
-    assert "kvcal.formats -> kvcal.report.stats" in proc.stdout
-
-
-def test_calibrate_importing_kernels_breaks_independence(tmp_path: Path) -> None:
-    scratch = _scratch_copy(tmp_path)
-    _plant(scratch / "kvcal" / "calibrate" / "hooks.py", "from kvcal.kernels import cache  # noqa: F401")
-    proc = _lint_imports(scratch)
-    assert proc.returncode == 1, proc.stdout
-    assert "kvcal.calibrate is not allowed to import kvcal.kernels" in proc.stdout
-
-
-def test_rich_in_library_code_breaks_the_forbidden_contract(tmp_path: Path) -> None:
-    scratch = _scratch_copy(tmp_path)
-    _plant(scratch / "kvcal" / "io.py", "import rich  # noqa: F401")
-    proc = _lint_imports(scratch)
-    assert proc.returncode == 1, proc.stdout
-    assert "kvcal.io is not allowed to import rich" in proc.stdout
+    for message in messages:
+        assert message in proc.stdout
 
 
 def test_unplaced_module_breaks_the_exhaustive_layers(tmp_path: Path) -> None:

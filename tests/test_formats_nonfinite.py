@@ -3,6 +3,8 @@ neighbours are stored (scales come from the finite values only). Properties over
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,13 +40,19 @@ def _with_holes(seed: int, n: int, value: float, dtype: torch.dtype) -> tuple[to
     return x.to(dtype), hole
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    n=st.integers(1, 40),
-    name=st.sampled_from(QUANTIZED),
-    dtype=st.sampled_from(DTYPES),
-)
+def _hole_cases(test: Callable[..., None]) -> Callable[..., None]:
+    """The cases every hole test draws: a seeded vector of n values with holes, in each format and dtype."""
+    return settings(max_examples=60, deadline=None)(
+        given(
+            seed=st.integers(0, 2**31 - 1),
+            n=st.integers(1, 40),
+            name=st.sampled_from(QUANTIZED),
+            dtype=st.sampled_from(DTYPES),
+        )(test)
+    )
+
+
+@_hole_cases
 def test_nan_stays_nan_and_leaves_its_neighbours_alone(
     seed: int, n: int, name: str, dtype: torch.dtype
 ) -> None:
@@ -55,13 +63,7 @@ def test_nan_stays_nan_and_leaves_its_neighbours_alone(
     assert torch.equal(y[~hole], zeroed[~hole])  # neighbours as if the NaN were a zero
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    n=st.integers(1, 40),
-    name=st.sampled_from(QUANTIZED),
-    dtype=st.sampled_from(DTYPES),
-)
+@_hole_cases
 def test_inf_saturates_and_leaves_its_neighbours_alone(
     seed: int, n: int, name: str, dtype: torch.dtype
 ) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.io import atomic_write_text, public_mode
+from kvcal.io import atomic_write_text, public_mode, temp_dir_beside
 from kvcal.models import sha256_file as file_sha256
 from kvcal.scales import K_NAME, V_NAME, ScaleSet
 
@@ -162,8 +161,7 @@ def export_vllm(
         )
     config = _quantized_config(src, ss.granularity)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        tmp = temp_dir_beside(out)
     except OSError as exc:
         raise KvcalError(
             f"cannot write export folder '{out}': {exc.strerror or exc}; choose a writable path"

@@ -3,6 +3,7 @@ render."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,22 +26,22 @@ def _fmt_scale(t: Any) -> str:
     return f"{min(vals):.4g}–{max(vals):.4g}"
 
 
-def _fmt_num(x: Any, spec: str = ".4g") -> str:
+def _fmt_stat(x: Any, fmt: Callable[[float], str]) -> str:
+    """A statistic for the table: one value, or the max of a per-group list (None entries skipped); — if none."""
     if x is None:
         return "—"
     if isinstance(x, list):
         vals = [v for v in x if v is not None]
-        return f"{max(vals):{spec}} (max)" if vals else "—"
-    return f"{x:{spec}}"
+        return f"{fmt(max(vals))} (max)" if vals else "—"
+    return fmt(x)
+
+
+def _fmt_num(x: Any, spec: str = ".4g") -> str:
+    return _fmt_stat(x, lambda v: f"{v:{spec}}")
 
 
 def _fmt_pct(x: Any) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, list):
-        vals = [v for v in x if v is not None]
-        return f"{100 * max(vals):.3g}% (max)" if vals else "—"
-    return f"{100 * x:.3g}%"
+    return _fmt_stat(x, lambda v: f"{100 * v:.3g}%")
 
 
 def _short(h: Any) -> str:

@@ -133,7 +133,8 @@ def _as_scale(s: Any) -> torch.Tensor:
     return torch.as_tensor(s, dtype=torch.float32)
 
 
-def _check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
+def check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
+    """UsageError unless every layer's head_dim is a whole number of `fmt`'s blocks (FP4 formats)."""
     for layer in kv.layers:
         bs = fmt.block_size
         if bs and layer.head_dim % bs:
@@ -264,7 +265,7 @@ class KVRuntime:
             self._uninstall()
             return
         mods = check_architecture(model, self.kv)
-        _check_block_fits(self.fmt, self.kv)
+        check_block_fits(self.fmt, self.kv)
         if scales is not None:
             _check_scales(scales, self.fmt, self.kv)
         self.impl = resolve_impl(impl, _model_device(model))

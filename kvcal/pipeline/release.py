@@ -154,11 +154,11 @@ def check_traffic(cfg: ReleaseConfig) -> str | None:
 
 def _check_model_fit(cfg: ReleaseConfig, kv: KVSpec) -> None:
     """What the checkpoint bounds, before any work: sequence lengths, skip-layer specs, block formats' head_dim."""
-    from kvcal.kernels.runtime import _check_block_fits
+    from kvcal.kernels.runtime import check_block_fits
 
     for i, fmt in enumerate([cfg.ship.kv_format] + [c.kv_format for c in cfg.evaluate.candidates]):
         try:
-            _check_block_fits(get_format(fmt), kv)
+            check_block_fits(get_format(fmt), kv)
         except UsageError as exc:
             raise UsageError(
                 f"{'ship' if i == 0 else f'evaluate.candidates[{i}]'}.kv_format: {exc}"

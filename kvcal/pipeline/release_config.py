@@ -62,7 +62,7 @@ import yaml
 from kvcal.errors import UsageError
 from kvcal.formats import get_format
 from kvcal.pipeline import sweep
-from kvcal.pipeline.sweep import Recipe, _dtype, _int, _key, _limit, _path, _raw, _read_fields, _tasks, _text
+from kvcal.pipeline.sweep import EvalSettings, Recipe, _int, _key, _path, _raw, _read_fields, _tasks
 
 ENGINES = ("vllm", "sglang")
 ON_DRIFT = ("recalibrate", "fail")
@@ -199,20 +199,9 @@ def _candidates(value: Any, key: str, base: Path | None) -> list[Candidate]:
 
 
 @dataclass
-class Evaluate:
+class Evaluate(EvalSettings):
     tasks: list[str] = _key(_tasks, factory=lambda: ["kl"])
     candidates: list[Candidate] = _key(_candidates, factory=list)
-    limit: int | dict[str, int] | None = _key(_limit, None)
-    num_fewshot: int | None = _key(_int, None)
-    data_dir: str | None = _key(_path, None)
-    include_path: str | None = _key(_path, None)
-    dtype: str = _key(_dtype, "float32")
-    device: str = _key(_text, "cpu")
-    impl: str = _key(_text, "auto")
-    batch_size: int = _key(_int, 1)
-    seed: int = _key(_int, 0)
-    kl_seq_len: int | None = _key(_int, None)
-    max_gen_toks: int | None = _key(_int, None)
 
 
 @dataclass
@@ -394,10 +383,8 @@ def sweep_config(model: str, cfg: ReleaseConfig) -> sweep.SweepConfig:
     """The sweep settings of the release's evaluations and calibration (kvcal.pipeline.sweep runs both)."""
     e = cfg.evaluate
     return sweep.SweepConfig(
-        model=model, tasks=list(e.tasks), formats=[cfg.ship.kv_format], limit=e.limit, num_fewshot=e.num_fewshot,
-        data_dir=e.data_dir, include_path=e.include_path, dtype=e.dtype, device=e.device, impl=e.impl,
-        batch_size=e.batch_size, seed=e.seed, kl_seq_len=e.kl_seq_len, max_gen_toks=e.max_gen_toks,
-        baseline="bf16", recipes=[cfg.calibration],
+        model=model, tasks=list(e.tasks), formats=[cfg.ship.kv_format], baseline="bf16", recipes=[cfg.calibration],
+        **sweep.eval_settings(e),
     )  # fmt: skip
 
 

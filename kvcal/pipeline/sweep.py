@@ -202,13 +202,10 @@ def _recipes(value: Any, key: str, base: Path | None) -> list[Recipe]:
     return recipes
 
 
-@dataclass
-class SweepConfig:
-    model: str = _key(_text)
-    tasks: list[str] = _key(_tasks)
-    formats: list[str] = _key(_formats)
-    scales: list[str] = _key(_scales, factory=lambda: ["uncalibrated", "tensor"])
-    skip_layers: list[str] = _key(_skips, factory=lambda: ["none"])
+@dataclass(kw_only=True)
+class EvalSettings:
+    """How each evaluation runs: the keys a sweep config and a release config's `evaluate` section share."""
+
     limit: int | dict[str, int] | None = _key(
         _limit, None
     )  # samples per task; a mapping gives each task its own
@@ -222,6 +219,20 @@ class SweepConfig:
     seed: int = _key(_int, 0)
     kl_seq_len: int | None = _key(_int, None)
     max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
+
+
+def eval_settings(settings: EvalSettings) -> dict[str, Any]:
+    """The EvalSettings fields of `settings` as keyword arguments (to carry them into another config)."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(EvalSettings)}
+
+
+@dataclass
+class SweepConfig(EvalSettings):
+    model: str = _key(_text)
+    tasks: list[str] = _key(_tasks)
+    formats: list[str] = _key(_formats)
+    scales: list[str] = _key(_scales, factory=lambda: ["uncalibrated", "tensor"])
+    skip_layers: list[str] = _key(_skips, factory=lambda: ["none"])
     baseline: str = _key(_text, "bf16")
     recipes: list[Recipe] = _key(_recipes, factory=lambda: [Recipe()], yaml_key="calibration")
 

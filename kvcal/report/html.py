@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from kvcal import __version__
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
-from kvcal.report.markdown import by_metric, gated_list, how_to_read
+from kvcal.report.markdown import by_task, gated_list, how_to_read
 from kvcal.report.plots import forest_png, pareto_png
 from kvcal.report.verdicts import MetricResult
 
@@ -115,12 +115,10 @@ def _metric_table(cmp: Comparison, task: str, label: str, rows: list[MetricResul
 
 def _tasks(cmp: Comparison) -> list[str]:
     out: list[str] = []
-    for task in cmp.tasks:
-        task_results = [r for r in cmp.results if r.task == task]
-        if task_results:
-            out.append(f"<h2>{e(task)}</h2>")
-            for label, rows in by_metric(task_results):
-                out += _metric_table(cmp, task, label, rows)
+    for task, groups in by_task(cmp):
+        out.append(f"<h2>{e(task)}</h2>")
+        for label, rows in groups:
+            out += _metric_table(cmp, task, label, rows)
     return out
 
 

@@ -22,6 +22,17 @@ def by_metric(task_results: list[MetricResult]) -> list[tuple[str, list[MetricRe
     return list(groups.items())
 
 
+def by_task(cmp: Comparison) -> list[tuple[str, list[tuple[str, list[MetricResult]]]]]:
+    """Each task that has results (in cmp.tasks order) with its results grouped by metric (`by_metric`):
+    the sections of the per-task tables, in every report format."""
+    out = []
+    for task in cmp.tasks:
+        task_results = [r for r in cmp.results if r.task == task]
+        if task_results:
+            out.append((task, by_metric(task_results)))
+    return out
+
+
 def _header(cmp: Comparison) -> list[str]:
     gate = fmt.gate_line(len(cmp.failures), len(cmp.insufficient))
     return [
@@ -107,12 +118,10 @@ def _metric_table(cmp: Comparison, task: str, label: str, rows: list[MetricResul
 
 def _tasks(cmp: Comparison) -> list[str]:
     lines: list[str] = []
-    for task in cmp.tasks:
-        task_results = [r for r in cmp.results if r.task == task]
-        if task_results:
-            lines += [f"## {task}", ""]
-            for label, rows in by_metric(task_results):
-                lines += _metric_table(cmp, task, label, rows)
+    for task, groups in by_task(cmp):
+        lines += [f"## {task}", ""]
+        for label, rows in groups:
+            lines += _metric_table(cmp, task, label, rows)
     return lines
 
 

@@ -27,38 +27,10 @@ MC_DOCS = [
     {"q": "paris is the capital of", "choices": ["italy", "france"], "label": 1},
 ]
 ROLL_DOCS = [{"text": t} for t in CORPUS]
+# name -> (output type, docs, metrics) of the two local lm-eval tasks.
 TASKS = {
-    "bf16_mc": """
-task: bf16_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-metadata:
-  version: 1.0
-""",
-    "bf16_roll": """
-task: bf16_roll
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/roll.jsonl
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-metadata:
-  version: 1.0
-""",
+    "bf16_mc": ("multiple_choice", MC_DOCS, ["acc"]),
+    "bf16_roll": ("loglikelihood_rolling", ROLL_DOCS, ["word_perplexity"]),
 }
 
 
@@ -76,12 +48,10 @@ def bf16_model(tiny_lm_dir: Callable[..., Path], tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="module")
-def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def task_dir(tmp_path_factory: pytest.TempPathFactory, lm_eval_task: Callable[..., None]) -> Path:
     d = tmp_path_factory.mktemp("bf16-tasks")
-    (d / "mc.jsonl").write_text("".join(json.dumps(x) + "\n" for x in MC_DOCS))
-    (d / "roll.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ROLL_DOCS))
-    for name, text in TASKS.items():
-        (d / f"{name}.yaml").write_text(text.format(dir=d))
+    for name, (output_type, docs, metrics) in TASKS.items():
+        lm_eval_task(d, name, output_type, docs, metrics)
     return d
 
 

@@ -42,79 +42,36 @@ GEN_DOCS = [
     {"q": "the quick brown", "a": "fox"},
 ]
 
-TASK_YAMLS = {
-    "tiny_mc.yaml": """
-task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/mc.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{q}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-metadata:
-  version: 1.0
-""",
-    "tiny_roll.yaml": """
-task: tiny_roll
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/roll.jsonl
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-""",
-    "tiny_gen.yaml": """
-task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/gen.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "question : {{{{q}}}} answer :"
-doc_to_target: "{{{{a}}}}"
-generation_kwargs:
-  until: ["\\n", "question"]
-  max_gen_toks: 6
-  do_sample: false
-metric_list:
-  - metric: exact_match
-metadata:
-  version: 1.0
-""",
-}
+GEN_KWARGS = {"until": ["\n", "question"], "max_gen_toks": 6, "do_sample": False}
 
 
-def write_tasks(task_dir: Path) -> Path:
-    task_dir.mkdir(parents=True, exist_ok=True)
-    for name, docs in (("mc", MC_DOCS), ("roll", ROLL_DOCS), ("gen", GEN_DOCS)):
-        (task_dir / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    for fname, text in TASK_YAMLS.items():
-        (task_dir / fname).write_text(text.format(dir=task_dir))
+def write_tasks(task_dir: Path, lm_eval_task: Callable[..., None]) -> Path:
+    """tiny_mc, tiny_roll and tiny_gen: one local lm-eval task of each output type kvcal serves."""
+    lm_eval_task(task_dir, "tiny_mc", "multiple_choice", MC_DOCS, ["acc", "acc_norm"])
+    lm_eval_task(
+        task_dir,
+        "tiny_roll",
+        "loglikelihood_rolling",
+        ROLL_DOCS,
+        ["word_perplexity", "byte_perplexity", "bits_per_byte"],
+    )
+    lm_eval_task(
+        task_dir, "tiny_gen", "generate_until", GEN_DOCS, ["exact_match"], generation_kwargs=GEN_KWARGS
+    )
     return task_dir
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_lm_dir: Callable[..., Path]) -> dict[str, Path]:
+def tiny(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_lm_dir: Callable[..., Path],
+    lm_eval_task: Callable[..., None],
+) -> dict[str, Path]:
     """Tiny Llama and Gemma 3 (tests/conftest.py's `tiny_lm_dir`, tokenizer trained on CORPUS) and the tasks."""
     return {
         "llama": tiny_lm_dir("llama", CORPUS),
         "gemma3": tiny_lm_dir("gemma3", CORPUS),
-        "tasks": write_tasks(tmp_path_factory.mktemp("tiny_eval") / "tasks"),
+        "tasks": write_tasks(tmp_path_factory.mktemp("tiny_eval") / "tasks", lm_eval_task),
     }
 
 

@@ -189,28 +189,13 @@ CORPUS = [
     "paris is the capital of france and rome is the capital of italy",
 ]
 
-ROLL_TASK = """
-task: tiny_roll
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/roll.jsonl
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-"""
-
 
 @pytest.mark.slow
 def test_real_sweep_resume_and_compare(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_lm_dir: Callable[..., Path]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    tiny_lm_dir: Callable[..., Path],
+    lm_eval_task: Callable[..., None],
 ) -> None:
     pytest.importorskip("kvcal.calibrate.run")
     # A tiny Gemma 3 (sliding layers) with large K/V (k_proj x 8), so that uncalibrated FP8 (scale 1.0) and FP4
@@ -218,9 +203,10 @@ def test_real_sweep_resume_and_compare(
     model = tmp_path / "model"
     shutil.copytree(tiny_lm_dir("gemma3", CORPUS, vocab_size=300, k_gain=8.0), model)
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "roll.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
-    (tasks / "tiny_roll.yaml").write_text(ROLL_TASK.format(dir=tasks))
+    lm_eval_task(
+        tasks, "tiny_roll", "loglikelihood_rolling", [{"text": t} for t in CORPUS],
+        ["word_perplexity", "byte_perplexity", "bits_per_byte"],
+    )  # fmt: skip
     conf = {
         "model": str(model),
         "tasks": ["tiny_roll"],
