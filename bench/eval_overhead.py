@@ -56,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from kvcal.evaluate.adapter import KvcalLM, resolve_pretrained
+    from kvcal.evaluate.adapter import KvcalLM
     from kvcal.evaluate.tasks import resolve_tasks, task_manager_for
+    from kvcal.models import resolve_model
 
-    _, model_dir = resolve_pretrained(args.model)
+    model_dir = resolve_model(args.model)
     plan = resolve_tasks("wikitext", data_dir=args.data_dir if Path(args.data_dir).is_dir() else None)
     spec = plan.lm_eval_specs["wikitext"]
     tm = task_manager_for(plan)
