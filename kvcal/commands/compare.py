@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
+from kvcal.commands.options import JsonOpt
 from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.io import atomic_write_text
 
@@ -57,7 +58,7 @@ def compare_cmd(
     ),
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Paired bootstrap resamples."),
     seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable verdicts on stdout."),
+    as_json: JsonOpt = False,
 ) -> None:
     """Compare run directories against a baseline: report with error bars and a regression gate."""
     from kvcal.errors import UsageError
@@ -149,7 +150,7 @@ def sweep_cmd(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the plan (what is done, what would run) and stop."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable plan / result on stdout."),
+    as_json: JsonOpt = False,
 ) -> None:
     """Run a resumable matrix of formats x scales x skip-layers x tasks."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -20,10 +20,8 @@ from kvcal.evaluate.run import EvalConfig
 
 ROOT = typer.main.get_command(app)
 
+
 # compare.py (kvcal compare / sweep) still declares its own --json help; its owner converts it to JsonOpt.
-JSON_HELP_NOT_YET_SHARED = {"compare", "sweep"}
-
-
 def _leaf_commands(
     group: typer.core.TyperGroup = ROOT, prefix: tuple[str, ...] = ()
 ) -> dict[tuple[str, ...], typer.core.TyperCommand]:
@@ -78,8 +76,7 @@ def test_json_has_one_help_everywhere() -> None:
     found = _params_with_flag("--json")
     assert {name for name, _ in found} == {" ".join(path) for path in LEAVES}  # every command offers --json
     for name, param in found:
-        if name not in JSON_HELP_NOT_YET_SHARED:
-            assert param.help == options.JSON_HELP, name
+        assert param.help == options.JSON_HELP, name
 
 
 def test_model_argument_has_one_help_everywhere() -> None:
