@@ -222,7 +222,7 @@ def calibrated_scales(ctx: Context, recipe: sweep.Recipe) -> Path:
         ctx.say(f"scales: {path.name} already calibrated on this checkpoint, reused")
         return path
     cal = sweep.Calibration(recipe, ship.kv_format, ship.granularity, path, "todo")
-    errors = sweep._calibrate_all(ctx.scfg, [cal], lambda m, _a: ctx.say(m), ctx.warn)
+    errors = sweep.calibrate_all(ctx.scfg, [cal], lambda m, _a: ctx.say(m), ctx.warn)
     if errors:
         raise KvcalError(f"calibration of {path.name} failed: {errors[str(path)]}")
     ctx.work.calibrations_run += 1
@@ -367,14 +367,11 @@ def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str,
     cells: list[sweep.Cell] = []
     roles: dict[str, str] = {}
     for conf in configurations(ctx.cfg):
-        name = sweep._cell_name(model_short(ctx.model), conf.kv_format, conf.label, conf.skip)
+        name = sweep.cell_name(model_short(ctx.model), conf.kv_format, conf.label, conf.skip)
         roles[name] = conf.role
         base = root / f"scales-{scales.sha256[:12]}" if conf.calibrated else root
-        for task in e.tasks:
-            cell = sweep.Cell(name, task, conf.kv_format, conf.label, conf.skip, base / task / name,
-                              cal if conf.calibrated else None, conf.role == "baseline")  # fmt: skip
-            cell.status, cell.detail = sweep._cell_state(cell, ctx.scfg)
-            cells.append(cell)
+        cells += sweep.task_cells(ctx.scfg, base, name, conf.kv_format, conf.label, conf.skip,
+                                  cal if conf.calibrated else None, conf.role == "baseline")  # fmt: skip
     return sweep.SweepPlan(root, cells, [cal]), roles
 
 
@@ -396,7 +393,7 @@ def evaluate(ctx: Context, scales: Scales) -> tuple[list[sweep.Cell], dict[str, 
         raise KvcalError(f"{plan.stale[0].detail}")
     ctx.work.evaluations_reused += plan.n_done
     ctx.say(f"evaluate: {plan.n_done} of {len(plan.cells)} runs complete, {len(plan.todo)} to run")
-    ran, failed = sweep._run_cells(ctx.scfg, plan, {}, lambda m, _a: ctx.say(m), ctx.gpqa_password)
+    ran, failed = sweep.run_cells(ctx.scfg, plan, {}, lambda m, _a: ctx.say(m), ctx.gpqa_password)
     ctx.work.evaluations_run += ran
     if failed:
         raise KvcalError(f"evaluation {failed[0]['cell']} failed: {failed[0]['error']}")

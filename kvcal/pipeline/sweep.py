@@ -411,12 +411,29 @@ def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
             if key not in calibrations:
                 calibrations[key] = _calibration(root, recipe, fmt, gran)
             cal = calibrations[key]
-        name = _cell_name(model, fmt, label, skip)
-        for task in cfg.tasks:
-            cell = Cell(name, task, fmt, label, skip, root / task / name, cal, baseline)
-            cell.status, cell.detail = _cell_state(cell, cfg)
-            cells.append(cell)
+        cells.extend(
+            task_cells(cfg, root, cell_name(model, fmt, label, skip), fmt, label, skip, cal, baseline)
+        )
     return SweepPlan(root, cells, list(calibrations.values()))
+
+
+def task_cells(
+    cfg: SweepConfig,
+    root: Path,
+    name: str,
+    fmt: str,
+    label: str,
+    skip: str,
+    cal: Calibration | None,
+    baseline: bool,
+) -> list[Cell]:
+    """One configuration's cell per task (run directory root/<task>/<name>), each with its status on disk."""
+    cells = []
+    for task in cfg.tasks:
+        cell = Cell(name, task, fmt, label, skip, root / task / name, cal, baseline)
+        cell.status, cell.detail = _cell_state(cell, cfg)
+        cells.append(cell)
+    return cells
 
 
 def _configurations(cfg: SweepConfig) -> Iterator[tuple[str, str, str | None, Recipe | None, str, bool]]:
@@ -454,7 +471,7 @@ def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | No
     return out
 
 
-def _cell_name(model: str, fmt: str, label: str, skip: str) -> str:
+def cell_name(model: str, fmt: str, label: str, skip: str) -> str:
     """kvcal eval's run directory name (evaluate.run.run_dir_name): uncalibrated and dynamic are both 'none'."""
     tag = label if label.startswith("calib-") else "none"
     return f"{model}__{fmt}__{tag}__skip-{skip_tag(skip)}"
@@ -568,8 +585,8 @@ def execute_sweep(
     for c in plan.calibrations:  # scale files whose cells are all complete or stale: nothing to do
         if c.status == "todo" and c not in needed:
             step(f"{c.name}: not needed", True)
-    cal_errors = _calibrate_all(cfg, needed, step, warn or (lambda _m: None))
-    ran, cell_failures = _run_cells(cfg, plan, cal_errors, step, gpqa_password)
+    cal_errors = calibrate_all(cfg, needed, step, warn or (lambda _m: None))
+    ran, cell_failures = run_cells(cfg, plan, cal_errors, step, gpqa_password)
     summary = {
         "runs_dir": str(root),
         "ran": ran,
@@ -595,7 +612,7 @@ def _stepper(plan: SweepPlan, progress: ProgressCallback | None) -> Step:
     return step
 
 
-def _calibrate_all(
+def calibrate_all(
     cfg: SweepConfig, todo: list[Calibration], step: Step, warn: Callable[[str], None]
 ) -> dict[str, str]:
     """Write every missing scale file; one model load for all of them. Returns {scale file: error}."""
@@ -627,7 +644,7 @@ def _calibrate_all(
     return errors
 
 
-def _run_cells(
+def run_cells(
     cfg: SweepConfig, plan: SweepPlan, cal_errors: dict[str, str], step: Step, gpqa_password: str | None
 ) -> tuple[int, list[dict[str, str]]]:
     """Run every cell still to run (the baseline first). Returns (cells run, [{cell, error}] of the failures)."""
