@@ -206,12 +206,8 @@ def build_runtime(
     skip = models.parse_skip_layers(skip_spec, kv)
     scale_set = None
     if scales_path:
-        from kvcal.scales import load_scales_for_model
+        from kvcal.scales import load_scales_for_model  # refuses a missing file with one UsageError
 
-        if not Path(scales_path).is_file():
-            raise UsageError(
-                f"scale file '{scales_path}' does not exist; pass the file `kvcal calibrate` wrote"
-            )
         scale_set = load_scales_for_model(
             scales_path, model_ref, model_dir, kv, kv_format=kv_format, force=force_scales
         )
