@@ -1,10 +1,11 @@
 """Benchmark: kvcal's native calibration vs `--engine llmcompressor` (oneshot) on the same token sequences.
 
     .venv/bin/python bench/calibrate.py [--model smollm2] [--dataset ../shared/data/c4_calib]
-                                        [--num-samples 32] [--seq-len 512] [--repeats 2] [--trap]
+                                        [--num-samples 32] [--seq-len 512] [--batch-size 8] [--repeats 2] [--trap]
 
-Each run is a fresh child process (same model, data, seed, FP8-E4M3 per-tensor minmax / static_minmax), runs are
-interleaved (native, llmcompressor, native, ...) so machine load hits both alike; per run: wall time of the whole
+Each run is a fresh child process (same model, data, seed, FP8-E4M3 per-tensor minmax / static_minmax): kvcal
+native at --batch-size, kvcal native at batch 1 (the scales must be bit-identical) and llm-compressor's oneshot;
+runs are interleaved (rotating order per repeat) so machine load hits all alike; per run: wall time of the whole
 child (imports + load + data + calibration), the calibration pass alone, and the child's peak RSS
 (getrusage ru_maxrss) and CPU time (user + sys: the fairer number on a shared machine). `--trap` adds
 llm-compressor with its DEFAULT observer ('minmax', a moving average) and
@@ -35,7 +36,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     from kvcal.calibrate.run import calibrate
 
-    out = OUT / f"scales_{args.engine}_{args.llmc_observer}.safetensors"
+    out = OUT / f"scales_{args.engine}_{args.llmc_observer}_b{args.batch_size}.safetensors"
     res = calibrate(
         args.model,
         "fp8_e4m3",
@@ -48,6 +49,7 @@ def child(args: argparse.Namespace) -> None:
         engine=args.engine,
         output=out,
         llmc_observer=args.llmc_observer,
+        batch_size=args.batch_size if args.engine == "native" else 1,
     )
     wall = time.perf_counter() - t0
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -57,6 +59,7 @@ def child(args: argparse.Namespace) -> None:
         + json.dumps(
             {
                 "engine": args.engine,
+                "batch_size": args.batch_size if args.engine == "native" else 1,
                 "llmc_observer": args.llmc_observer if args.engine == "llmcompressor" else None,
                 "wall_s": wall,
                 "calibrate_s": res.timings["observe_s"],
@@ -80,9 +83,12 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def run_child(args: argparse.Namespace, engine: str, llmc_observer: str = "static_minmax") -> dict:
+def run_child(
+    args: argparse.Namespace, engine: str, llmc_observer: str = "static_minmax", batch_size: int = 1
+) -> dict:
     cmd = [
         sys.executable, __file__, "--child", "--engine", engine, "--llmc-observer", llmc_observer,
+        "--batch-size", str(batch_size),
         "--model", args.model, "--dataset", str(args.dataset),
         "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--threads", str(args.threads),
     ]  # fmt: skip
@@ -106,6 +112,7 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="kvcal native: samples per forward")
     p.add_argument(
         "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")), help="torch threads"
     )
@@ -122,21 +129,25 @@ def main() -> None:
         return
 
     runs: list[dict] = []
+    kinds = [("native", args.batch_size), ("llmcompressor", 1), ("native", 1)]
     for rep in range(args.repeats):
-        order = ("native", "llmcompressor") if rep % 2 == 0 else ("llmcompressor", "native")
-        for engine in order:
-            r = run_child(args, engine)
+        for engine, bs in kinds[rep % 3 :] + kinds[: rep % 3]:
+            r = run_child(args, engine, batch_size=bs)
             r["repeat"] = rep
             runs.append(r)
-            print(f"  run {rep} {engine:14s} wall {r['process_wall_s']:7.1f} s  calibration {r['calibrate_s']:7.1f} s  "
+            print(f"  run {rep} {engine:14s} batch {bs:2d} wall {r['process_wall_s']:7.1f} s  calibration {r['calibrate_s']:7.1f} s  "
                   f"CPU {r['cpu_s']:7.1f} s  peak RSS {r['peak_rss_mib']:7.0f} MiB", flush=True)  # fmt: skip
     if args.trap:
         r = run_child(args, "llmcompressor", "minmax")
         r["repeat"] = 0
         runs.append(r)
 
-    def summary(engine: str, obs: str | None) -> dict:
-        rs = [r for r in runs if r["engine"] == engine and r["llmc_observer"] == obs]
+    def summary(engine: str, obs: str | None, batch_size: int = 1) -> dict:
+        rs = [
+            r
+            for r in runs
+            if r["engine"] == engine and r["llmc_observer"] == obs and r["batch_size"] == batch_size
+        ]
         return {
             "runs": len(rs),
             "wall_s_median": statistics.median(r["process_wall_s"] for r in rs),
@@ -146,9 +157,11 @@ def main() -> None:
             "max_clipped_fraction": max(r["max_clipped_fraction"] for r in rs),
         }
 
-    native = summary("native", None)
+    native = summary("native", None, args.batch_size)
+    native1 = summary("native", None, 1)
     llmc = summary("llmcompressor", "static_minmax")
-    n0 = next(r for r in runs if r["engine"] == "native")
+    n0 = next(r for r in runs if r["engine"] == "native" and r["batch_size"] == args.batch_size)
+    n1 = next(r for r in runs if r["engine"] == "native" and r["batch_size"] == 1)
     l0 = next(r for r in runs if r["engine"] == "llmcompressor" and r["llmc_observer"] == "static_minmax")
     rel = max(
         abs(a - b) / b
@@ -161,8 +174,12 @@ def main() -> None:
         "seq_len": args.seq_len,
         "num_tokens": n0["num_tokens"],
         "same_tokens": n0["token_ids_sha256"] == l0["token_ids_sha256"],
+        "batch_size": args.batch_size,
         "native": native,
+        "native_batch1": native1,
         "llmcompressor_static_minmax": llmc,
+        "ratio_wall_vs_llmcompressor": native["wall_s_median"] / llmc["wall_s_median"],
+        "batch_scales_identical": n0["k_scales"] == n1["k_scales"] and n0["v_scales"] == n1["v_scales"],
         "speedup_wall": llmc["wall_s_median"] / native["wall_s_median"],
         "speedup_calibration": llmc["calibrate_s_median"] / native["calibrate_s_median"],
         "speedup_cpu": llmc["cpu_s_median"] / native["cpu_s_median"],
@@ -193,13 +210,19 @@ def main() -> None:
     print(
         f"{'engine':32s} {'wall s':>8s} {'calib s':>8s} {'CPU s':>8s} {'peak RSS MiB':>13s} {'max clipped':>12s}"
     )
-    rows = [("kvcal native (minmax)", native), ("llm-compressor (static_minmax)", llmc)]
+    rows = [
+        (f"kvcal native batch {args.batch_size}", native),
+        ("kvcal native batch 1", native1),
+        ("llm-compressor (static_minmax)", llmc),
+    ]
     if args.trap:
         rows.append(("llm-compressor (default minmax)", report["llmcompressor_default_minmax"]))
     for name, s in rows:
         print(f"{name:32s} {s['wall_s_median']:8.1f} {s['calibrate_s_median']:8.1f} {s['cpu_s_median']:8.1f} "
               f"{s['peak_rss_mib_max']:13.0f} "
               f"{s['max_clipped_fraction']:12.2e}")  # fmt: skip
+    print(f"native batch {args.batch_size} takes {report['ratio_wall_vs_llmcompressor']:.2f}x llm-compressor's "
+          f"wall time; its scales equal batch 1's bit for bit: {report['batch_scales_identical']}")  # fmt: skip
     print(f"native is {report['speedup_wall']:.2f}x faster (whole process wall), {report['speedup_calibration']:.2f}x "
           f"(calibration pass wall), {report['speedup_cpu']:.2f}x (process CPU time); "
           f"scales agree to {rel:.1e} relative")  # fmt: skip

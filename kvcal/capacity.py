@@ -3,7 +3,9 @@
 bytes/token = sum over layers of 2 (K and V) x kv_heads x head_dim x bits/8, with `bits` from
 `kvcal.formats` (codes + block scales: fp8 8, int8 8 + 32/head_dim, nvfp4 / fp4_e2m1 4.5, mxfp4 4.25),
 skipped layers (--skip-layers) at 16 bits, and — when a context length N is given — each sliding-window layer
-weighted by min(N, window) / N (it holds at most `window` tokens of a sequence of N). Per-tensor / per-head
+weighted by min(N, window) / N (it holds at most `window` tokens of a sequence of N). A K/V format pair
+(`k=fp8_e4m3,v=nvfp4`) counts K's elements at K's bits (codes + block scales) and V's at V's: bytes/token = sum
+over layers of kv_heads x head_dim x (bits_K + bits_V) / 8. Per-tensor / per-head
 scales are a few bytes per layer, not per token, and are not counted. `auto` is the model's serving dtype, 16
 bits (see kv_bytes_per_token). `kvcal capacity` and every run's metrics.json (`run_capacity`) count the same way.
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import UsageError
-from kvcal.formats import FORMATS, KVFormat, get_format
+from kvcal.formats import FORMATS, KVFormat, kv_pair, parse_kv_format
 from kvcal.models import SLIDING, KVSpec, is_gguf, kv_spec, load_config, parse_skip_layers, resolve_real_name
 
 GIB = 2**30
@@ -39,17 +41,25 @@ def kv_bytes_per_token(
     serve in 16 bits whatever the checkpoint stores (vLLM's `--dtype auto` serves float32 and float16
     checkpoints in float16, bfloat16 ones in bfloat16), so a float32 checkpoint such as a converted GGUF, evaluated
     in float32 by `kvcal eval`, is still counted as the 16-bit cache it gets in serving."""
-    f = get_format(fmt)
+    fk, fv = kv_pair(fmt)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens, got {context}")
     total = 0.0
     for layer in kv.layers:
-        bits = 16.0 if layer.index in skip_layers else f.bits_per_element(layer.head_dim, auto_bits)
+        if layer.index in skip_layers:
+            bits = 2 * 16.0  # K and V
+        else:
+            bits = fk.bits_per_element(layer.head_dim, auto_bits) + fv.bits_per_element(layer.head_dim, auto_bits)
         share = 1.0
         if context is not None and layer.type == SLIDING and layer.window:
             share = min(context, layer.window) / context
-        total += 2 * layer.kv_heads * layer.head_dim * bits / 8 * share
+        total += layer.kv_heads * layer.head_dim * bits / 8 * share
     return total
+
+
+def _format_name(f: str | KVFormat) -> str:
+    """Canonical name of a format or a K/V pair (UsageError for an unknown one)."""
+    return f.name if isinstance(f, KVFormat) else parse_kv_format(f)
 
 
 def weights_bytes(model: str | os.PathLike[str]) -> tuple[int, str] | None:
@@ -91,7 +101,7 @@ def capacity_table(
 
     Returns {"formats": [{"kv_format", "bytes_per_token", "multiplier_vs_bf16", "multiplier_vs_fp8",
     "bits_per_element", "max_tokens", "max_sequences"}, ...], plus the inputs}."""
-    fmts = [get_format(f) for f in (formats or list(FORMATS))]
+    fmts = [_format_name(f) for f in (formats or list(FORMATS))]
     fmts = list(dict.fromkeys(fmts))  # drop repeats, keep order
     free = None
     if gpu_mem_bytes is not None:
@@ -116,7 +126,7 @@ def capacity_table(
         max_tokens = None if free is None else math.floor(free / b)
         rows.append(
             {
-                "kv_format": f.name,
+                "kv_format": f,
                 "bytes_per_token": b,
                 "multiplier_vs_bf16": bf16 / b,
                 "multiplier_vs_fp8": fp8 / b,
@@ -162,7 +172,7 @@ def model_capacity(
     weights_gib: float | None = None,
 ) -> dict[str, Any]:
     """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only."""
-    fmts = [get_format(f) for f in formats] if formats else None  # unknown names fail before any file is read
+    fmts = [_format_name(f) for f in formats] if formats else None  # unknown names fail before any file is read
     ref = resolve_real_name(model)
     kv = kv_spec(load_config(ref))
     skip = parse_skip_layers(skip_layers, kv)

@@ -23,7 +23,7 @@ from kvcal.commands.models import models_install, models_list, models_path
 from kvcal.commands.release import release_cmd
 from kvcal.commands.scalefile import export_cmd, show_cmd, verify_cmd
 from kvcal.commands.sensitivity import sensitivity_cmd
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, UsageError
 
 
 class _App(typer.Typer):
@@ -36,8 +36,20 @@ class _App(typer.Typer):
         except KvcalError as exc:
             if os.environ.get("KVCAL_DEBUG"):
                 raise
-            print(f"Error: {exc}", file=sys.stderr)
+            if _says_error(exc):
+                print(f"Error: {exc}", file=sys.stderr)
             sys.exit(exc.exit_code)
+
+
+def _says_error(exc: KvcalError) -> bool:
+    """One Error line per multi-process run: rank 0 prints bad input (every rank finds the same), and under
+    `--num-processes` the launcher reports a lost rank instead of every survivor (kvcal.parallel)."""
+    from kvcal import parallel
+
+    rank = os.environ.get("RANK", "0")
+    if isinstance(exc, UsageError) and rank != "0":
+        return False
+    return not (isinstance(exc, parallel.PeerLost) and os.environ.get(parallel.LAUNCHED_ENV))
 
 
 app = _App(
@@ -86,3 +98,6 @@ models_app.command("path")(models_path)
 app.add_typer(models_app, name="models")
 
 __all__ = ["app"]
+
+if __name__ == "__main__":  # `python -m kvcal.cli`: what torchrun starts in each rank (kvcal.parallel)
+    app()

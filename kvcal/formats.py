@@ -21,11 +21,12 @@ Storage layout (kernels read these; do not change without changing them)
 | bf16 | bfloat16 [..., D] | None | None |
 | fp8_e4m3 / fp8_e5m2 | float8_e4m3fn / float8_e5m2 [..., D] | None | fp32 0-d, [H_kv] (dim 1) or [B, 1, 1, 1] |
 | int8_per_token_head | int8 [..., D] (-128 = NaN) | fp32 [..., 1] (amax/127) | None |
-| nvfp4 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d, [H_kv] or [B, 1, 1, 1] global |
+| nvfp4, nvfp4_4over6 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d, [H_kv] or [B, 1, 1, 1] global |
 | fp4_e2m1 | uint8 [..., D//2] | uint8 E8M0 [..., D//16] | None |
 | mxfp4 | uint8 [..., D//2] | uint8 E8M0 [..., D//32] | None |
 
-Dequantization: fp8 `codes * scale`; int8 `codes * block_scales`; nvfp4 `e2m1(code) * (e4m3(block) * scale)`
+Dequantization: fp8 `codes * scale`; int8 `codes * block_scales`; nvfp4 (and nvfp4_4over6, `KVFormat.layout`
+"nvfp4") `e2m1(code) * (e4m3(block) * scale)`
 (the product in fp32); fp4_e2m1 / mxfp4 `e2m1(code) * 2**(byte - 127)`. Block b covers elements
 `[b*block, (b+1)*block)` of the last dim.
 
@@ -56,6 +57,19 @@ Rounding and scales per format
   rounds to 0 stores codes 0 (compressed-tensors substitutes 0.125 for a zero scale; the values are 0 either way).
   vLLM's NVFP4 cache uses g = its k_scale / v_scale: the checkpoint's, else 1.0 (the cache's default policy,
   `kvcal.kernels.cache`).
+- nvfp4_4over6: vLLM's `--kv-cache-dtype nvfp4_4over6` (vllm-project/vllm PR #45187), transcribed from
+  csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu @ 0cd789b397efc1a8992489076db9fe28d41aed69
+  (`cvt_warp_fp16_to_fp4_4over6`, `nvfp4_candidate_scale`, `nvfp4_reconstruction_error`). Same storage as nvfp4.
+  Per 16-element block, with s = 1 / g (the kernel's SFScaleVal, g = k_scale / v_scale): two candidates
+  `sf_n = e4m3_satfinite(s * (block_amax * (1/n)))` for n = 6 and 4, each with element multiplier
+  `m_n = 1 / (float(sf_n) * (1 / s))` (0 when sf_n is 0); the squared reconstruction error
+  `sum((rne_e2m1(x * m_n) / m_n - x)**2)` (pairs (2i, 2i+1) added first, then the 8 pair sums in order) picks
+  n = 4 when strictly smaller, else n = 6; elements = RNE E2M1 of `x * m_n` (saturating at +-6). kvcal computes
+  in IEEE float32 with correctly rounded reciprocals and no fused multiply-adds; the CUDA kernel uses
+  `rcp.approx.ftz` and nvcc may contract `q * deq - x` into an FMA, so a GPU can choose the other candidate where
+  the two errors agree to float32 rounding (and its block scale / multiplier can differ by an ulp). The block
+  scale differs from kvcal's nvfp4 (which divides by `6 g` directly, compressed-tensors' order) by an ulp at most.
+  NaN/Inf elements count as 0 in the block maximum and in the errors (kvcal's non-finite policy).
 - fp4_e2m1: reproduces SGLang's `KVFP4QuantizeUtil._batched_quantize_standard` (sgl-project/sglang,
   python/sglang/srt/layers/quantization/kvfp4_tensor.py): 16-element blocks, `scale_exp = ceil(log2(clamp(
   block_amax / 6, min=1e-10)))` stored as the UE8M0 byte `scale_exp + 127` (an all-zero block gets -33);
@@ -94,8 +108,10 @@ __all__ = [
     "finite_abs",
     "format_names",
     "get_format",
+    "kv_pair",
     "nvfp4_dynamic_global",
     "pack_fp4",
+    "parse_kv_input_dtype",
     "parse_kv_format",
     "quantize",
     "unpack_fp4",
@@ -139,6 +155,14 @@ class KVFormat:
     max_value: float | None  # largest code magnitude (element units)
     engine_names: dict[str, str | None] = field(default_factory=dict)  # vllm / sglang / trtllm
     description: str = ""
+    # the format whose QTensor storage layout this one shares (what dequantize and the kernels read); "" = its own
+    # name. nvfp4_4over6 stores exactly nvfp4's codes + E4M3 block scales + global scale: only the choice of the
+    # block scale differs, so every reader of nvfp4 reads it.
+    layout: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layout:
+            object.__setattr__(self, "layout", self.name)
 
     def bits_per_element(self, head_dim: int, model_bits: int = 16) -> float:
         """Storage bits per K or V element including scale bytes (per-tensor/per-head scales are negligible).
@@ -173,15 +197,31 @@ _TABLE: tuple[tuple, ...] = (
      "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
     ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, ("nvfp4", None, "NVFP4"),
      "E2M1, 16-element blocks, E4M3 block scale x fp32 global scale"),
+    ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, ("nvfp4_4over6", None, None),
+     "nvfp4 storage; per block the E4M3 scale of max/6 or max/4, whichever reconstructs with less squared error "
+     "(vLLM's 4-over-6 scale search)"),
     ("fp4_e2m1", ("kvfp4",), "e2m1", 16, False, E2M1_MAX, (None, "fp4_e2m1", None),
      "E2M1, 16-element blocks, UE8M0 power-of-two scale (SGLang's quantizer: ties away from zero)"),
     ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (None, None, None),
      "E2M1, 32-element blocks, E8M0 shared exponent (OCP MX v1.0)"),
 )
 # fmt: on
+_LAYOUTS = {"nvfp4_4over6": "nvfp4"}  # formats that share another one's storage layout
 FORMATS: dict[str, KVFormat] = {
-    row[0]: KVFormat(*row[:6], dict(zip(("vllm", "sglang", "trtllm"), row[6], strict=True)), row[7])
+    row[0]: KVFormat(
+        *row[:6],
+        dict(zip(("vllm", "sglang", "trtllm"), row[6], strict=True)),
+        row[7],
+        _LAYOUTS.get(row[0], ""),
+    )
     for row in _TABLE
+}
+# Engine cache dtypes kvcal knows and does not emulate, with the reason (an error names it instead of "unknown").
+NOT_EMULATED: dict[str, str] = {
+    "nvfp4_ds_mla": "vLLM's NVFP4 cache of DeepSeek MLA latents (one compressed latent per token, not per-head "
+    "K/V); kvcal evaluates per-head K/V caches",
+    "fp8_ds_mla": "vLLM's FP8 cache of DeepSeek MLA latents (one compressed latent per token, not per-head K/V); "
+    "kvcal evaluates per-head K/V caches",
 }
 _LOOKUP: dict[str, KVFormat] = {}
 for _f in FORMATS.values():
@@ -204,17 +244,82 @@ def get_format(name: str | KVFormat) -> KVFormat:
     """The format for a canonical name or an alias (case-insensitive); UsageError listing all names otherwise."""
     if isinstance(name, KVFormat):
         return name
-    fmt = _LOOKUP.get(str(name).strip().lower())
+    key = str(name).strip().lower()
+    fmt = _LOOKUP.get(key)
+    if fmt is None and key in NOT_EMULATED:
+        raise UsageError(f"KV format '{name}' is {NOT_EMULATED[key]}; valid formats: {format_names()}")
     if fmt is None:
         raise UsageError(f"unknown KV format '{name}'; valid formats: {format_names()}")
     return fmt
 
 
 def parse_kv_format(name: str | None) -> str:
-    """Canonical format name ('auto' for empty / auto); UsageError listing the valid names otherwise."""
+    """Canonical format name ('auto' for empty / auto); UsageError listing the valid names otherwise.
+
+    A K/V pair `k=FMT,v=FMT` (either order, aliases allowed) becomes `k=<canonical>,v=<canonical>`, or the single
+    canonical name when both sides are the same format (`k=fp8,v=fp8_e4m3` is `fp8_e4m3`)."""
     if name is None or str(name).strip().lower() in ("", "auto"):
         return "auto"
-    return get_format(str(name)).name
+    if "=" not in str(name):
+        return get_format(str(name)).name
+    k, v = kv_pair(str(name))
+    return k.name if k is v else f"k={k.name},v={v.name}"
+
+
+def kv_pair(name: str | KVFormat) -> tuple[KVFormat, KVFormat]:
+    """(K's format, V's format) of a format name or a `k=FMT,v=FMT` pair; UsageError for anything else. Neither
+    side may be 'auto' (the model's own dtype is not a storage format one side can take alone)."""
+    if isinstance(name, KVFormat) or "=" not in str(name):
+        f = get_format(name)
+        return f, f
+    sides: dict[str, KVFormat] = {}
+    for part in str(name).split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("k", "v") or key in sides:
+            raise UsageError(
+                f"K/V format pair '{name}' is malformed; write it as k=FORMAT,v=FORMAT, e.g. k=fp8_e4m3,v=nvfp4"
+            )
+        sides[key] = get_format(value)
+    if set(sides) != {"k", "v"}:
+        raise UsageError(f"K/V format pair '{name}' needs both sides, e.g. k=fp8_e4m3,v=nvfp4")
+    if any(f.element == "auto" for f in sides.values()):
+        raise UsageError(
+            f"K/V format pair '{name}': a side cannot be 'auto'; use bf16 for an unquantized side"
+        )
+    return sides["k"], sides["v"]
+
+
+# `--kv-input-dtype`: the dtype K/V have when they reach the quantizer (an engine serving a bf16 model quantizes
+# bf16 K/V). Canonical name -> torch dtype; aliases below.
+KV_INPUT_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+_KV_INPUT_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
+DEFAULT_KV_INPUT_DTYPE = "bfloat16"
+# What a run or scale file recorded before kvcal had `--kv-input-dtype`: K/V quantized as computed (kvcal computes
+# on CPU in float32), i.e. float32 for every run made with --dtype float32.
+LEGACY_KV_INPUT_DTYPE = "float32"
+
+
+def parse_kv_input_dtype(name: str | None) -> str:
+    """Canonical `--kv-input-dtype` name (bfloat16, float16, float32; aliases bf16, fp16, fp32); UsageError else."""
+    key = DEFAULT_KV_INPUT_DTYPE if name is None else str(name).strip().lower()
+    key = _KV_INPUT_ALIASES.get(key, key)
+    if key not in KV_INPUT_DTYPES:
+        raise UsageError(
+            f"unknown --kv-input-dtype '{name}'; use bfloat16 (the engine's serving dtype, default), float16, or "
+            "float32 (quantize K/V as the model computes them)"
+        )
+    return key
 
 
 def bits_per_element(fmt: str | KVFormat, head_dim: int, model_bits: int = 16) -> float:
@@ -402,6 +507,54 @@ def _quantize_nvfp4(xf: torch.Tensor, scale: float | torch.Tensor | None) -> QTe
     return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
 
 
+def _nvfp4_candidate(
+    bmax: torch.Tensor, sf_scale: torch.Tensor, denominator: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's `nvfp4_candidate_scale`: (E4M3 block scale [..., nb], element multiplier [..., nb]) of a block with
+    maximum `bmax` mapped to `denominator` (6 or 4). sf_scale = 1 / global scale, broadcastable to bmax."""
+    sf = (
+        (sf_scale * (bmax * (1.0 / denominator))).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    )  # satfinite
+    sfv = sf.float()
+    inv = torch.where(sfv != 0, 1.0 / (sfv * (1.0 / sf_scale)), torch.zeros_like(sfv))
+    return sf, inv
+
+
+def _nvfp4_sq_error(xb: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+    """vLLM's `nvfp4_reconstruction_error` per block [..., nb]: sum of (e2m1_rne(x * mult) / mult - x)**2 (a block
+    of multiplier 0 stores zeros), summed in the kernel's order: pairs (2i, 2i+1), then i = 0..7 in sequence.
+    xb: [..., nb, 16] finite; mult: [..., nb]."""
+    m = mult.unsqueeze(-1)
+    deq = torch.where(m != 0, 1.0 / m, torch.zeros_like(m))
+    q = e2m1_decode(e2m1_encode(xb * m, ties="even"))
+    d = q * deq - xb
+    sq = d * d
+    pair = sq[..., 0::2] + sq[..., 1::2]  # [..., nb, 8]
+    err = pair[..., 0]
+    for i in range(1, pair.shape[-1]):
+        err = err + pair[..., i]
+    return err
+
+
+def _quantize_nvfp4_4over6(xf: torch.Tensor, scale: float | torch.Tensor | None) -> QTensor:
+    # vLLM csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu `cvt_warp_fp16_to_fp4_4over6` (see the docstring)
+    xb = _blocks(xf, 16)  # [..., D/16, 16]
+    fin = torch.where(torch.isfinite(xb), xb, torch.zeros_like(xb))  # the choice never depends on NaN/Inf
+    bmax = fin.abs().amax(dim=-1)  # [..., D/16]
+    g = _static_scale(scale, xf, None)
+    if g is None:
+        g = nvfp4_dynamic_global(xf)
+    sf_scale = 1.0 / _bcast(g, xf.dim())  # the kernel's SFScaleVal = 1 / k_scale
+    sf6, mult6 = _nvfp4_candidate(bmax, sf_scale, 6.0)
+    sf4, mult4 = _nvfp4_candidate(bmax, sf_scale, 4.0)
+    use4 = _nvfp4_sq_error(fin, mult4) < _nvfp4_sq_error(fin, mult6)  # ties keep max/6
+    bs = torch.where(use4, sf4.view(torch.uint8), sf6.view(torch.uint8)).view(torch.float8_e4m3fn)
+    mult = torch.where(use4, mult4, mult6).unsqueeze(-1)
+    y = torch.where(mult != 0, xb * mult, torch.where(torch.isnan(xb), xb, torch.zeros_like(xb)))
+    codes = e2m1_encode(y, ties="even")
+    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
+
+
 def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:
     # SGLang KVFP4QuantizeUtil.batched_quantize, float32
     xb = _blocks(xf, 16)
@@ -428,8 +581,8 @@ def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor |
     """Quantize x: [..., D] (cache layout [B, H_kv, T, D]) to `fmt`'s storage layout.
 
     `scale`: fp8_* — the static scale (x ~ codes * scale): float / 0-d / [H_kv] along dim 1 / [B, 1, 1, 1] per
-    sequence, default 1.0; nvfp4 — the global scale (same shapes), default `nvfp4_dynamic_global(x)`; other
-    formats ignore it."""
+    sequence, default 1.0; nvfp4 / nvfp4_4over6 — the global scale (same shapes), default
+    `nvfp4_dynamic_global(x)`; other formats ignore it."""
     f = get_format(fmt)
     if f.element == "auto":
         return QTensor(codes=x)
@@ -442,6 +595,8 @@ def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor |
         return _quantize_int8(xf)
     if f.name == "nvfp4":
         return _quantize_nvfp4(xf, scale)
+    if f.name == "nvfp4_4over6":
+        return _quantize_nvfp4_4over6(xf, scale)
     if f.name == "fp4_e2m1":
         return _quantize_fp4_e2m1(xf)
     return _quantize_mxfp4(xf)
@@ -461,7 +616,7 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
         y = c.float() * q.block_scales
         return _to(torch.where(c == INT8_NAN, float("nan"), y), dtype)
     vals = e2m1_decode(unpack_fp4(c)).unflatten(-1, (-1, f.block_size))  # [..., D/bs, bs]
-    if f.name == "nvfp4":
+    if f.layout == "nvfp4":
         eff = q.block_scales.float() * _bcast(q.scale.float(), c.dim())  # [..., D/16]
     else:
         eff = e8m0_to_float(q.block_scales)

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.gguf_tokenizer import repair_tokenizer_json
+from kvcal.placement import Placement, check_memory_fits
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -565,15 +566,22 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    placement: Placement | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local folder, hub id or .gguf, in eval mode on `device`
-    (`dtype` 'auto': the checkpoint's own, see resolve_dtype)."""
+    (`dtype` 'auto': the checkpoint's own, see resolve_dtype). `placement` with a device map: accelerate's
+    dispatch (kvcal.placement) places the modules instead, and `device` is not used."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    placement = placement or Placement()
     device = check_device(device)
+    placement.check()
     model_dir = resolve_model(model, trust_remote_code=trust_remote_code)
     torch_dtype = _torch_dtype(resolve_dtype(dtype, model_dir))
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if placement.active:
+        check_memory_fits(placement, load_config(model_dir, trust_remote_code), torch_dtype, str(model))
+        kwargs.update(placement.from_pretrained_kwargs())
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
@@ -583,9 +591,26 @@ def load_model(
         raise UsageError(
             f"cannot load '{model}' as a causal language model: {str(exc).splitlines()[0] if str(exc) else exc!r}"
         ) from exc
-    lm.to(device)
+    if not placement.active:
+        lm.to(device)
     lm.eval()
     return LoadedModel(model=lm, tokenizer=tokenizer, model_dir=model_dir, ref=str(model))
+
+
+def input_device(model: Any) -> Any:
+    """The torch device input ids go to: the input embedding's (under a device map the layers may sit elsewhere;
+    accelerate's hooks move activations between them). An offloaded embedding ('meta') -> the map's first
+    execution device."""
+    import torch
+
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    param = next(emb.parameters()) if emb is not None else next(model.parameters())
+    if param.device.type != "meta":
+        return param.device
+    for dev in (getattr(model, "hf_device_map", None) or {}).values():
+        if dev not in ("cpu", "disk"):
+            return torch.device(f"cuda:{dev}" if isinstance(dev, int) else dev)
+    return torch.device("cpu")
 
 
 def real_model(name: str) -> str:

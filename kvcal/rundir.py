@@ -63,10 +63,26 @@ class RunConfig:
     batch_size: int = 1
     seed: int = 0
     kl_seq_len: int | None = None
+    # kl's chunked-prefill chunk, only when the windows are chunked (kl_seq_len > prefill_chunk); written only
+    # when set, so every other run keeps its identity hash.
+    prefill_chunk: int | None = None
     max_gen_toks: int | None = None
     # nvfp4 without a scale file: "one" | "per_sequence" (kvcal.kernels.cache.NVFP4_GLOBALS); None otherwise.
     # Written only when set, so runs of every other configuration keep their identity hash.
     nvfp4_global: str | None = None
+    # K/V rounded to this dtype before quantization (`--kv-input-dtype`), recorded for every quantized format; a
+    # run directory without it (kvcal before the option) quantized K/V as computed: `kv_input_dtype_or_legacy`.
+    kv_input_dtype: str | None = None
+    # "first-batch" (vLLM's calculate_kv_scales, `--scales first-batch`); None = a scale file or formats' defaults.
+    # Both written only when set, so runs of every other configuration keep their identity hash.
+    scale_source: str | None = None
+    # "fp8" (`--attention fp8`: vLLM's FlashAttention-3 FP8 attention, Q and P in e4m3); None = attention in the
+    # model's dtype. Written only when set, so runs of every other configuration keep their identity hash.
+    attention: str | None = None
+    # The passkey tasks' prompt lengths in tokens and key depths (`--passkey-lengths`, `--passkey-depths`), only
+    # when a passkey task runs; written only when set, so every other run keeps its identity hash.
+    passkey_lengths: list[int] | None = None
+    passkey_depths: list[float] | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -76,6 +92,11 @@ class RunConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         if d["nvfp4_global"] is None:
             del d["nvfp4_global"]
+        for key in ("kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths"):
+            if d[key] is None:
+                del d[key]
+        if d["prefill_chunk"] is None:
+            del d["prefill_chunk"]
         d.update(self.extra)
         return d
 
@@ -95,6 +116,14 @@ class RunConfig:
     def identity(self) -> dict[str, Any]:
         """The fields that decide what is measured (what the run hash covers)."""
         return {k: v for k, v in self.to_dict().items() if k not in NON_IDENTITY_KEYS}
+
+    @property
+    def kv_input_dtype_or_legacy(self) -> str | None:
+        """The K/V input dtype of a quantized run: recorded, else "float32" (runs made before `--kv-input-dtype`
+        quantized K/V as kvcal computed them); None for auto / bf16."""
+        if self.kv_format in ("auto", "bf16"):
+            return None
+        return self.kv_input_dtype or "float32"
 
     @property
     def calibrated(self) -> bool:

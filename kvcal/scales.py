@@ -2,7 +2,11 @@
 
 One `.safetensors` file (never a pickle). Tensors carry the engines' names,
 `model.layers.{i}.self_attn.k_scale` / `...v_scale`, float32, shape `(1,)` per tensor or `(H_kv,)` per KV head —
-exactly the `scale` argument of `kvcal.formats.quantize` (fp8: x ~ codes * scale; nvfp4: the global scale).
+exactly the `scale` argument of `kvcal.formats.quantize` (fp8: x ~ codes * scale; nvfp4: the global scale) — and,
+from schema version 2, optionally `model.layers.{i}.self_attn.q_scale` (float32 `(1,)`, every layer or none): the
+post-RoPE query's FP8 E4M3 scale for FP8 attention (`kvcal calibrate --attention-scales`; llm-compressor's and
+vLLM's name). Version-1 files (no q_scale) load unchanged. A K/V format pair (`k=fp8_e4m3,v=nvfp4`) stores each
+side's scale as that side's format defines it.
 The safetensors metadata holds two strings:
 
 - `kvcal_manifest`: the manifest JSON (schema version, kvcal version, time, format, granularity, observer +
@@ -41,12 +45,14 @@ from kvcal.models import sha256_file as file_sha256
 log = logging.getLogger(__name__)
 
 SCHEMA = "kvcal.scales"
-SCHEMA_VERSION = 1
+# 1: K/V scales. 2: optional per-layer q_scale tensors (FP8 attention) and K/V format pairs; 1 still loads.
+SCHEMA_VERSION = 2
 MANIFEST_KEY = "kvcal_manifest"
 CHECKSUM_KEY = "kvcal_checksum"
 GRANULARITIES = ("tensor", "head")
 K_NAME = "model.layers.{i}.self_attn.k_scale"
 V_NAME = "model.layers.{i}.self_attn.v_scale"
+Q_NAME = "model.layers.{i}.self_attn.q_scale"
 
 # Files that define how text becomes token ids (whichever a model folder has).
 TOKENIZER_FILES = (
@@ -78,6 +84,7 @@ class ScaleSet:
     v_scales: list[torch.Tensor]
     manifest: dict[str, Any]
     binding_warnings: list[str] = field(default_factory=list)
+    q_scales: list[torch.Tensor] | None = None  # fp32 (1,) per layer: the query's FP8 scale, or None
 
     @property
     def num_layers(self) -> int:
@@ -91,12 +98,25 @@ class ScaleSet:
     def layer_stats(self) -> list[dict[str, Any]]:
         return self.manifest.get("layer_stats", [])
 
+    @property
+    def kv_input_dtype(self) -> str:
+        """The dtype of the K/V the scales were measured on (manifest calibration.kv_input_dtype, written by
+        `kvcal calibrate --kv-input-dtype`); a file without it (older kvcal) observed them as computed:
+        float32 (or the model's dtype, recorded as calibration.dtype, when that was narrower)."""
+        cal = self.manifest.get("calibration") or {}
+        if cal.get("kv_input_dtype"):
+            return str(cal["kv_input_dtype"])
+        narrow = cal.get("dtype") in ("bfloat16", "float16")
+        return str(cal["dtype"]) if narrow else "float32"
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors as stored (engine names)."""
         out: dict[str, torch.Tensor] = {}
         for i, (k, v) in enumerate(zip(self.k_scales, self.v_scales, strict=True)):
             out[K_NAME.format(i=i)] = k.detach().to(torch.float32).contiguous()
             out[V_NAME.format(i=i)] = v.detach().to(torch.float32).contiguous()
+        for i, q in enumerate(self.q_scales or []):
+            out[Q_NAME.format(i=i)] = q.detach().to(torch.float32).contiguous()
         return out
 
 
@@ -104,17 +124,18 @@ class ScaleSet:
 
 
 def canonical_format(name: str) -> str:
-    """The canonical name of a calibratable KV format (fp8_e4m3, fp8_e5m2, nvfp4); UsageError otherwise."""
-    from kvcal.formats import FORMATS, get_format
+    """The canonical name of a calibratable KV format (fp8_e4m3, fp8_e5m2, nvfp4) or of a K/V pair of them
+    (`k=fp8_e4m3,v=nvfp4`); UsageError otherwise."""
+    from kvcal.formats import FORMATS, kv_pair, parse_kv_format
 
-    fmt = get_format(name)
-    if not fmt.calibratable:
-        valid = ", ".join(f.name for f in FORMATS.values() if f.calibratable)
-        raise UsageError(
-            f"KV format '{fmt.name}' has no static scales (they are computed at run time); "
-            f"scale files hold {valid}"
-        )
-    return fmt.name
+    for fmt in kv_pair(name):
+        if not fmt.calibratable:
+            valid = ", ".join(f.name for f in FORMATS.values() if f.calibratable)
+            raise UsageError(
+                f"KV format '{fmt.name}' has no static scales (they are computed at run time); "
+                f"scale files hold {valid}"
+            )
+    return parse_kv_format(name)
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -156,6 +177,7 @@ def make_scale_set(
     calibration: dict[str, Any] | None = None,
     layer_stats: Sequence[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
+    q_scales: Sequence[float | torch.Tensor] | None = None,
 ) -> ScaleSet:
     """Build (and validate) a ScaleSet from raw per-layer scales.
 
@@ -187,6 +209,7 @@ def make_scale_set(
         k_scales=[_as_scale(k) for k in k_scales],
         v_scales=[_as_scale(v) for v in v_scales],
         manifest=_json_safe(manifest),
+        q_scales=None if q_scales is None else [_as_scale(q) for q in q_scales],
     )
     validate_scale_set(ss, where="new scale set")
     return ss
@@ -248,6 +271,19 @@ def validate_scale_set(ss: ScaleSet, where: str) -> None:
                 raise KvcalError(
                     f"{where}: layer {i} {kind} has a zero or negative scale ({t.min().item():g}); {fix}"
                 )
+    _validate_q_scales(ss, n, where, fix)
+
+
+def _validate_q_scales(ss: ScaleSet, n: int, where: str, fix: str) -> None:
+    """q_scale: none, or one float32 (1,) finite positive scale per layer (vLLM takes per-tensor Q scales only)."""
+    if ss.q_scales is None:
+        return
+    if len(ss.q_scales) != n:
+        raise KvcalError(f"{where}: {len(ss.q_scales)} q_scale tensors for a model of {n} layers; {fix}")
+    for i, t in enumerate(ss.q_scales):
+        ok = isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (1,)
+        if not ok or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise KvcalError(f"{where}: layer {i} q_scale is not one finite positive float32 value; {fix}")
 
 
 # ----------------------------------------------------------------------------------------------- save / load
@@ -325,6 +361,10 @@ def load_scale_file(path: str | os.PathLike[str]) -> ScaleSet:
     if not isinstance(n, int) or n <= 0:
         raise KvcalError(f"scale file '{p}' has no valid layer count in its manifest binding; {fix}")
     expected = {K_NAME.format(i=i) for i in range(n)} | {V_NAME.format(i=i) for i in range(n)}
+    q_names = [Q_NAME.format(i=i) for i in range(n)]
+    has_q = isinstance(version, int) and version >= 2 and q_names[0] in tensors
+    if has_q:
+        expected |= set(q_names)
     if set(tensors) != expected:
         extra = sorted(set(tensors) - expected)[:3]
         missing = sorted(expected - set(tensors))[:3]
@@ -339,6 +379,7 @@ def load_scale_file(path: str | os.PathLike[str]) -> ScaleSet:
         k_scales=[tensors[K_NAME.format(i=i)] for i in range(n)],
         v_scales=[tensors[V_NAME.format(i=i)] for i in range(n)],
         manifest=manifest,
+        q_scales=[tensors[name] for name in q_names] if has_q else None,
     )
     validate_scale_set(ss, where=f"scale file '{p}'")
     return ss

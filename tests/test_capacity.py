@@ -86,10 +86,11 @@ def test_sglang_published_multipliers_head_dim_128() -> None:
         "fp8_e5m2",
         "int8_per_token_head",
         "nvfp4",
+        "nvfp4_4over6",
         "fp4_e2m1",
         "mxfp4",
     ]
-    for name in ("nvfp4", "fp4_e2m1"):
+    for name in ("nvfp4", "nvfp4_4over6", "fp4_e2m1"):
         assert round(rows[name]["multiplier_vs_bf16"], 2) == 3.56
         assert round(rows[name]["multiplier_vs_fp8"], 2) == 1.78
     assert rows["fp8_e4m3"]["multiplier_vs_bf16"] == 2.0
@@ -190,7 +191,7 @@ def test_cli_json_without_gpu_memory_has_null_tokens(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["formats"]
-    assert len(rows) == 8 and all(r["max_tokens"] is None for r in rows)
+    assert len(rows) == 9 and all(r["max_tokens"] is None for r in rows)
 
 
 def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

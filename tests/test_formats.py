@@ -92,11 +92,13 @@ def test_bits_per_element() -> None:
         "fp8_e5m2": 8.0,
         "int8_per_token_head": 8.25,
         "nvfp4": 4.5,
+        "nvfp4_4over6": 4.5,
         "fp4_e2m1": 4.5,
         "mxfp4": 4.25,
     }
     assert FORMATS["auto"].bits_per_element(64, model_bits=32) == 32.0
-    assert [f.name for f in FORMATS.values() if f.calibratable] == ["fp8_e4m3", "fp8_e5m2", "nvfp4"]
+    calibratable = [f.name for f in FORMATS.values() if f.calibratable]
+    assert calibratable == ["fp8_e4m3", "fp8_e5m2", "nvfp4", "nvfp4_4over6"]
 
 
 # ----------------------------------------------------------------------------------------------------- layout
@@ -111,6 +113,7 @@ def test_storage_layout() -> None:
         "fp8_e5m2": (torch.float8_e5m2, (2, 3, 5, 64), None),
         "int8_per_token_head": (torch.int8, (2, 3, 5, 64), (torch.float32, (2, 3, 5, 1))),
         "nvfp4": (torch.uint8, (2, 3, 5, 32), (torch.float8_e4m3fn, (2, 3, 5, 4))),
+        "nvfp4_4over6": (torch.uint8, (2, 3, 5, 32), (torch.float8_e4m3fn, (2, 3, 5, 4))),
         "fp4_e2m1": (torch.uint8, (2, 3, 5, 32), (torch.uint8, (2, 3, 5, 4))),
         "mxfp4": (torch.uint8, (2, 3, 5, 32), (torch.uint8, (2, 3, 5, 2))),
     }
@@ -575,7 +578,7 @@ def _element_scale(name: str, x: torch.Tensor, q: QTensor) -> torch.Tensor:
         return q.scale.expand_as(x)
     if f.element == "int8":
         return q.block_scales.expand_as(x)
-    if name == "nvfp4":
+    if f.layout == "nvfp4":
         eff = q.block_scales.float() * q.scale
     else:
         eff = e8m0_to_float(q.block_scales)
@@ -586,7 +589,9 @@ def _element_scale(name: str, x: torch.Tensor, q: QTensor) -> torch.Tensor:
 @given(
     seed=st.integers(0, 2**31 - 1),
     log_mag=st.floats(-30, 30),
-    name=st.sampled_from(["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"]),
+    name=st.sampled_from(
+        ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "nvfp4_4over6", "fp4_e2m1", "mxfp4"]
+    ),
     scale=st.sampled_from([None, 0.5, 3e-3]),
 )
 def test_error_within_half_a_step_inside_the_range(

@@ -27,6 +27,18 @@ per-tensor minmax scale for a minmax observer; an upper bound for clipping obser
 
 Only FP8 E4M3 exports: compressed-tensors' FP8 (type float, 8 bits) is E4M3 and SGLang's schema asserts dtype
 float8_e4m3fn. E5M2 caches and NVFP4 global scales have no checkpoint layout in these loaders; they are refused.
+A K/V format pair (`k=fp8_e4m3,v=nvfp4`) is refused by both: released vLLM and SGLang take one KV cache dtype for
+K and V (vLLM PR #53770 proposes `--kv-cache-dtype fp8_k_nvfp4_v` with no checkpoint scale layout yet).
+
+FP8 attention (a scale set with q_scale, `kvcal calibrate --attention-scales`): written as llm-compressor 0.14
+writes an attention scheme (recorded from a real `oneshot` with `config_groups={"attention": QuantizationScheme(
+targets=["LlamaAttention"], input_activations=FP8 tensor)}` on a tiny Llama): `config_groups.group_0` =
+{"targets": [the model's attention class], "input_activations": the FP8 args, "weights": null,
+"output_activations": null, "format": "dense"}, the same args as `kv_cache_scheme`, and one more tensor per layer,
+`model.layers.{i}.self_attn.q_scale` float32 (1,). vLLM reads it as the layer's q_scale for its FP8 attention
+backends (FlashAttention-3, FlashInfer); transformers with compressed-tensors attaches `self_attn.q_scale`.
+compressed-tensors applies one attention scheme to Q, K and V, and vLLM takes one Q scale per layer, so a
+per-head K/V scale set with q_scale is refused (calibrate --granularity tensor --attention-scales).
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import torch
 from kvcal.errors import KvcalError, UsageError
 from kvcal.io import atomic_write_text, public_mode, temp_dir_beside
 from kvcal.models import sha256_file as file_sha256
-from kvcal.scales import K_NAME, V_NAME, ScaleSet
+from kvcal.scales import K_NAME, Q_NAME, V_NAME, ScaleSet
 
 SCALE_SHARD = "kv_scales.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,6 +71,12 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 def _require_fp8_e4m3(ss: ScaleSet, engine: str) -> None:
     if ss.kv_format == "fp8_e4m3":
         return
+    if "=" in ss.kv_format:
+        raise UsageError(
+            f"{engine} takes one KV cache dtype for K and V, so the K/V pair {ss.kv_format} cannot be exported "
+            f"(vLLM PR #53770's fp8_k_nvfp4_v is unreleased and has no checkpoint scale layout); calibrate one "
+            "format for both, e.g. --kv-format fp8_e4m3"
+        )
     if ss.kv_format == "nvfp4":
         raise UsageError(
             f"{engine} export holds FP8 E4M3 scales only: an NVFP4 global scale has no layout in "
@@ -90,14 +108,28 @@ def kv_cache_scheme(granularity: str) -> dict[str, Any]:
     }
 
 
-def quantization_config(granularity: str) -> dict[str, Any]:
-    """The config.json `quantization_config` of a KV-cache-only compressed-tensors checkpoint."""
+def attention_group(granularity: str, attention_classes: list[str]) -> dict[str, Any]:
+    """compressed-tensors' config group of llm-compressor's attention (query) quantization: the FP8 args as
+    input_activations of the attention modules (post-RoPE Q, with K and V)."""
+    return {
+        "format": "dense",
+        "input_activations": kv_cache_scheme(granularity),
+        "output_activations": None,
+        "targets": list(attention_classes),
+        "weights": None,
+    }
+
+
+def quantization_config(granularity: str, attention_classes: list[str] | None = None) -> dict[str, Any]:
+    """The config.json `quantization_config` of a KV-cache-only compressed-tensors checkpoint; with
+    `attention_classes` (the model's attention module classes) also llm-compressor's attention group (q_scale)."""
     try:
         ct_version = importlib_metadata.version("compressed-tensors")
     except importlib_metadata.PackageNotFoundError:
         ct_version = "0.19.0"
+    groups = {"group_0": attention_group(granularity, attention_classes)} if attention_classes else {}
     return {
-        "config_groups": {},
+        "config_groups": groups,
         "format": "dense",
         "global_compression_ratio": None,
         "ignore": [],
@@ -111,13 +143,33 @@ def quantization_config(granularity: str) -> dict[str, Any]:
 
 
 def vllm_scale_tensors(ss: ScaleSet) -> dict[str, torch.Tensor]:
-    """Engine tensors: (1,) per tensor, (H_kv, 1, 1) per head (compressed-tensors' attn_head shape)."""
+    """Engine tensors: (1,) per tensor, (H_kv, 1, 1) per head (compressed-tensors' attn_head shape); q_scale (1,)."""
     out = {}
     for i in range(ss.num_layers):
         for name, t in ((K_NAME.format(i=i), ss.k_scales[i]), (V_NAME.format(i=i), ss.v_scales[i])):
             t = t.detach().to(torch.float32).reshape(-1)
             out[name] = t.reshape(-1, 1, 1).contiguous() if ss.granularity == "head" else t.contiguous()
+        if ss.q_scales is not None:
+            out[Q_NAME.format(i=i)] = ss.q_scales[i].detach().to(torch.float32).reshape(1).contiguous()
     return out
+
+
+def attention_classes(model_dir: Path) -> list[str]:
+    """Class names of the model's attention modules (llm-compressor's attention targets), from its config on the
+    meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = {
+        type(m).__name__
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")
+    }
+    if not names:
+        raise UsageError(f"model folder '{model_dir}' has no attention modules compressed-tensors can target")
+    return sorted(names)
 
 
 def _tensor_sizes(path: Path) -> dict[str, int]:
@@ -150,6 +202,12 @@ def export_vllm(
     """Write an engine-ready checkpoint folder (see the module docstring). The folder appears complete or not at
     all: it is built beside `out_dir` and renamed into place. Returns a summary dict."""
     _require_fp8_e4m3(ss, "vLLM")
+    if ss.q_scales is not None and ss.granularity != "tensor":
+        raise UsageError(
+            "vLLM takes one q_scale per layer and compressed-tensors applies one attention scheme to Q, K and V, "
+            "so per-head K/V scales cannot be exported with q_scale; calibrate --granularity tensor "
+            "--attention-scales"
+        )
     src, out = Path(model_dir), Path(out_dir)
     _check_export_target(src, out)
     weights = _source_weights(src)
@@ -159,7 +217,9 @@ def export_vllm(
         raise UsageError(
             f"model folder '{src}' already holds KV scales (e.g. {clash[0]}); export from the unquantized checkpoint"
         )
-    config = _quantized_config(src, ss.granularity)
+    config = _quantized_config(
+        src, ss.granularity, attention_classes(src) if ss.q_scales is not None else None
+    )
     try:
         tmp = temp_dir_beside(out)
     except OSError as exc:
@@ -186,7 +246,13 @@ def export_vllm(
         "files_linked": modes.get("linked", 0),
         "files_copied": modes.get("copied", 0),
         "scale_shard": SCALE_SHARD,
-        "serve": f"vllm serve {out} --kv-cache-dtype fp8",
+        "q_scale": ss.q_scales is not None,
+        "serve": f"vllm serve {out} --kv-cache-dtype fp8"
+        + (
+            " --attention-backend FLASH_ATTN  # FA3 (Hopper) runs FP8 attention with q_scale"
+            if ss.q_scales
+            else ""
+        ),
         "notes": (
             [
                 "per-head (attn_head) scales need vLLM's Flash Attention backend (vLLM docs, Quantized KV Cache)"
@@ -232,8 +298,9 @@ def _source_weights(src: Path) -> _SourceWeights:
     )
 
 
-def _quantized_config(src: Path, granularity: str) -> dict[str, Any]:
-    """config.json with the KV cache scheme added (a compressed-tensors weight checkpoint keeps its groups)."""
+def _quantized_config(src: Path, granularity: str, attention: list[str] | None = None) -> dict[str, Any]:
+    """config.json with the KV cache scheme added (a compressed-tensors weight checkpoint keeps its groups); with
+    `attention` (attention class names) also the attention group of q_scale."""
     config = json.loads((src / "config.json").read_text())
     qc = config.get("quantization_config")
     if qc is not None and qc.get("quant_method") != "compressed-tensors":
@@ -242,9 +309,16 @@ def _quantized_config(src: Path, granularity: str) -> dict[str, Any]:
             "quantization_config, so KV scales can be added to unquantized or compressed-tensors checkpoints only"
         )
     if qc is None:
-        config["quantization_config"] = quantization_config(granularity)
+        config["quantization_config"] = quantization_config(granularity, attention)
     else:
-        config["quantization_config"] = {**qc, "kv_cache_scheme": kv_cache_scheme(granularity)}
+        groups = dict(qc.get("config_groups") or {})
+        if attention:
+            groups[f"group_{len(groups)}"] = attention_group(granularity, attention)
+        config["quantization_config"] = {
+            **qc,
+            "config_groups": groups,
+            "kv_cache_scheme": kv_cache_scheme(granularity),
+        }
     return config
 
 

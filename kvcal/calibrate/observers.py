@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvcal import parallel
 from kvcal.errors import UsageError
 from kvcal.formats import FP8_E4M3_MAX, KVFormat, fake_quantize
 from kvcal.scales import GRANULARITIES
@@ -43,7 +44,7 @@ NBINS = (HIST_HI - HIST_LO) * BINS_PER_OCTAVE
 
 def format_range(fmt: KVFormat) -> float:
     """The |x| / scale that maps to the largest code: fp8 max_value; nvfp4 448 (E4M3 block scale) * 6 (E2M1)."""
-    if fmt.name == "nvfp4":
+    if fmt.layout == "nvfp4":  # nvfp4, nvfp4_4over6: the global scale's range
         return FP8_E4M3_MAX * float(fmt.max_value)
     return float(fmt.max_value)
 
@@ -88,6 +89,14 @@ class TensorStats:
         self.count += torch.bincount(idx, minlength=n).cpu().double().view(self.heads, NBINS)
         self.sum1 += torch.bincount(idx, weights=a64, minlength=n).cpu().view(self.heads, NBINS)
         self.sum2 += torch.bincount(idx, weights=a64 * a64, minlength=n).cpu().view(self.heads, NBINS)
+
+    def merge_(self, other: TensorStats) -> None:
+        """Add another stream's statistics (another process's samples): amax is the max, histograms add up, so
+        every observer's clip equals the one of a single stream over all the samples."""
+        self.amax = torch.maximum(self.amax, other.amax)
+        self.count += other.count
+        self.sum1 += other.sum1
+        self.sum2 += other.sum2
 
     def grouped(self, granularity: str) -> GroupedStats:
         if granularity == "head":
@@ -249,6 +258,39 @@ def get_observer(name: str, params: dict[str, Any] | None = None) -> Observer:
     if params:
         obs.params = {**obs.params, **params}
     return obs
+
+
+def all_reduce_stats(stats: dict[tuple[int, str], TensorStats], dist: parallel.Dist) -> None:
+    """In place on every rank: each TensorStats merged over all ranks (`TensorStats.merge_` as collectives: max
+    of amax, sum of the histograms; two all-reduces for all layers). Every rank must hold the same keys."""
+    if not dist.active:
+        return
+    keys = sorted(stats)
+    amax = torch.cat([stats[k].amax for k in keys])
+    parallel.all_reduce_(amax, "max", dist, what="merging amax")
+    hists = torch.cat([torch.stack([stats[k].count, stats[k].sum1, stats[k].sum2]).flatten() for k in keys])
+    parallel.all_reduce_(hists, "sum", dist, what="merging histograms")
+    a_off = h_off = 0
+    for k in keys:
+        ts = stats[k]
+        ts.amax = amax[a_off : a_off + ts.heads].clone()
+        n = 3 * ts.heads * NBINS
+        ts.count, ts.sum1, ts.sum2 = hists[h_off : h_off + n].view(3, ts.heads, NBINS).clone().unbind(0)
+        a_off, h_off = a_off + ts.heads, h_off + n
+
+
+def all_reduce_evals(evals: dict[tuple[int, str], CandidateEval], dist: parallel.Dist) -> None:
+    """In place: the second pass's error sums (noise, clipped, signal, total) added over all ranks."""
+    if not dist.active:
+        return
+    keys = sorted(evals)
+    parts = [t for k in keys for t in (evals[k].noise, evals[k].clipped, evals[k].signal, evals[k].total)]
+    flat = torch.cat([t.flatten() for t in parts])
+    parallel.all_reduce_(flat, "sum", dist, what="merging the candidate errors")
+    off = 0
+    for t in parts:
+        t.copy_(flat[off : off + t.numel()].view_as(t))
+        off += t.numel()
 
 
 class CandidateEval:

@@ -22,11 +22,14 @@ from typing import Any
 
 import torch
 
+from kvcal import parallel
 from kvcal.calibrate.data import CalibrationSamples, load_texts, samples_for_model
 from kvcal.calibrate.hooks import ProgressFn, check_finite, observe
 from kvcal.calibrate.observers import (
     CandidateEval,
     TensorStats,
+    all_reduce_evals,
+    all_reduce_stats,
     check_calibratable,
     clip_to_scale,
     get_observer,
@@ -34,8 +37,14 @@ from kvcal.calibrate.observers import (
     sqnr_db,
 )
 from kvcal.errors import KvcalError, UsageError
-from kvcal.formats import KVFormat, get_format
-from kvcal.models import KVSpec, LoadedModel, check_device, kv_spec, load_model
+from kvcal.formats import (
+    KV_INPUT_DTYPES,
+    KVFormat,
+    kv_pair,
+    parse_kv_format,
+    parse_kv_input_dtype,
+)
+from kvcal.models import KVSpec, LoadedModel, Placement, check_device, kv_spec, load_model
 
 ENGINES = ("native", "llmcompressor")
 
@@ -94,10 +103,13 @@ def _probe_write(folder: Path, existing: Path) -> None:
 class StatsCollector:
     """KV sink that fills one TensorStats per (layer, 'k'|'v'), with a finiteness check naming the layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, dist: parallel.Dist | None = None) -> None:
         self.stats: dict[tuple[int, str], TensorStats] = {}
+        self._dist = dist or parallel.Dist()
 
     def __call__(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer_idx == 0:
+            parallel.fault_point("calibrate-forward", self._dist)  # tests: a rank dying mid-run
         for name, x in (("k", k), ("v", v)):
             # x: [B, H_kv, T, D]
             amax = x.detach().abs().amax(dim=(0, 2, 3)).float()  # [H_kv]
@@ -108,23 +120,48 @@ class StatsCollector:
             self.stats[key].update(x, amax)
 
 
+def in_dtype(sink: Any, dtype: torch.dtype | None) -> Any:
+    """`sink` seeing K/V rounded to `dtype` (`--kv-input-dtype`: what the engine's quantizer gets); None = as is."""
+    if dtype is None:
+        return sink
+
+    def cast(layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # rounded, then back to the dtype the observers are used to (bf16 -> float32 is exact)
+        sink(layer_idx, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
+
+    return cast
+
+
 class _EvalSink:
     def __init__(self, evals: dict[tuple[int, str], CandidateEval]) -> None:
         self.evals = evals
 
     def __call__(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.evals[(layer_idx, "k")].update(k)
-        self.evals[(layer_idx, "v")].update(v)
+        for which, x in (("k", k), ("v", v)):  # a K/V pair may need the second pass on one side only
+            ev = self.evals.get((layer_idx, which))
+            if ev is not None:
+                ev.update(x)
 
 
 def candidate_pass(
-    model: Any, samples: Sequence[torch.Tensor], num_layers: int, progress: ProgressFn | None = None
+    model: Any,
+    samples: Sequence[torch.Tensor],
+    num_layers: int,
+    progress: ProgressFn | None = None,
+    dist: parallel.Dist | None = None,
+    batch_size: int = 1,
+    kv_input_dtype: torch.dtype | None = None,
 ) -> Callable[[dict[tuple[int, str], CandidateEval]], None]:
     """The second pass block formats need (`scales_from_stats(second_pass=...)`): the samples run through the
-    model again and every candidate scale is measured on the real K/V."""
+    model again and every candidate scale is measured on the real K/V (with `dist`: this rank's samples, the
+    error sums then added over all ranks)."""
 
     def run(evals: dict[tuple[int, str], CandidateEval]) -> None:
-        observe(model, samples, _EvalSink(evals), num_layers, progress=progress, phase="evaluate")
+        observe(
+            model, samples, in_dtype(_EvalSink(evals), kv_input_dtype), num_layers, progress=progress,
+            phase="evaluate", batch_size=batch_size,
+        )  # fmt: skip
+        all_reduce_evals(evals, dist or parallel.Dist())
 
     return run
 
@@ -149,19 +186,23 @@ def scales_from_stats(
     observer: Any,
     imported: dict[tuple[int, str], torch.Tensor] | None = None,
     second_pass: Callable[[dict[tuple[int, str], CandidateEval]], None] | None = None,
+    v_fmt: KVFormat | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]:
-    """Per-layer scales and statistics. `imported`: scales chosen elsewhere (llm-compressor) to measure only."""
+    """Per-layer scales and statistics. `imported`: scales chosen elsewhere (llm-compressor) to measure only.
+    `v_fmt`: V's format when it differs from K's (a K/V pair): each side is calibrated for its own format."""
     missing = [i for i in range(kv.num_layers) if (i, "k") not in stats]
     if missing:
         raise KvcalError(
             f"no K/V was observed for layers {missing[:8]}; the model did not write them to its cache"
         )
+    base_fmt = fmt
     chosen: dict[tuple[int, str], torch.Tensor] = {}  # scale [G]
     info: dict[tuple[int, str], dict[str, Any]] = {}
     evals: dict[tuple[int, str], CandidateEval] = {}
     for key, ts in stats.items():
         g = ts.grouped(granularity)
         base = {"amax": float(ts.amax.max()), "amax_per_head": [float(a) for a in ts.amax]}
+        fmt = base_fmt if key[1] == "k" or v_fmt is None else v_fmt  # this side's format
         if is_elementwise(fmt):
             if imported is not None:
                 scale = imported[key]
@@ -208,14 +249,17 @@ def observed_scales(
     granularity: str,
     observer: Any,
     progress: ProgressFn | None = None,
+    batch_size: int = 1,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]:
     """kvcal's native calibration on token samples: observe K/V, choose the scales (a second pass for block
     formats). Returns (k_scales, v_scales, per-layer statistics) as `scales_from_stats` does."""
     collector = StatsCollector()
-    observe(model, samples, collector, kv.num_layers, progress=progress, phase="observe")
+    observe(
+        model, samples, collector, kv.num_layers, progress=progress, phase="observe", batch_size=batch_size
+    )
     return scales_from_stats(
         collector.stats, kv, fmt, granularity, observer,
-        second_pass=candidate_pass(model, samples, kv.num_layers, progress),
+        second_pass=candidate_pass(model, samples, kv.num_layers, progress, batch_size=batch_size),
     )  # fmt: skip
 
 
@@ -237,35 +281,65 @@ def calibrate(
     device: str = "cpu",
     observer_params: dict[str, Any] | None = None,
     llmc_observer: str = "static_minmax",
+    attention_scales: bool = False,
+    batch_size: int = 1,
+    device_map: str | None = None,
+    max_memory: str | None = None,
+    offload_folder: str | None = None,
+    kv_input_dtype: str | None = None,
 ) -> CalibrationResult:
     """Calibrate K/V scales and (when `output` is given) write the scale file atomically. Every check that needs
-    no model (format, engine, output path, device, the dataset's records) runs before the model loads."""
+    no model (format, engine, output path, device, the dataset's records) runs before the model loads.
+    `kv_format` may be a K/V pair (`k=fp8_e4m3,v=nvfp4`): each side is calibrated for its own format.
+    `attention_scales`: also observe the post-RoPE queries and store q_scale per layer (FP8 attention).
+    `batch_size`: samples per forward (right-padded; the scales are those of batch 1, see hooks.observe).
+    `device_map` / `max_memory` / `offload_folder`: accelerate's big-model placement (kvcal.models.Placement).
+    `kv_input_dtype`: the native engine observes K/V rounded to it, as `kvcal eval --kv-input-dtype` quantizes
+    them (`kvcal calibrate` passes bfloat16 by default, as eval does); None = as the model computes them. The
+    scale file records the dtype observed (manifest calibration.kv_input_dtype)."""
     from kvcal.scales import save_scale_file
 
     t0 = time.perf_counter()
-    fmt = get_format(kv_format)
+    fmt, v_fmt = kv_pair(kv_format)
+    kv_dt = None if kv_input_dtype is None else KV_INPUT_DTYPES[parse_kv_input_dtype(kv_input_dtype)]
     obs = _check_request(fmt, granularity, observer, observer_params, engine)
+    if v_fmt is not fmt:
+        _check_request(v_fmt, granularity, observer, observer_params, engine)
+    _check_processes(engine, attention_scales, num_samples, parallel.from_env())
     out = check_output_path(output)
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
+    placement = Placement.parse(device_map, max_memory, offload_folder)
     if not isinstance(model, LoadedModel):
         check_device(device)
+        placement.check()
+        device = parallel.rank_device(device, parallel.from_env())  # data parallel on CUDA: a GPU per rank
     timings: dict[str, float] = {}
     t = time.perf_counter()
     source = load_texts(dataset)
     timings["data_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    lm = _load(model, dtype, device, progress)
+    lm = _load(model, dtype, device, progress, placement)
     kv = kv_spec(lm.model.config)
     timings["load_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     data = samples_for_model(source, lm, num_samples, seq_len, seed, text_field)
     timings["data_s"] += time.perf_counter() - t
+    # several processes (torchrun): rank r observes samples r, r+N, ...; the statistics are merged below
+    dist = parallel.setup(device)
+    parallel.check_enough_work(data.num_samples, "calibration samples", dist)
+    mine = parallel.shard(data.samples, dist)
 
     t = time.perf_counter()
     if engine == "native":
-        collector = StatsCollector()
-        observe(lm.model, data.samples, collector, kv.num_layers, progress=progress, phase="observe")
+        collector = StatsCollector(dist)
+        observe(
+            lm.model, mine, in_dtype(collector, kv_dt), kv.num_layers, progress=progress, phase="observe",
+            batch_size=batch_size,
+        )  # fmt: skip
+        all_reduce_stats(collector.stats, dist)
         imported, extra = None, {"engine": engine}
         obs_name, obs_params = obs.name, obs.params
     else:
@@ -278,18 +352,46 @@ def calibrate(
     t = time.perf_counter()
     chosen = scales_from_stats(
         collector.stats, kv, fmt, granularity, obs, imported=imported,
-        second_pass=candidate_pass(lm.model, data.samples, kv.num_layers, progress),
+        second_pass=candidate_pass(lm.model, mine, kv.num_layers, progress, dist, batch_size, kv_dt),
+        v_fmt=None if v_fmt is fmt else v_fmt,
     )  # fmt: skip
     timings["scales_s"] = time.perf_counter() - t
 
-    ss = _scale_set(lm, kv, fmt.name, granularity, chosen, obs_name, obs_params, data, extra)
+    q_scales = None
+    if attention_scales:
+        t = time.perf_counter()
+        q_scales, extra["attention_scales"] = _query_scales(lm.model, data.samples, kv.num_layers, progress)
+        timings["queries_s"] = time.perf_counter() - t
+    name = parse_kv_format(kv_format)
+    ss = _scale_set(lm, kv, name, granularity, chosen, obs_name, obs_params, data, extra, q_scales=q_scales)
     timings["total_s"] = time.perf_counter() - t0
     ss.manifest["calibration"]["wall_s"] = round(timings["total_s"], 3)
-    if out is not None:
+    # the dtype the observed K/V had: llm-compressor observes inside its own hooks, in the model's dtype
+    model_dtype = str(next(lm.model.parameters()).dtype).replace("torch.", "")
+    native = engine == "native" and kv_input_dtype is not None
+    observed = parse_kv_input_dtype(kv_input_dtype) if native else model_dtype
+    ss.manifest["calibration"]["kv_input_dtype"] = observed
+    if batch_size > 1:
+        ss.manifest["calibration"]["batch_size"] = batch_size
+    if placement.active:
+        ss.manifest["calibration"]["placement"] = placement.describe()
+    if out is not None and dist.is_main:  # one writer: rank 0 (every rank holds the same merged scales)
         save_scale_file(out, ss)
     return CalibrationResult(
         scale_set=ss, output=out, samples=data, warnings=list(data.warnings), timings=timings
     )
+
+
+def _check_processes(engine: str, attention_scales: bool, num_samples: int, dist: parallel.Dist) -> None:
+    """What a multi-process calibration cannot do: split fewer samples than processes, or run the paths whose
+    statistics are not merged across processes."""
+    if not dist.active:
+        return
+    parallel.check_enough_work(num_samples, "calibration samples (--num-samples)", dist)
+    if engine != "native":
+        raise UsageError(f"--engine {engine} runs in one process; use --engine native with several processes")
+    if attention_scales:
+        raise UsageError("--attention-scales runs in one process; calibrate them without --num-processes")
 
 
 def _check_request(
@@ -313,10 +415,16 @@ def _check_request(
     return obs
 
 
-def _load(model: str | LoadedModel, dtype: str, device: str, progress: ProgressFn | None) -> LoadedModel:
+def _load(
+    model: str | LoadedModel, dtype: str, device: str, progress: ProgressFn | None, placement: Placement
+) -> LoadedModel:
     if progress:
         progress(0, 1, "load")
-    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    lm = (
+        model
+        if isinstance(model, LoadedModel)
+        else load_model(model, dtype=dtype, device=device, placement=placement)
+    )
     if progress:
         progress(1, 1, "load")
     return lm
@@ -362,6 +470,7 @@ def _scale_set(
     observer_params: dict[str, Any],
     data: CalibrationSamples,
     extra: dict[str, Any],
+    q_scales: list[torch.Tensor] | None = None,
 ) -> Any:
     """The ScaleSet (bound to lm's checkpoint) of the chosen (k_scales, v_scales, per-layer statistics)."""
     from kvcal.scales import compute_binding, make_scale_set
@@ -384,4 +493,20 @@ def _scale_set(
         calibration=calibration,
         layer_stats=records,
         extra=extra,
+        q_scales=q_scales,
     )
+
+
+def _query_scales(
+    model: Any, samples: Any, num_layers: int, progress: ProgressFn | None
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """(q_scale per layer, the manifest's `attention_scales` record) from the post-RoPE queries."""
+    from kvcal.calibrate.queries import observe_queries
+
+    seen = observe_queries(model, samples, num_layers, progress)
+    record = {
+        "q_scale": "per tensor, amax / 448 (llm-compressor static min-max, FP8 E4M3)",
+        "q_amax": [float(a) for a in seen.amax],
+        "prob_scale": None,  # see kvcal/calibrate/queries.py: FA3 quantizes P with a fixed 2**8 offset
+    }
+    return seen.scales(), record

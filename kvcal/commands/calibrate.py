@@ -10,12 +10,18 @@ from rich.table import Table
 
 from kvcal.commands.options import (
     DatasetOpt,
+    DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
     KvFormatOpt,
+    KvInputDtypeOpt,
+    MaxMemoryOpt,
     ModelArg,
+    NumProcessesOpt,
     NumSamplesOpt,
+    ObserveBatchOpt,
+    OffloadFolderOpt,
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
@@ -26,10 +32,11 @@ from kvcal.commands.output import console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
 
 # Options that shape the command line itself, not a keyword of kvcal.calibrate.run.calibrate().
-CLI_ONLY = ("json_out", "percentile")
+CLI_ONLY = ("json_out", "percentile", "num_processes")
 
 
 def calibrate_cmd(
+    ctx: typer.Context,
     model: ModelArg,
     kv_format: KvFormatOpt,
     output: Annotated[Path, output_option("Scale file to write (.safetensors).")],
@@ -58,19 +65,39 @@ def calibrate_cmd(
     ] = "static_minmax",
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
+    batch_size: ObserveBatchOpt = 1,
+    kv_input_dtype: KvInputDtypeOpt = "bfloat16",
+    attention_scales: Annotated[
+        bool,
+        typer.Option(
+            "--attention-scales",
+            help="Also observe the post-RoPE queries and store q_scale per layer (amax / 448), for "
+            "`kvcal eval --attention fp8` and vLLM's FP8 attention (FlashAttention-3).",
+        ),
+    ] = False,
+    num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Calibrate K/V scales on a dataset and write a checkpoint-bound scale file."""
-    options = dict(locals())  # first: exactly the command's options
+    options = {k: v for k, v in locals().items() if k != "ctx"}  # first: exactly the options (ctx: Typer's)
+    from kvcal.commands.launch import is_main_process, run_in_processes
+
+    if num_processes != 1:
+        run_in_processes(ctx, num_processes, {"calibration samples (--num-samples)": num_samples})
     from kvcal.calibrate.run import calibrate
 
     observer_params = {"percentile": percentile} if observer == "percentile" else None
-    with ProgressRenderer(enabled=not json_out) as progress:
+    with ProgressRenderer(enabled=not json_out and is_main_process()) as progress:
         result = calibrate(
             **library_kwargs(calibrate, options, cli_only=CLI_ONLY),
             progress=progress,
             observer_params=observer_params,
         )
+    if not is_main_process():
+        return  # rank 0 wrote the scale file and renders it
     for message in result.warnings:
         warn(message)
     if json_out:
@@ -90,6 +117,7 @@ def _json(result: Any) -> dict[str, Any]:
         "calibration": ss.manifest["calibration"],
         "k_scales": [k.tolist() for k in ss.k_scales],
         "v_scales": [v.tolist() for v in ss.v_scales],
+        "q_scales": None if ss.q_scales is None else [q.tolist() for q in ss.q_scales],
         "layer_stats": ss.layer_stats,
         "timings": {k: round(v, 3) for k, v in result.timings.items()},
         "warnings": result.warnings,

@@ -14,6 +14,17 @@ from kvcal.commands.options import JsonOpt, KvFormatsOpt, ModelArg, SkipLayersOp
 from kvcal.commands.output import console, print_json
 
 
+def split_formats(item: str) -> list[str]:
+    """A comma-separated --kv-format value -> format names; a K/V pair's `k=A,v=B` stays one item."""
+    out: list[str] = []
+    for part in (p.strip() for p in item.split(",")):
+        if part.lower().startswith("v=") and out and out[-1].lower().startswith("k=") and "," not in out[-1]:
+            out[-1] = f"{out[-1]},{part}"
+        elif part:
+            out.append(part)
+    return out
+
+
 def capacity_cmd(
     model: ModelArg,
     kv_format: KvFormatsOpt = None,
@@ -37,7 +48,7 @@ def capacity_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Bytes per token (codes + scales, all layers), multiplier vs BF16 and tokens that fit, per KV format."""
-    formats = [f.strip() for item in (kv_format or []) for f in item.split(",") if f.strip()] or None
+    formats = [f for item in (kv_format or []) for f in split_formats(item)] or None
     table = model_capacity(model, formats, skip_layers, context, gpu_mem_gib, weights_gib)
     if json_out:
         print_json(table)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from kvcal.commands.options import JsonOpt
+from kvcal.commands.options import CapacityContextOpt, JsonOpt
 from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.io import atomic_write_text
 
@@ -58,14 +58,20 @@ def compare_cmd(
     ),
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Paired bootstrap resamples."),
     seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
+    context: CapacityContextOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Compare run directories against a baseline: report with error bars and a regression gate."""
     from kvcal.errors import UsageError
+    from kvcal.pipeline.sweep import recorded_context
     from kvcal.report.compare import compare_runs
 
     if bootstrap < 100:
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
+    source = "--context"
+    if context is None:  # a sweep's RUNS_DIR says which context its capacity assumes (sweep.yaml `context:`)
+        context = next((c for c in map(recorded_context, run_dirs) if c is not None), None)
+        source = "the sweep's context: in sweep.yaml"
     cmp = compare_runs(
         run_dirs,
         baseline=baseline,
@@ -77,6 +83,8 @@ def compare_cmd(
         warn=warn,
         min_samples=min_samples,
         multiple_testing="none" if no_correction else "holm",
+        context=context,
+        context_source=source,
     )
     failed = fail_on_regression and bool(cmp.failures)
     _write_outputs(cmp, output, html_out, as_json)
@@ -116,8 +124,10 @@ _GATE_STYLE = {
 
 
 def _summary_table(cmp: Comparison) -> Table:
+    from kvcal.report.numbers import capacity_heading
+
     table = Table(title=f"{cmp.model} vs baseline {cmp.baseline}", show_lines=False)
-    for col in ("configuration", "tokens vs BF16", "throughput", "gate", "verdict"):
+    for col in ("configuration", capacity_heading(cmp.context), "throughput", "gate", "verdict"):
         table.add_column(col, overflow="fold")
     for c in cmp.configs[1:]:
         table.add_row(
@@ -150,14 +160,22 @@ def sweep_cmd(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the plan (what is done, what would run) and stop."
     ),
+    context: CapacityContextOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a resumable matrix of formats x scales x skip-layers x tasks."""
+    import dataclasses
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kvcal.errors import UsageError
     from kvcal.pipeline.sweep import execute_sweep, load_sweep_config, plan_sweep
 
     cfg = load_sweep_config(config)
+    if context is not None:  # --context over the YAML's `context:`
+        if context < 1:
+            raise UsageError(f"--context must be a positive number of tokens (e.g. 8192), got {context}")
+        cfg = dataclasses.replace(cfg, context=context)
     plan = plan_sweep(cfg, output)
     if dry_run:
         if as_json:
@@ -195,7 +213,8 @@ def sweep_cmd(
     else:
         console.print(
             f"sweep finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
-            f"{len(result['failed'])} failed. Compare with: kvcal compare {output} -o REPORT.md",
+            f"{len(result['failed'])} failed. Compare with: kvcal compare {output} -o REPORT.md"
+            + (f" (capacity at {cfg.context} tokens of context, from sweep.yaml)" if cfg.context else ""),
             highlight=False,
         )
     if result["failed"]:

@@ -14,23 +14,28 @@ from rich.table import Table
 
 from kvcal import rundir
 from kvcal.commands.options import (
+    DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
     KvFormatOpt,
+    KvInputDtypeOpt,
+    MaxMemoryOpt,
     ModelArg,
-    ScalesOpt,
+    NumProcessesOpt,
+    OffloadFolderOpt,
     SkipLayersOpt,
     config_defaults,
     config_from_options,
     output_option,
+    scales_option,
 )
 from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.evaluate.run import EvalConfig
 
 # EvalConfig fields that have no option (they keep EvalConfig's default), and options that are not fields.
 FIELDS_WITHOUT_OPTION: frozenset[str] = frozenset()
-CLI_ONLY = ("json_out",)
+CLI_ONLY = ("json_out", "num_processes")
 _DEFAULT = config_defaults(EvalConfig)  # the options' defaults are EvalConfig's
 
 # eval's own options (the shared ones are in kvcal.commands.options).
@@ -38,17 +43,31 @@ TasksOpt = Annotated[
     list[str],
     typer.Option(
         "--tasks",
-        help="Comma-separated or repeated: gsm8k, aime25, gpqa_diamond, wikitext, kl, or a task of --include-path.",
+        help="Comma-separated or repeated: gsm8k, aime25, gpqa_diamond, wikitext, kl, passkey, passkey_mc, or a task "
+        "of --include-path.",
     ),
 ]
 RunDirOpt = Annotated[str, output_option("Run directory (skipped when complete, resumed otherwise).")]
+EvalScalesOpt = Annotated[
+    str | None,
+    scales_option(
+        "Scale file (.safetensors) from `kvcal calibrate`, or first-batch: vLLM's --calculate-kv-scales (up to "
+        "v0.18; each layer's K/V scale = amax of the first batch / 200 (K) or / 100 (V), fixed afterwards). "
+        "Default: none (fp8 at scale 1.0, the engines' uncalibrated default)."
+    ),
+]
 ForceScalesOpt = Annotated[
     bool, typer.Option("--force-scales", help="Use scales bound to another checkpoint.")
 ]
 IncludePathOpt = Annotated[
     str | None, typer.Option("--include-path", help="Folder of your own lm-eval task YAMLs.")
 ]
-LimitOpt = Annotated[int | None, typer.Option("--limit", help="Samples per task (kl: windows).")]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--limit", help="Samples per task (kl: windows; passkey: per (length, depth) cell, default 10)."
+    ),
+]
 NumFewshotOpt = Annotated[
     int | None, typer.Option("--num-fewshot", help="Override the task's few-shot count.")
 ]
@@ -64,7 +83,17 @@ GpqaPasswordOpt = Annotated[
 ImplOpt = Annotated[str, typer.Option("--impl", help="Attention: auto, torch or triton.")]
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help="lm-eval batch size.")]
 EvalSeedOpt = Annotated[int, typer.Option("--seed", help="0 = lm-eval's default seeds.")]
-KlSeqLenOpt = Annotated[int, typer.Option("--kl-seq-len", help="Tokens per kl window.")]
+KlSeqLenOpt = Annotated[
+    int, typer.Option("--kl-seq-len", help="Tokens per kl window (up to the model's positions).")
+]
+PrefillChunkOpt = Annotated[
+    int,
+    typer.Option(
+        "--prefill-chunk",
+        help="kl windows longer than this run by chunked prefill through the quantized cache, this many tokens "
+        "per forward.",
+    ),
+]
 MaxGenToksOpt = Annotated[
     int | None, typer.Option("--max-gen-toks", help="Cap generated tokens (lm-eval's aime25 asks for 32768).")
 ]
@@ -80,6 +109,30 @@ Nvfp4GlobalOpt = Annotated[
         "(each sequence's amax/(448*6) over its real tokens, fixed at its first write).",
     ),
 ]
+AttentionOpt = Annotated[
+    str,
+    typer.Option(
+        "--attention",
+        help="kv (default: K/V quantized, attention in the model's dtype) or fp8 (vLLM's FlashAttention-3 FP8 "
+        "attention: Q cast to e4m3 with the scale file's q_scale, 1.0 without --scales, and softmax P cast to "
+        "e4m3; needs --kv-format fp8_e4m3).",
+    ),
+]
+PasskeyLengthsOpt = Annotated[
+    str,
+    typer.Option(
+        "--passkey-lengths",
+        help="passkey / passkey_mc prompt lengths in the model's tokens, comma-separated (1k = 1024): each prompt "
+        "plus its answer must fit the model's positions, and longer than ~2k needs --data-dir (WikiText-2 filler).",
+    ),
+]
+PasskeyDepthsOpt = Annotated[
+    str,
+    typer.Option(
+        "--passkey-depths",
+        help="passkey / passkey_mc key positions: fractions of the filler before the key (0 = start, 1 = end).",
+    ),
+]
 StrictOpt = Annotated[
     bool,
     typer.Option(
@@ -90,11 +143,12 @@ StrictOpt = Annotated[
 
 
 def eval_cmd(
+    ctx: typer.Context,
     model: ModelArg,
     kv_format: KvFormatOpt,
     tasks: TasksOpt,
     output: RunDirOpt,
-    scales: ScalesOpt = _DEFAULT["scales"],
+    scales: EvalScalesOpt = _DEFAULT["scales"],
     force_scales: ForceScalesOpt = _DEFAULT["force_scales"],
     skip_layers: SkipLayersOpt = _DEFAULT["skip_layers"],
     include_path: IncludePathOpt = _DEFAULT["include_path"],
@@ -105,18 +159,31 @@ def eval_cmd(
     impl: ImplOpt = _DEFAULT["impl"],
     dtype: DtypeOpt = _DEFAULT["dtype"],
     device: DeviceOpt = _DEFAULT["device"],
+    device_map: DeviceMapOpt = _DEFAULT["device_map"],
+    max_memory: MaxMemoryOpt = _DEFAULT["max_memory"],
+    offload_folder: OffloadFolderOpt = _DEFAULT["offload_folder"],
     batch_size: BatchSizeOpt = _DEFAULT["batch_size"],
     seed: EvalSeedOpt = _DEFAULT["seed"],
     kl_seq_len: KlSeqLenOpt = _DEFAULT["kl_seq_len"],
+    prefill_chunk: PrefillChunkOpt = _DEFAULT["prefill_chunk"],
     max_gen_toks: MaxGenToksOpt = _DEFAULT["max_gen_toks"],
     trust_remote_code: TrustRemoteCodeOpt = _DEFAULT["trust_remote_code"],
     nvfp4_global: Nvfp4GlobalOpt = _DEFAULT["nvfp4_global"],
+    kv_input_dtype: KvInputDtypeOpt = _DEFAULT["kv_input_dtype"],
+    attention: AttentionOpt = _DEFAULT["attention"],
+    passkey_lengths: PasskeyLengthsOpt = _DEFAULT["passkey_lengths"],
+    passkey_depths: PasskeyDepthsOpt = _DEFAULT["passkey_depths"],
     strict: StrictOpt = _DEFAULT["strict"],
+    num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluate lm-eval tasks (and kvcal's kl) through kvcal's quantized KV cache."""
-    options = dict(locals())  # first: exactly the command's options
+    options = {k: v for k, v in locals().items() if k != "ctx"}  # first: exactly the options (ctx: Typer's)
+    from kvcal.commands.launch import is_main_process, run_in_processes
     from kvcal.evaluate.run import run_eval
+
+    if num_processes != 1:
+        run_in_processes(ctx, num_processes, {"samples (--limit)": limit})
 
     config = config_from_options(EvalConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
     if force_scales and scales:
@@ -124,6 +191,8 @@ def eval_cmd(
             "--force-scales: scales measured on another checkpoint will be used; the run's config records it"
         )
     run_dir = run_eval(config, progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]", highlight=False))
+    if not is_main_process():
+        return  # rank 0 wrote the run directory and renders it
     results = json.loads((run_dir / rundir.RESULTS).read_text())
     metrics = json.loads((run_dir / rundir.METRICS).read_text())
     if json_out:

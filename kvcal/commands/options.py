@@ -38,6 +38,38 @@ DtypeOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or mps.")]
+# accelerate's big-model dispatch (kvcal.placement): calibrate, eval, sensitivity
+DeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device-map",
+        help="Spread the model over devices (accelerate): auto, balanced, sequential, or a JSON file "
+        '{"module": device} (GPU index, cpu, disk). Replaces --device.',
+    ),
+]
+MaxMemoryOpt = Annotated[
+    str | None,
+    typer.Option("--max-memory", help="Budget per device for --device-map, e.g. 0=20GiB,cpu=64GiB."),
+]
+OffloadFolderOpt = Annotated[
+    str | None,
+    typer.Option("--offload-folder", help="Folder for the weights --device-map puts on 'disk'."),
+]
+ObserveBatchOpt = Annotated[
+    int,
+    typer.Option(
+        "--batch-size",
+        help="Samples per forward (right-padded; padding never reaches the statistics, scales equal batch 1).",
+    ),
+]
+NumProcessesOpt = Annotated[
+    int,
+    typer.Option(
+        "--num-processes",
+        help="Split the work over N processes (torchrun; gloo on CPU, nccl on CUDA: one GPU each); the "
+        "results equal one process's. Under torchrun / accelerate launch, leave it at 1.",
+    ),
+]
 
 
 def output_option(help: str) -> OptionInfo:
@@ -58,6 +90,15 @@ SkipLayersOpt = Annotated[
         "--skip-layers", help="Layers kept at 16 bits: sliding_window, full_attention, or indices 0,3,17."
     ),
 ]
+# compare / sweep / release: the context the reported capacity assumes (kvcal capacity's --context is its own)
+CapacityContextOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--context",
+        help="Tokens of context for the 'tokens vs BF16' capacity: sliding-window layers hold min(context, "
+        "window) tokens. Default: the longest context the runs evaluated (kl windows, passkey lengths).",
+    ),
+]
 
 
 def scales_option(help: str = "Scale file (.safetensors) from `kvcal calibrate`.") -> OptionInfo:
@@ -66,6 +107,14 @@ def scales_option(help: str = "Scale file (.safetensors) from `kvcal calibrate`.
 
 
 ScalesOpt = Annotated[str | None, scales_option()]
+KvInputDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-input-dtype",
+        help="Dtype K/V have when they reach the quantizer: bfloat16 (an engine serving a bf16 model; default), "
+        "float16, or float32 (as the model computes them, kvcal before this option).",
+    ),
+]
 
 # ---- calibration text (calibrate, sensitivity) ---------------------------------------------------------------
 

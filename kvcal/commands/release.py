@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvcal.commands.options import JsonOpt, ModelArg, output_option
+from kvcal.commands.options import CapacityContextOpt, JsonOpt, ModelArg, output_option
 from kvcal.commands.output import console, err_console, print_json, warn
 
 
@@ -22,6 +22,7 @@ def release_cmd(
         Path,
         output_option("OUT: release.json, release.md, scales/, runs/ (the run store), drift/, exports/."),
     ],
+    context: CapacityContextOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Decide whether this checkpoint ships with its KV-cache scales; write OUT/release.json and release.md.
@@ -29,11 +30,15 @@ def release_cmd(
     Verify the scale file against the checkpoint (stale: recalibrate), check drift on a traffic sample (drifted:
     recalibrate or fail), evaluate against BF16, gate, export for vLLM / SGLang and print the serving flags.
     A rerun with nothing changed reuses everything in OUT. Exit 0 ship, 1 gate or drift policy failed, 2 usage."""
-    from kvcal.errors import KvcalError
+    from kvcal.errors import KvcalError, UsageError
     from kvcal.pipeline.release import run_release
     from kvcal.pipeline.release_config import load_release_config
 
     cfg = load_release_config(config)
+    if context is not None:  # --context over the YAML's gate.context
+        if context < 1:
+            raise UsageError(f"--context must be a positive number of tokens (e.g. 8192), got {context}")
+        cfg.gate.context = context
 
     def say(message: str) -> None:
         if not json_out:

@@ -10,12 +10,16 @@ from rich.table import Table
 
 from kvcal.commands.options import (
     DatasetOpt,
+    DeviceMapOpt,
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
     KvFormatOpt,
+    MaxMemoryOpt,
     ModelArg,
     NumSamplesOpt,
+    ObserveBatchOpt,
+    OffloadFolderOpt,
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
@@ -45,6 +49,10 @@ def sensitivity_cmd(
     ] = 2.0,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
+    batch_size: ObserveBatchOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Quantize one layer's KV cache at a time; report each layer's KL damage and which layers to skip."""

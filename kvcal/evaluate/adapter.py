@@ -24,9 +24,12 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvcal import models
+from kvcal import models, parallel
 from kvcal.errors import UsageError
 from kvcal.formats import parse_kv_format
+from kvcal.placement import Placement
+
+FIRST_BATCH = "first-batch"  # kv_scales value: vLLM's calculate_kv_scales (= kvcal.kernels.cache.FIRST_BATCH)
 
 
 def _as_bool(value: Any) -> bool:
@@ -39,7 +42,9 @@ def _as_bool(value: Any) -> bool:
 @register_model("kvcal")
 class KvcalLM(HFLM):
     """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
-    force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`)."""
+    force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
+    kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
+    calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention)."""
 
     def __init__(
         self,
@@ -51,27 +56,57 @@ class KvcalLM(HFLM):
         force_scales: bool | str = False,
         model_ref: str | None = None,
         nvfp4_global: str = "one",
+        kv_input_dtype: str | None = None,
+        attention: str = "kv",
+        device_map: str | None = None,
+        max_memory: str | None = None,
+        offload_folder: str | None = None,
         **kwargs: Any,
     ) -> None:
+        placement = Placement.parse(device_map, max_memory, offload_folder)
         if isinstance(pretrained, (str, os.PathLike)):
             # real-model names and .gguf files become a local safetensors folder (kvcal.models)
             trust = _as_bool(kwargs.get("trust_remote_code", False))
             ref, model_dir = str(pretrained), models.resolve_model(pretrained, trust_remote_code=trust)
             pretrained = str(model_dir)
+            if placement.active:  # accelerate's dispatch: kvcal loads, HFLM takes the placed model
+                placed = models.load_model(
+                    model_dir,
+                    dtype=str(kwargs.pop("dtype", "auto")),
+                    trust_remote_code=trust,
+                    placement=placement,
+                )
+                pretrained, kwargs["tokenizer"] = placed.model, placed.tokenizer
+                kwargs.pop("device", None)
         else:  # an already-built transformers model
             ref, model_dir = (
                 str(model_ref or getattr(pretrained, "name_or_path", "model")),
                 Path(getattr(pretrained, "name_or_path", ".")),
             )
         super().__init__(pretrained=pretrained, **kwargs)
+        if placement.active:  # inputs go where the embedding is (HFLM took the first parameter's device)
+            self._device = models.input_device(self.model)
+        # Data parallel under torchrun / accelerate launch: lm-eval splits requests by lm.rank / lm.world_size
+        # (Task.doc_iterator) and gathers them on rank 0 (evaluator.evaluate), but HFLM 0.4.13 reports them only
+        # with several GPUs; kvcal reports them whatever the device (gloo on CPU). tp_plan: one model, no split.
+        self._kvcal_dist = parallel.from_env() if kwargs.get("tp_plan") is None else parallel.Dist()
+        self._kvcal_tp = parallel.from_env() if kwargs.get("tp_plan") is not None else parallel.Dist()
+        if self._kvcal_dist.active:
+            self._rank, self._world_size = self._kvcal_dist.rank, self._kvcal_dist.world_size
         self.model_ref = str(model_ref or ref)
         self.model_dir = model_dir
         self.kv_format = parse_kv_format(kv_format)
         self.impl = str(impl or "auto")
         self.scales_path = str(kv_scales) if kv_scales not in (None, "", "none", "None") else None
+        # kv_scales=first-batch: vLLM's calculate_kv_scales (kvcal.kernels.cache.FirstBatchScales), not a file
+        self.first_batch = self.scales_path == FIRST_BATCH
+        if self.first_batch:
+            self.scales_path = None
+        self.kv_input_dtype = None if kv_input_dtype in (None, "", "none", "None") else str(kv_input_dtype)
         self.skip_spec = str(skip_layers) if skip_layers not in (None, "", "none", "None") else ""
         self.force_scales = _as_bool(force_scales)
         self.nvfp4_global = str(nvfp4_global)
+        self.attention = str(attention or "kv")  # "fp8": vLLM's FA3 FP8 attention (kvcal.kernels.attention)
         self.scale_set: Any = None
         self.skip_layers: frozenset[int] = frozenset()
         self.runtime: Any = None
@@ -91,7 +126,30 @@ class KvcalLM(HFLM):
             impl=self.impl,
             force_scales=self.force_scales,
             nvfp4_global=self.nvfp4_global,
+            kv_input_dtype=self.kv_input_dtype,
+            first_batch=self.first_batch,
+            attention=self.attention,
         )
+        shard_runtime_by_head(self.runtime, self.model, self._kvcal_tp)
+
+    # ---- lm-eval's collectives over torch.distributed (HFLM's go through accelerate, GPU runs only) --------
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._kvcal_dist.active:
+            return super().all_gather(tensor)
+        return parallel.all_gather_tensor(tensor, self._kvcal_dist)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if not self._kvcal_dist.active:
+            return super().gather_object(obj, dst=dst)
+        if dst != 0:
+            raise ValueError("kvcal gathers on rank 0 only")
+        return parallel.gather_objects(obj, self._kvcal_dist, what="gathering lm-eval's samples")
+
+    def barrier(self) -> None:
+        if not self._kvcal_dist.active:
+            return super().barrier()
+        parallel.barrier(self._kvcal_dist)
 
     # ---- the two places HFLM calls the model -------------------------------------------------------------
 
@@ -140,7 +198,12 @@ class KvcalLM(HFLM):
             skip_layers=self.skip_layers,
             impl=self.impl,
             nvfp4_global=self.nvfp4_global,
+            kv_input_dtype=self.kv_input_dtype,
+            # the scales the first batch fixed stay fixed (vLLM keeps them for the server's lifetime)
+            first_batch=getattr(self.runtime, "first_batch", None) or self.first_batch,
+            attention=self.attention,
         )
+        shard_runtime_by_head(rt, self.model, self._kvcal_tp)
         self.runtime = None if self.kv_format == "auto" else rt
 
     def kvcal_describe(self) -> dict[str, Any]:
@@ -186,6 +249,29 @@ def _right_padding_mask(inps: torch.Tensor, lengths: list[int] | None) -> torch.
     return (torch.arange(inps.shape[1], device=inps.device)[None, :] < n[:, None]).long()
 
 
+def shard_runtime_by_head(runtime: Any, model: Any, tp: parallel.Dist) -> None:
+    """Tensor parallel (`tp_plan`, under torchrun): transformers splits k_proj / v_proj column-wise, so rank r's
+    attention writes only KV heads `parallel.heads_of_rank(H_kv, r, N)` to its cache, [B, H_kv / N, T, D]; its
+    cache then holds those heads' codes and scales (per-head scales sliced, per-tensor ones shared). Checked on CPU
+    with gloo: 2 ranks give 1 rank's logits to float rounding (docs/scaling-out.md)."""
+    if runtime is None or not tp.active:
+        return
+    import dataclasses
+
+    from kvcal.kernels.runtime import install_plans
+
+    kv = models.kv_spec(model.config)
+
+    def cut(scale: Any, heads: int) -> Any:
+        return None if scale is None else parallel.slice_heads(scale, heads, tp.rank, tp.world_size)
+
+    runtime.plans = [
+        dataclasses.replace(p, k_scale=cut(p.k_scale, layer.kv_heads), v_scale=cut(p.v_scale, layer.kv_heads))
+        for p, layer in zip(runtime.plans, kv.layers, strict=True)
+    ]
+    install_plans(model, runtime.plans, runtime.impl, nonfinite=runtime.nonfinite)
+
+
 def build_runtime(
     model: Any,
     *,
@@ -197,6 +283,9 @@ def build_runtime(
     impl: str,
     force_scales: bool,
     nvfp4_global: str = "one",
+    kv_input_dtype: str | None = None,
+    first_batch: bool = False,
+    attention: str = "kv",
 ) -> tuple[Any, Any, frozenset[int]]:
     """(KVRuntime, ScaleSet | None, skipped layer indices) for `model`; the scale file is checked against the
     checkpoint (binding, format, layer count) by kvcal.scales."""
@@ -212,7 +301,15 @@ def build_runtime(
             scales_path, model_ref, model_dir, kv, kv_format=kv_format, force=force_scales
         )
     runtime = KVRuntime(
-        model, kv_format, scales=scale_set, skip_layers=skip, impl=impl, nvfp4_global=nvfp4_global
+        model,
+        kv_format,
+        scales=scale_set,
+        skip_layers=skip,
+        impl=impl,
+        nvfp4_global=nvfp4_global,
+        kv_input_dtype=kv_input_dtype,
+        first_batch=first_batch,
+        attention=attention,
     )
     return runtime, scale_set, skip
 

@@ -19,6 +19,18 @@ $KVCAL_CACHE/kl (default ~/.cache/kvcal/kl), so a sweep over formats runs the ba
 Both sides are rounded to float16 log-probs and renormalised before the KL, so identical runs give exactly 0 and
 a cached baseline gives exactly what a fresh one would. (fp16 keeps ~3 significant digits of a log-prob; the
 rounding is the same on both sides, its effect on KL is far below the 1e-4 that FP8 caches already produce.)
+
+Long windows (seq_len > prefill_chunk, default 2048): chunked prefill, as an engine with chunked prefill serves a
+long prompt. Each chunk is one forward with the side's own cache as `past_key_values`, so it attends to the
+(quantized) K/V of every earlier chunk; the baseline runs in lockstep, chunk by chunk with its own BF16 cache, and
+KL / top-1 / NLL are computed per chunk, so memory is bounded by chunk x vocabulary (never window x vocabulary:
+a 32k-token window of Gemma 3's 262k vocabulary would be 17 GB of float16 log-probs). Nothing of a chunked
+window's baseline is cached on disk (it is recomputed with every run); windows that fit one chunk keep the disk
+cache above, bit for bit.
+
+By position: every run also reports KL, top-1 agreement and NLL averaged in position buckets (`kl_by_position`:
+1-512, 513-1024, 1025-2048, ... over the 1-based position of the predicting token), with standard errors over
+windows, so damage that grows with context shows.
 """
 
 from __future__ import annotations
@@ -27,14 +39,14 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcal import models
+from kvcal import models, parallel
 from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.tasks import KL_TEXT_FILE, read_text_file
 from kvcal.io import atomic_write_with
@@ -42,6 +54,18 @@ from kvcal.io import atomic_write_with
 # 2: windows start with BOS only where the tokenizer adds one (1 prepended it whenever the tokenizer had one).
 KL_VERSION = 2
 DEFAULT_SEQ_LEN = 256
+DEFAULT_PREFILL_CHUNK = 2048
+FIRST_BUCKET = 512  # kl_by_position: [1, 512], then powers of two [513, 1024], [1025, 2048], ...
+# Logit rows per step of the per-token statistics: ~2**24 elements (64 MiB float32) whatever the vocabulary.
+_STATS_BUDGET = 1 << 24
+
+# One side of the comparison over one window: chunk ids [1, c] in order -> logits [1, c, V]; the session's cache
+# keeps the K/V of every earlier chunk. A SessionFactory opens a fresh session (a fresh cache).
+ChunkForward = Callable[[torch.Tensor], torch.Tensor]
+SessionFactory = Callable[[], ChunkForward]
+# baseline(): a context manager that makes the BF16-cache configuration runnable on the model and yields its
+# SessionFactory; on exit the evaluated configuration is in place again (a session survives exit and re-entry).
+Baseline = Callable[[], AbstractContextManager[SessionFactory]]
 
 # Held-out text for `kl` when no --data-dir is given. Written for kvcal (not copied from any corpus); plain
 # English prose with numbers, names and some structure so that attention has something to do. About 2,270
@@ -198,7 +222,10 @@ def make_windows(
         chunk = ids[start : start + body]
         windows.append(([bos] if bos is not None else []) + chunk)
     if not windows:
-        raise KvcalError(f"the kl text has {len(ids)} tokens, fewer than one window of {seq_len}")
+        raise UsageError(
+            f"the kl text has {len(ids)} tokens, fewer than one window of {seq_len}; use a smaller --kl-seq-len "
+            "or --data-dir with WikiText-2"
+        )
     total = len(windows)
     return (windows[:limit] if limit else windows), total
 
@@ -271,14 +298,70 @@ def load_baseline(key: str, root: Path, recompute: Callable[[], torch.Tensor]) -
         return store_baseline(key, recompute(), root)
 
 
-def baseline_logits_again(
-    baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]], ids: torch.Tensor
-) -> torch.Tensor:
-    with baseline() as forward, torch.no_grad():
-        return forward(ids)[0].detach().cpu()
+def baseline_logits_again(baseline: Baseline, ids: torch.Tensor) -> torch.Tensor:
+    with baseline() as new_session, torch.no_grad():
+        return new_session()(ids)[0].detach().cpu()
 
 
-# ---- the task -----------------------------------------------------------------------------------------------
+def forward_session(model: Any, cache: Any) -> ChunkForward:
+    """A session over one window: each call runs one forward of the next chunk with `cache` as past_key_values
+    (the chunk attends to everything the cache holds, then appends its own K/V)."""
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:  # [1, c] -> [1, c, V]
+        with torch.no_grad():
+            return model(ids, past_key_values=cache, use_cache=True).logits
+
+    return forward
+
+
+def lm_sides(lm: Any, impl: str) -> tuple[SessionFactory, Baseline]:
+    """(quant_session, baseline) of kvcal's lm-eval model `lm` (`kvcal.evaluate.adapter.KvcalLM`: .model,
+    .runtime, .activate_runtime()). The evaluated side: `lm`'s own configuration (a fresh kvcal cache, or for
+    'auto' a transformers DynamicCache). The baseline: a BF16 cache read through kvcal's attention with `impl`.
+    When the evaluated side already reads through kvcal's attention with the same implementation and plain
+    (not FP8) attention, the baseline is a second cache of BF16 plans under that same attention (what
+    `KVRuntime(model, "bf16")` would install, so nothing is swapped); otherwise (auto, FP8 attention)
+    baseline() installs a BF16 KVRuntime and re-activates `lm`'s on exit."""
+    from transformers.cache_utils import DynamicCache
+
+    from kvcal.formats import get_format
+    from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
+    from kvcal.kernels.runtime import KVRuntime, resolve_impl
+
+    model = lm.model
+
+    def quant_session() -> ChunkForward:
+        rt = lm.runtime
+        return forward_session(model, rt.new_cache() if rt is not None else DynamicCache(config=model.config))
+
+    rt = lm.runtime
+    # FP8 attention (a plan's q_scale) is read from the attention module's plan, not from the cache: swap then
+    if (
+        rt is not None
+        and rt.impl == resolve_impl(impl, next(model.parameters()).device)
+        and all(getattr(p, "q_scale", None) is None for p in rt.plans)
+    ):
+        bf16 = get_format("bf16")
+        plans = [LayerPlan(index=p.index, fmt=bf16, window=p.window) for p in rt.plans]
+
+        @contextmanager
+        def beside() -> Iterator[SessionFactory]:
+            yield lambda: forward_session(model, QuantizedKVCache(plans))
+
+        return quant_session, beside
+
+    @contextmanager
+    def installed() -> Iterator[SessionFactory]:
+        rt = KVRuntime(model, "bf16", impl=impl)  # replaces the evaluated configuration for a moment
+        try:
+            yield lambda: forward_session(model, rt.new_cache())
+        finally:
+            lm.activate_runtime()
+
+    return quant_session, installed
+
+
+# ---- per-token statistics -----------------------------------------------------------------------------------
 
 
 def kl_per_token(ref_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,36 +372,123 @@ def kl_per_token(ref_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> tuple[
     return kl, agree
 
 
-def window_stats(base_lp16: torch.Tensor, quant_logits: torch.Tensor, window: list[int]) -> dict[str, float]:
-    """Per-window KL / top-1 / NLL over the positions that have a next token (T-1 of them)."""
-    lp = _renorm(base_lp16[:-1])  # [T-1, V]
-    lq = _renorm(_fp16_logprobs(quant_logits)[:-1])  # [T-1, V]
-    kl_pos, agree = kl_per_token(lp, lq)  # [T-1] each
-    kl_pos = kl_pos.clamp_min(0.0)  # tiny negatives are rounding
-    targets = torch.tensor(window[1:], dtype=torch.long)
-    nll = -lq.gather(-1, targets[:, None]).squeeze(-1)  # [T-1]
+def _row_blocks(n: int, vocab: int) -> range:
+    return range(0, n, max(1, _STATS_BUDGET // max(1, vocab)))
+
+
+def _fp16_logprobs_blocked(logits: torch.Tensor) -> torch.Tensor:
+    """_fp16_logprobs of logits [n, V], a block of rows at a time (row-wise identical; float32 temporaries of one
+    block instead of three [n, V] copies)."""
+    out = torch.empty(logits.shape, dtype=torch.float16, device=logits.device)
+    blocks = _row_blocks(logits.shape[0], logits.shape[-1])
+    for r0 in blocks:
+        out[r0 : r0 + blocks.step] = _fp16_logprobs(logits[r0 : r0 + blocks.step])
+    return out
+
+
+def token_stats(
+    base_lp16: torch.Tensor, quant_logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position: KL(baseline || quantized) (clamped at 0: tiny negatives are rounding), top-1 agreement and
+    the quantized side's NLL of the target. base_lp16: float16 log-probs [n, V]; quant_logits: [n, V]; targets:
+    [n] next-token ids -> three float32 [n] tensors. Row blocks keep the float32 temporaries near 64 MiB."""
+    kls, agrees, nlls = [], [], []
+    n = base_lp16.shape[0]
+    targets = targets.to(device=quant_logits.device, dtype=torch.long)
+    blocks = _row_blocks(n, base_lp16.shape[-1])
+    for r0 in blocks:
+        r1 = min(n, r0 + blocks.step)
+        lp = _renorm(base_lp16[r0:r1].to(quant_logits.device))  # [rows, V]
+        lq = _renorm(_fp16_logprobs(quant_logits[r0:r1]))  # [rows, V]
+        kl, agree = kl_per_token(lp, lq)
+        kls.append(kl.clamp_min(0.0))
+        agrees.append(agree)
+        nlls.append(-lq.gather(-1, targets[r0:r1, None]).squeeze(-1))
+    return torch.cat(kls).cpu(), torch.cat(agrees).cpu(), torch.cat(nlls).cpu()
+
+
+def window_totals(kl: torch.Tensor, agree: torch.Tensor, nll: torch.Tensor) -> dict[str, float]:
+    """A window's sample record from its per-position [T-1] statistics: mean KL, mean top-1, summed NLL."""
     return {
-        "kl": float(kl_pos.mean()),
+        "kl": float(kl.mean()),
         "top1_agree": float(agree.mean()),
         "nll": float(nll.sum()),
-        "n_tokens": int(targets.numel()),
+        "n_tokens": int(kl.numel()),
     }
+
+
+def window_stats(base_lp16: torch.Tensor, quant_logits: torch.Tensor, window: list[int]) -> dict[str, float]:
+    """Per-window KL / top-1 / NLL over the positions that have a next token (T-1 of them); base_lp16 [T, V],
+    quant_logits [T, V]."""
+    targets = torch.tensor(window[1:], dtype=torch.long)
+    return window_totals(*token_stats(base_lp16[:-1], quant_logits[:-1], targets))
+
+
+# ---- position buckets (kl_by_position) ----------------------------------------------------------------------
+
+_BUCKET_METRICS = ("kl", "top1_agree", "nll")
+
+
+def position_buckets(n_pred: int) -> list[tuple[int, int]]:
+    """[lo, hi] (inclusive, 1-based positions of the predicting token) for positions 1..n_pred: [1, 512],
+    [513, 1024], [1025, 2048], ..., the last one cut at n_pred."""
+    edges, lo, hi = [], 1, FIRST_BUCKET
+    while lo <= n_pred:
+        edges.append((lo, min(hi, n_pred)))
+        lo, hi = hi + 1, hi * 2
+    return edges
+
+
+def window_buckets(
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edges: list[tuple[int, int]]
+) -> dict[str, list[float]]:
+    """One window's bucket means {metric: [one per bucket]} from its per-position (kl, top1, nll) [T-1]."""
+    out: dict[str, list[float]] = {m: [] for m in _BUCKET_METRICS}
+    for name, values in zip(_BUCKET_METRICS, stats, strict=True):
+        v = values.double()
+        out[name] = [float(v[lo - 1 : hi].mean()) for lo, hi in edges]
+    return out
+
+
+def _stderr(values: list[float]) -> float | None:
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def by_position(
+    per_window: list[dict[str, list[float]]], edges: list[tuple[int, int]], seq_len: int, chunk: int
+) -> dict[str, Any]:
+    """results.json's `kl_by_position` (docs/run-directory.md): per bucket the token-weighted mean over windows
+    (every window has the same positions) and the standard error over windows."""
+    buckets = []
+    for b, (lo, hi) in enumerate(edges):
+        n = hi - lo + 1
+        entry: dict[str, Any] = {"lo": lo, "hi": hi, "n_tokens": n * len(per_window)}
+        for m in _BUCKET_METRICS:
+            vals = [w[m][b] for w in per_window]
+            entry[m] = sum(vals) / len(vals)
+            entry[f"{m}_stderr"] = _stderr(vals)
+        entry["per_window"] = {m: [w[m][b] for w in per_window] for m in _BUCKET_METRICS}
+        buckets.append(entry)
+    return {"seq_len": seq_len, "prefill_chunk": chunk, "n_windows": len(per_window), "buckets": buckets}
+
+
+# ---- the task -----------------------------------------------------------------------------------------------
 
 
 def aggregate(samples: list[dict[str, Any]]) -> dict[str, float]:
     """Token-weighted means; stderr from the spread of the per-window values (windows are the samples)."""
-    n = len(samples)
     tokens = sum(s["n_tokens"] for s in samples)
     kl = sum(s["kl"] * s["n_tokens"] for s in samples) / tokens
     top1 = sum(s["top1_agree"] * s["n_tokens"] for s in samples) / tokens
     ppl = math.exp(sum(s["nll"] for s in samples) / tokens)
 
     def stderr(key: str) -> float | str:
-        if n < 2:
-            return "N/A"
-        vals = [s[key] for s in samples]
-        mean = sum(vals) / n
-        return math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1) / n)
+        se = _stderr([s[key] for s in samples])
+        return "N/A" if se is None else se
 
     return {
         "kl,none": kl,
@@ -330,45 +500,77 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def check_prefill_chunk(chunk: int) -> int:
+    if chunk < 1:
+        raise UsageError(f"--prefill-chunk must be at least 1 token, got {chunk}")
+    return chunk
+
+
 def run_kl(
     model: Any,
     tokenizer: Any,
     *,
-    quant_forward: Callable[[torch.Tensor], torch.Tensor],
-    baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
+    quant_session: SessionFactory,
+    baseline: Baseline,
     baseline_desc: dict[str, Any],
     evaluated_desc: dict[str, Any],
     model_dir: str | os.PathLike[str],
     data_dir: str | os.PathLike[str] | None,
     limit: int | None,
     seq_len: int = DEFAULT_SEQ_LEN,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Evaluate `kl`. `quant_forward`: input ids [1, T] -> logits [1, T, V] through the evaluated cache;
-    `baseline()`: a context manager that installs the BF16-cache configuration on the model and yields its
-    forward (the quantized configuration is restored on exit). Baselines missing from the cache are computed
-    first (one install), then every window runs quantized and is compared with its cached baseline.
+    dist: parallel.Dist | None = None,
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """Evaluate `kl`. `quant_session()`: a fresh session of the evaluated configuration (the one installed on
+    the model); `baseline()`: see `Baseline`. A window that fits one chunk (seq_len <= prefill_chunk) runs in one
+    forward per side, against the disk-cached baseline (missing ones are computed first, in one baseline()
+    entry); a longer window runs both sides in lockstep, chunk by chunk (module docstring).
     `baseline_desc` / `evaluated_desc` describe the two sides (the baseline's is part of the cache key).
-    Returns (an lm-eval-shaped results dict for task 'kl', per-window sample records)."""
+    Returns (an lm-eval-shaped results dict for task 'kl' with `kl_by_position`, per-window sample records).
+    With `dist` (several processes) each rank runs windows rank, rank + N, ... and rank 0 returns the whole
+    task (windows back in order, so the results equal one process's); the other ranks return (None, [])."""
+    check_prefill_chunk(prefill_chunk)
     root = cache_dir or cache_root()
     text, source = kl_text(data_dir)
     bos = bos_rule(tokenizer)
     windows, total = make_windows(tokenizer, text, seq_len, limit, bos["bos_token_id"])
-    fingerprint = model_fingerprint(model_dir)
-    device = next(model.parameters()).device
-    keys = [window_key(fingerprint, baseline_desc, bos, w) for w in windows]
-    missing = [i for i, k in enumerate(keys) if not _cache_path(root, k).is_file()]
-    _store_missing_baselines(baseline, windows, keys, missing, root, device)
+    device = models.input_device(model)  # under a device map: the embedding's device
+    dist = dist or parallel.Dist()
+    parallel.check_enough_work(len(windows), "kl windows", dist)
+    mine = parallel.shard(range(len(windows)), dist)
+    chunked = seq_len > prefill_chunk
+    if chunked:
+        hits = 0
+
+        def stats_of(i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return lockstep_stats(quant_session, baseline, ids, prefill_chunk)
+
+    else:
+        fingerprint = model_fingerprint(model_dir)
+        keys = [window_key(fingerprint, baseline_desc, bos, w) for w in windows]
+        missing = [i for i in mine if not _cache_path(root, keys[i]).is_file()]
+        _store_missing_baselines(baseline, windows, keys, missing, root, device)
+        hits = len(mine) - len(missing)
+
+        def stats_of(i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return cached_stats(quant_session, baseline, ids, keys[i], root)
+
+    edges = position_buckets(seq_len - 1)
     samples: list[dict[str, Any]] = []
-    for i, window in enumerate(windows):
-        ids = torch.tensor([window], dtype=torch.long, device=device)  # [1, T]
-        with torch.no_grad():
-            quant_logits = quant_forward(ids)[0].detach().cpu()  # [T, V]
-        base_lp16 = load_baseline(keys[i], root, lambda ids=ids: baseline_logits_again(baseline, ids))
-        samples.append({"doc_id": i, **window_stats(base_lp16, quant_logits, window)})
+    per_window: list[dict[str, list[float]]] = []
+    for n, i in enumerate(mine):
+        stats = stats_of(i, torch.tensor([windows[i]], dtype=torch.long, device=device))  # ids [1, T]
+        samples.append({"doc_id": i, **window_totals(*stats)})
+        per_window.append(window_buckets(stats, edges))
+        parallel.fault_point("kl-window", dist)
         if progress is not None:
-            progress(i + 1, len(windows))
+            progress(n + 1, len(mine))
+    merged = _gather_windows(samples, per_window, hits, dist)
+    if merged is None:
+        return None, []  # rank 0 holds the task
+    samples, per_window, hits = merged
     task_config = {
         "task": "kl",
         "output_type": "kvcal_kl",
@@ -377,28 +579,78 @@ def run_kl(
         "bos": bos,
         "baseline": baseline_desc,
         "evaluated": evaluated_desc,
-        "baseline_cache_hits": len(windows) - len(missing),
+        "baseline_cache_hits": hits,
     }
-    return _kl_results(aggregate(samples), task_config, total, len(windows)), samples
+    if chunked:
+        task_config["prefill_chunk"] = prefill_chunk
+        task_config["baseline_cache"] = "none: chunked windows run the baseline in lockstep"
+    results = _kl_results(aggregate(samples), task_config, total, len(windows))
+    results["kl_by_position"] = by_position(per_window, edges, seq_len, min(seq_len, prefill_chunk))
+    return results, samples
+
+
+def _gather_windows(
+    samples: list[dict[str, Any]], per_window: list[dict[str, list[float]]], hits: int, dist: parallel.Dist
+) -> tuple[list[dict[str, Any]], list[dict[str, list[float]]], int] | None:
+    """Every rank's windows on rank 0, in window order (None on the other ranks)."""
+    parts = parallel.gather_objects((samples, per_window, hits), dist, what="gathering the kl windows")
+    if parts is None:
+        return None
+    rows = sorted(
+        ((s, w) for part in parts for s, w in zip(part[0], part[1], strict=True)),
+        key=lambda r: r[0]["doc_id"],
+    )
+    return [s for s, _ in rows], [w for _, w in rows], sum(part[2] for part in parts)
+
+
+def cached_stats(
+    quant_session: SessionFactory, baseline: Baseline, ids: torch.Tensor, key: str, root: Path
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position statistics [T-1] of a window that fits one chunk: one quantized forward over ids [1, T],
+    against the disk-cached baseline."""
+    with torch.no_grad():
+        quant_logits = quant_session()(ids)[0].detach().cpu()  # [T, V]
+    base_lp16 = load_baseline(key, root, lambda: baseline_logits_again(baseline, ids))  # [T, V]
+    return token_stats(base_lp16[:-1], quant_logits[:-1], ids[0, 1:].cpu())
+
+
+def lockstep_stats(
+    quant_session: SessionFactory, baseline: Baseline, ids: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position statistics [T-1] of a window by chunked prefill: both sides get the same chunks in order,
+    each through its own cache; only one chunk's logits per side exist at a time. The window's last token
+    predicts nothing, so the chunks cover tokens 0..T-2."""
+    n_pred = ids.shape[1] - 1
+    quant = quant_session()
+    base: ChunkForward | None = None
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for s in range(0, n_pred, chunk):
+        piece = ids[:, s : min(n_pred, s + chunk)]  # [1, c]
+        with baseline() as new_session:
+            base = base or new_session()
+            base_lp16 = _fp16_logprobs_blocked(base(piece)[0])  # [c, V]
+        parts.append(token_stats(base_lp16, quant(piece)[0], ids[0, s + 1 : s + 1 + piece.shape[1]]))
+        del base_lp16
+    return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
 
 def _store_missing_baselines(
-    baseline: Callable[[], AbstractContextManager[Callable[[torch.Tensor], torch.Tensor]]],
+    baseline: Baseline,
     windows: list[list[int]],
     keys: list[str],
     missing: list[int],
     root: Path,
     device: torch.device,
 ) -> None:
-    """Compute and cache the baseline log-probs of the windows `missing` (one baseline install for all)."""
+    """Compute and cache the baseline log-probs of the windows `missing` (one baseline entry for all)."""
     if not missing:
         return
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with baseline() as baseline_forward, torch.no_grad():
+        with baseline() as new_session, torch.no_grad():
             for i in missing:
                 ids = torch.tensor([windows[i]], dtype=torch.long, device=device)  # [1, T]
-                store_baseline(keys[i], baseline_forward(ids)[0].detach().cpu(), root)
+                store_baseline(keys[i], new_session()(ids)[0].detach().cpu(), root)
     except OSError as exc:  # the cache folder (the forward itself does no I/O)
         raise UsageError(
             f"cannot write kl's baseline cache under '{root}' ({exc.strerror or exc}); "

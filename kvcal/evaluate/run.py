@@ -16,19 +16,20 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcal import __version__, models
+from kvcal import __version__, models, parallel
 from kvcal.capacity import run_capacity
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.kl import DEFAULT_SEQ_LEN
+from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN
+from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS
 from kvcal.evaluate.runstore import RunStore
-from kvcal.evaluate.tasks import KL_TASK, TaskPlan, resolve_tasks, task_manager_for
-from kvcal.formats import parse_kv_format
+from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, resolve_tasks, task_manager_for
+from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, kv_pair, parse_kv_format, parse_kv_input_dtype
+from kvcal.placement import Placement
 from kvcal.rundir import ENV, METRICS, RESULTS, RunConfig
 
 
@@ -51,13 +52,28 @@ class EvalConfig:
     impl: str = "auto"
     dtype: str = "auto"  # the checkpoint's own (lm-eval's HFLM default); config.yaml records the resolved one
     device: str = "cpu"
+    # accelerate's placement (kvcal.placement): where the weights live, not what is computed — not in config.yaml
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
     batch_size: int = 1
     seed: int = 0
     kl_seq_len: int = DEFAULT_SEQ_LEN
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # kl windows longer than this run by chunked prefill
     max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
     nvfp4_global: str = "one"  # nvfp4 without --scales: "one" (vLLM: global 1.0) or "per_sequence"
+    # K/V rounded to this dtype before quantization: the engine's serving dtype (bf16), or float32 (as computed)
+    kv_input_dtype: str = DEFAULT_KV_INPUT_DTYPE
     strict: bool = False  # a NaN/Inf K/V value reaching the cache is an error (default: warn + metrics.json)
+    attention: str = "kv"  # "fp8": vLLM's FlashAttention-3 FP8 attention (Q and P cast to e4m3)
+    passkey_lengths: str = DEFAULT_LENGTHS  # passkey prompt lengths in tokens, e.g. "1k,2k,4k" (k = 1024)
+    passkey_depths: str = DEFAULT_DEPTHS  # where the key sits: fractions of the filler before it
+
+
+def _any_nvfp4(fmt: str) -> bool:
+    """A side of `fmt` (a format or a K/V pair) stores nvfp4's layout (nvfp4, nvfp4_4over6)."""
+    return any(f.layout == "nvfp4" for f in kv_pair(fmt))
 
 
 # ---- names --------------------------------------------------------------------------------------------------
@@ -75,10 +91,20 @@ def model_short(model: str) -> str:
     return slug(name)
 
 
+# `--scales first-batch`: vLLM's calculate_kv_scales (kvcal.kernels.cache.FirstBatchScales), not a file
+FIRST_BATCH = "first-batch"
+
+
+def is_first_batch(scales: str | None) -> bool:
+    return scales == FIRST_BATCH
+
+
 def scales_tag(scales: str | None) -> str:
-    """'none' (uncalibrated / dynamic) or 'calib-<granularity>' read from the scale file's manifest."""
+    """'none' (uncalibrated / dynamic), 'first-batch', or 'calib-<granularity>' read from the scale file's manifest."""
     if not scales:
         return "none"
+    if is_first_batch(scales):
+        return FIRST_BATCH
     from kvcal.scales import load_scale_file
 
     return f"calib-{load_scale_file(scales).granularity}"
@@ -95,9 +121,24 @@ def run_dir_name(config: EvalConfig) -> str:
     `gemma3-270m__fp8_e4m3__calib-tensor__skip-sliding_window`."""
     fmt = parse_kv_format(config.kv_format)
     tag = scales_tag(config.scales)
-    if fmt == "nvfp4" and not config.scales and config.nvfp4_global != "one":
+    if _any_nvfp4(fmt) and not config.scales and config.nvfp4_global != "one":
         tag = f"global-{slug(config.nvfp4_global)}"
-    return f"{model_short(config.model)}__{fmt}__{tag}__skip-{skip_tag(config.skip_layers)}"
+    fmt_tag = slug(fmt) if "=" in fmt else fmt  # a K/V pair k=A,v=B -> k-a-v-b
+    name = f"{model_short(config.model)}__{fmt_tag}__{tag}__skip-{skip_tag(config.skip_layers)}"
+    if recorded_kv_input_dtype(config, fmt) not in (None, DEFAULT_KV_INPUT_DTYPE):
+        name += f"__kvin-{parse_kv_input_dtype(config.kv_input_dtype)}"
+    if config.attention != "kv":
+        name += f"__attn-{slug(config.attention)}"
+    return name
+
+
+def recorded_kv_input_dtype(config: EvalConfig, fmt: str) -> str | None:
+    """config.yaml's kv_input_dtype: recorded for every quantized format (a run directory without it was quantized
+    as computed, float32 on CPU, before kvcal had the option); None for auto / bf16, whose numbers it cannot change
+    (bf16 rounding is idempotent), so their runs keep their identity hash."""
+    if fmt in ("auto", "bf16"):
+        return None
+    return parse_kv_input_dtype(config.kv_input_dtype)
 
 
 # ---- validation + the recorded config -----------------------------------------------------------------------
@@ -114,6 +155,8 @@ def _check_numbers(config: EvalConfig) -> None:
         raise UsageError(f"--batch-size must be at least 1, got {config.batch_size}")
     if config.kl_seq_len < 2:
         raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
+    if config.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
 
 
 def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
@@ -128,17 +171,28 @@ def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
     if config.impl not in IMPLS:
         raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{config.impl}'")
     device = models.check_device(config.device)
+    Placement.parse(config.device_map, config.max_memory, config.offload_folder).check()
     fmt = parse_kv_format(config.kv_format)
     check_nvfp4_global(config.nvfp4_global)
-    if config.nvfp4_global != "one" and (fmt != "nvfp4" or config.scales):
+    parse_kv_input_dtype(config.kv_input_dtype)
+    if config.nvfp4_global != "one" and (not _any_nvfp4(fmt) or config.scales):
         raise UsageError(
-            "--nvfp4-global applies to --kv-format nvfp4 without --scales (a scale file fixes the global scale)"
+            "--nvfp4-global applies to --kv-format nvfp4 / nvfp4_4over6 without --scales (a scale file or "
+            "first-batch fixes the global scale)"
+        )
+    if is_first_batch(config.scales) and not all(f.calibratable for f in kv_pair(fmt)):
+        raise UsageError(
+            f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt} has none "
+            "(its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
         )
     if fmt == "auto" and (config.scales or config.skip_layers):
         raise UsageError(
             "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
         )
-    if config.scales and not Path(config.scales).is_file():
+    from kvcal.kernels.attention import check_attention_mode
+
+    check_attention_mode(config.attention, *(f.name for f in kv_pair(fmt)))
+    if config.scales and not is_first_batch(config.scales) and not Path(config.scales).is_file():
         raise UsageError(
             f"scale file '{config.scales}' does not exist; pass the file `kvcal calibrate` wrote"
         )
@@ -148,6 +202,11 @@ def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
         data_dir=config.data_dir,
         gpqa_password=config.gpqa_password,
     )
+    if plan.has_passkey:
+        from kvcal.evaluate.passkey import parse_depths, parse_lengths
+
+        parse_lengths(config.passkey_lengths)
+        parse_depths(config.passkey_depths)
     return plan, fmt, device
 
 
@@ -166,31 +225,46 @@ def check_lengths(config: EvalConfig, plan: TaskPlan, kv: models.KVSpec) -> None
             f"--max-gen-toks {config.max_gen_toks} leaves no room for a prompt in the model's {limit} positions "
             f"(max_position_embeddings); use fewer than {limit}"
         )
+    if plan.has_passkey:
+        from kvcal.evaluate.passkey import GEN_TOKS, check_positions, parse_lengths
+
+        check_positions(parse_lengths(config.passkey_lengths), limit, config.max_gen_toks or GEN_TOKS)
 
 
 def _scales_record(
     config: EvalConfig, fmt: str, model_ref: str, model_dir: Path, kv: models.KVSpec
 ) -> dict[str, Any] | None:
     """config.yaml's `scales`; the scale file is checked against the checkpoint here (before any write)."""
-    if not config.scales:
+    if not config.scales or is_first_batch(config.scales):
         return None
     from kvcal.scales import binding_differences, load_scales_for_model
 
     ss = load_scales_for_model(
         config.scales, model_ref, model_dir, kv, kv_format=fmt, force=config.force_scales
     )
+    if config.attention == "fp8":
+        from kvcal.kernels.runtime import query_scales
+
+        query_scales(config.attention, ss, kv.num_layers)  # refuses a scale file without q_scale
     observer = ss.manifest.get("observer")
     scales: dict[str, Any] = {
         "sha256": models.sha256_file(config.scales),
         "granularity": ss.granularity,
         "observer": observer.get("name") if isinstance(observer, dict) else observer,
         "binding_differences": binding_differences(ss, model_ref, model_dir, kv),
+        "kv_input_dtype": ss.kv_input_dtype,  # what the scales were measured on (the eval's: kv_input_dtype)
     }
     if scales["binding_differences"] and config.force_scales:
         scales["WARNING"] = (
             "scales were measured on another checkpoint; used anyway because of --force-scales"
         )
     return scales
+
+
+def _recorded_chunk(config: EvalConfig, plan: TaskPlan) -> int | None:
+    """config.yaml's prefill_chunk: only where it changes what is measured (kl windows longer than a chunk), so
+    every other run keeps its identity hash."""
+    return config.prefill_chunk if plan.has_kl and config.kl_seq_len > config.prefill_chunk else None
 
 
 def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, model_dir: Path) -> RunConfig:
@@ -203,7 +277,11 @@ def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, mod
         model_dir=str(model_dir),
         kv_format=fmt,
         tasks=plan.names,
-        scales_path=str(Path(config.scales).resolve()) if config.scales else None,
+        scales_path=str(Path(config.scales).resolve())
+        if config.scales and not is_first_batch(config.scales)
+        else None,
+        scale_source=FIRST_BATCH if is_first_batch(config.scales) else None,
+        kv_input_dtype=recorded_kv_input_dtype(config, fmt),
         scales=_scales_record(config, fmt, config.model, model_dir, kv),
         force_scales=bool(config.force_scales),
         skip_layers=config.skip_layers or "",
@@ -218,8 +296,12 @@ def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, mod
         batch_size=config.batch_size,
         seed=config.seed,
         kl_seq_len=config.kl_seq_len if plan.has_kl else None,
+        passkey_lengths=_passkey_recorded(config, plan)[0],
+        passkey_depths=_passkey_recorded(config, plan)[1],
+        prefill_chunk=_recorded_chunk(config, plan),
         max_gen_toks=config.max_gen_toks,
-        nvfp4_global=config.nvfp4_global if fmt == "nvfp4" and not config.scales else None,
+        nvfp4_global=config.nvfp4_global if _any_nvfp4(fmt) and not config.scales else None,
+        attention=None if config.attention == "kv" else config.attention,
         kvcal_version=__version__,
     )
 
@@ -318,6 +400,8 @@ _RESULT_KEYS = (
     "n-shot",
     "higher_is_better",
     "n-samples",
+    "kl_by_position",
+    "passkey_by_cell",
 )
 
 
@@ -382,13 +466,22 @@ def run_eval(config: EvalConfig, progress: Callable[[str], None] | None = None) 
     plan, fmt, device = validate(config)
     model_dir = models.resolve_model(config.model, trust_remote_code=config.trust_remote_code)
     recorded = record_config(config, plan, fmt, device, model_dir)
+    _add_passkey_specs(plan, config, model_dir)  # before the run directory opens: a length it cannot fill
     out = Path(config.output) if config.output else Path(run_dir_name(config))
     store = RunStore(out)
-    if store.open(recorded) == "complete":
+    if config.limit is not None:  # several processes (torchrun): each needs a sample
+        parallel.check_enough_work(config.limit, "samples (--limit)", parallel.from_env())
+    dist = parallel.setup(device)
+    if not dist.is_main:  # rank 0 speaks and writes the one run directory; the others only compute
+        say = _silent
+    if _open_store(store, recorded, dist) == "complete":
         say(f"{out}: complete, skipped")
         return out
-    store.write_json(ENV, environment(device))
-    lm = _run_tasks(store, plan, config, recorded, say)
+    if dist.is_main:
+        store.write_json(ENV, environment(device))
+    lm = _run_tasks(store, plan, config, recorded, say, dist)
+    if not dist.is_main:
+        return out
     parts = [store.finished_task(t) or {} for t in plan.names]
     store.write_json(RESULTS, _results(parts, config, recorded, lm))
     store.write_json(METRICS, _metrics(parts, plan, recorded))
@@ -397,12 +490,39 @@ def run_eval(config: EvalConfig, progress: Callable[[str], None] | None = None) 
     return out
 
 
+def _silent(_msg: str) -> None:
+    return None
+
+
+def _open_store(store: RunStore, recorded: RunConfig, dist: parallel.Dist) -> str:
+    """`store.open` on rank 0 ('fresh', 'resume' or 'complete'), shared with every rank; a refusal stops all of
+    them (rank 0 says why)."""
+    outcome: tuple[str, str] = ("", "")
+    if dist.is_main:
+        try:
+            outcome = ("ok", store.open(recorded))
+        except KvcalError as exc:
+            parallel.broadcast_object(("error", str(exc)), dist)
+            raise
+    outcome = parallel.broadcast_object(outcome, dist)
+    if outcome[0] == "error":
+        raise UsageError(f"rank {dist.rank}: rank 0 refused the run directory: {outcome[1]}")
+    return outcome[1]
+
+
 def _run_tasks(
-    store: RunStore, plan: TaskPlan, config: EvalConfig, recorded: RunConfig, say: Callable[[str], None]
+    store: RunStore,
+    plan: TaskPlan,
+    config: EvalConfig,
+    recorded: RunConfig,
+    say: Callable[[str], None],
+    dist: parallel.Dist | None = None,
 ) -> Any:
-    """Run every unfinished task (one model load), saving each as it finishes. Returns the LM, or None when
-    every task was already done."""
-    pending = [t for t in plan.names if store.finished_task(t) is None]
+    """Run every unfinished task (one model load), saving each as it finishes (rank 0: the others run their
+    share of each task). Returns the LM, or None when every task was already done."""
+    dist = dist or parallel.Dist()
+    # decided once, on rank 0, before it writes anything: every rank runs the same tasks
+    pending = parallel.broadcast_object([t for t in plan.names if store.finished_task(t) is None], dist)
     for task in plan.names:
         if task not in pending:
             say(f"{task}: already done, skipped")
@@ -416,11 +536,18 @@ def _run_tasks(
             say(f"{task}: running")
             t0, tok0 = time.perf_counter(), counter.tokens
             if task == KL_TASK:
-                part, samples = _run_kl_task(lm, config, recorded)
+                part, samples = _run_kl_task(lm, config, recorded, dist)
             else:
                 part, samples = _run_lm_eval_task(lm, plan, task, config)
-            part["kvcal_task_metrics"] = {"wall_s": time.perf_counter() - t0, "tokens": counter.tokens - tok0}
-            part["kvcal_task_metrics"]["nonfinite_kv"] = _nonfinite_kv(lm, task, config.strict, say)
+            mine = (counter.tokens - tok0, _nonfinite_kv(lm, task, False, _silent))
+            shared = parallel.gather_objects(mine, dist)  # every rank's (tokens, non-finite counts)
+            if part is None or shared is None:
+                continue  # not rank 0: it holds the task's results
+            tokens = sum(n for n, _ in shared)
+            part["kvcal_task_metrics"] = {"wall_s": time.perf_counter() - t0, "tokens": tokens}
+            part["kvcal_task_metrics"]["nonfinite_kv"] = _check_nonfinite(
+                _sum_nonfinite([{"nonfinite_kv": c} for _, c in shared]), task, config.strict, say
+            )
             store.save_task(task, part, samples)
     finally:
         counter.close()
@@ -480,6 +607,12 @@ def _model_args_string(recorded: RunConfig) -> str:
     ]
     if recorded.scales_path:
         args.append(f"kv_scales={recorded.scales_path}")
+    if recorded.attention:
+        args.append(f"attention={recorded.attention}")
+    if recorded.scale_source:
+        args.append(f"kv_scales={recorded.scale_source}")
+    if recorded.kv_input_dtype:
+        args.append(f"kv_input_dtype={recorded.kv_input_dtype}")
     if recorded.skip_layers:
         args.append(f"skip_layers={recorded.skip_layers}")
     args.append(f"impl={recorded.impl}")
@@ -502,29 +635,38 @@ def _make_lm(config: EvalConfig, recorded: RunConfig) -> Any:
         batch_size=recorded.batch_size,
         trust_remote_code=config.trust_remote_code,
         nvfp4_global=config.nvfp4_global,
+        kv_input_dtype=recorded.kv_input_dtype,
+        attention=config.attention,
+        device_map=config.device_map,
+        max_memory=config.max_memory,
+        offload_folder=config.offload_folder,
     )
 
 
 def _run_lm_eval_task(
     lm: Any, plan: TaskPlan, task: str, config: EvalConfig
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     from lm_eval import simple_evaluate
 
     res = simple_evaluate(
         model=lm,
         tasks=[plan.lm_eval_specs[task]],
         num_fewshot=config.num_fewshot,
-        limit=config.limit,
+        limit=None if task in PASSKEY_TASKS else config.limit,  # passkey: --limit = samples per cell
         log_samples=True,
         task_manager=task_manager_for(plan),
         gen_kwargs={"max_gen_toks": config.max_gen_toks} if config.max_gen_toks else None,
         **_seeds(config.seed),
     )
     if res is None:
+        if lm.rank != 0:  # lm-eval gathered this rank's share on rank 0
+            return None, []
         raise KvcalError(f"lm-eval returned no results for task '{task}'")
     samples_by_task = res.get("samples", {}) or {}
     samples: list[dict[str, Any]] = []
     for name, recs in samples_by_task.items():
+        if lm.world_size > 1:
+            recs = undo_rank_split(recs, (res.get("configs", {}).get(name) or {}).get("repeats", 1))
         for rec in recs:
             rec = dict(rec)
             if len(samples_by_task) > 1:
@@ -533,7 +675,58 @@ def _run_lm_eval_task(
     part = _task_part(res)
     if task in plan.private:
         part = _scrub_configs(part)
+    if task in PASSKEY_TASKS:
+        from kvcal.evaluate.passkey import cells
+
+        part["passkey_by_cell"] = {task: cells(task, samples)}
     return part, samples
+
+
+def _passkey_recorded(config: EvalConfig, plan: TaskPlan) -> tuple[list[int] | None, list[float] | None]:
+    """config.yaml's passkey_lengths / passkey_depths: only when a passkey task runs."""
+    if not plan.has_passkey:
+        return None, None
+    from kvcal.evaluate.passkey import parse_depths, parse_lengths
+
+    return parse_lengths(config.passkey_lengths), parse_depths(config.passkey_depths)
+
+
+def _add_passkey_specs(plan: TaskPlan, config: EvalConfig, model_dir: Path) -> None:
+    """The passkey tasks' lm-eval configs, their documents generated with the model's own tokenizer (the one
+    lm-eval's HFLM loads from the same folder)."""
+    if not plan.has_passkey:
+        return
+    from transformers import AutoTokenizer
+
+    from kvcal.evaluate.passkey import DEFAULT_PER_CELL, task_specs
+
+    lengths, depths = _passkey_recorded(config, plan)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=config.trust_remote_code)
+    plan.lm_eval_specs.update(
+        task_specs(
+            plan.names,
+            tokenizer,
+            data_dir=config.data_dir,
+            lengths=lengths or [],
+            depths=depths or [],
+            per_cell=config.limit or DEFAULT_PER_CELL,
+            seed=config.seed,
+        )
+    )
+
+
+def undo_rank_split(recs: list[dict[str, Any]], repeats: int) -> list[dict[str, Any]]:
+    """One process's sample records from several processes' (lm-eval's evaluator concatenates the ranks' records
+    rank by rank, and pads a rank that has fewer requests with copies of its last request, whose responses then
+    land in that request's `resps` too): per filter, in document order, `resps` cut back to `repeats`."""
+    filters = list(dict.fromkeys(r.get("filter") for r in recs))  # first-seen order = lm-eval's filter order
+    ordered = sorted(recs, key=lambda r: (filters.index(r.get("filter")), r.get("doc_id", 0)))
+    out = []
+    for rec in ordered:
+        if isinstance(rec.get("resps"), list):
+            rec = {**rec, "resps": [r[:repeats] if isinstance(r, list) else r for r in rec["resps"]]}
+        out.append(rec)
+    return out
 
 
 def _scrub_configs(part: dict[str, Any]) -> dict[str, Any]:
@@ -547,27 +740,16 @@ def _scrub_configs(part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_kl_task(
-    lm: Any, config: EvalConfig, recorded: RunConfig
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from kvcal.evaluate.kl import run_kl
+    lm: Any, config: EvalConfig, recorded: RunConfig, dist: parallel.Dist | None = None
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    from kvcal.evaluate.kl import lm_sides, run_kl
 
-    model = lm.model
-
-    @contextmanager
-    def baseline() -> Iterator[Callable[[Any], Any]]:
-        from kvcal.kernels.runtime import KVRuntime
-
-        rt = KVRuntime(model, "bf16", impl=recorded.impl)  # replaces the evaluated configuration for a moment
-        try:
-            yield lambda ids: model(ids, past_key_values=rt.new_cache(), use_cache=True).logits
-        finally:
-            lm.activate_runtime()
-
+    quant_session, baseline = lm_sides(lm, recorded.impl)
     base = {"kv_format": "bf16", "impl": recorded.impl, "dtype": recorded.dtype, "device": recorded.device}
     return run_kl(
-        model,
+        lm.model,
         lm.tokenizer,
-        quant_forward=lm._model_call,
+        quant_session=quant_session,
         baseline=baseline,
         baseline_desc={**base, "attention": "kvcal"},
         evaluated_desc=_kl_evaluated_side(recorded),
@@ -575,6 +757,8 @@ def _run_kl_task(
         data_dir=config.data_dir,
         limit=config.limit,
         seq_len=config.kl_seq_len,
+        prefill_chunk=config.prefill_chunk,
+        dist=dist,
     )
 
 
@@ -603,7 +787,15 @@ def _nonfinite_kv(lm: Any, task: str, strict: bool, say: Callable[[str], None]) 
     runtime = getattr(lm, "runtime", None)
     if runtime is None:
         return None
-    counts = runtime.take_nonfinite_kv()
+    return _check_nonfinite(runtime.take_nonfinite_kv(), task, strict, say)
+
+
+def _check_nonfinite(
+    counts: dict[str, Any] | None, task: str, strict: bool, say: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """`counts` (every rank's, summed) as metrics record them; a warning, or a KvcalError with --strict."""
+    if counts is None:
+        return None
     if counts["total"]:
         layers = ", ".join(str(e["layer"]) for e in counts["per_layer"])
         msg = f"{task}: {counts['total']} non-finite K/V values (NaN/Inf) reached the KV cache (layers {layers})"

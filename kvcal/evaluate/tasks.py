@@ -35,6 +35,9 @@ KL_TASK = "kl"
 # kl's held-out text inside --data-dir (kvcal.evaluate.kl reads it; checked here with the other data files).
 KL_TEXT_FILE = Path("wikitext2") / "wiki.test.joined.txt"
 GPQA_PASSWORD_ENV = "KVCAL_GPQA_PASSWORD"
+# kvcal's passkey tasks (kvcal.evaluate.passkey generates their documents with the model's tokenizer); their
+# filler is kl's held-out text. They shadow lm-eval's LIBRA task `passkey` (Russian) of the same name.
+PASSKEY_TASKS = ("passkey", "passkey_mc")
 
 # Task names kvcal knows without indexing lm-eval: name -> YAML path relative to lm_eval/tasks.
 BUILTIN_YAML: dict[str, str] = {
@@ -75,6 +78,10 @@ class TaskPlan:
     @property
     def has_kl(self) -> bool:
         return KL_TASK in self.names
+
+    @property
+    def has_passkey(self) -> bool:
+        return any(name in PASSKEY_TASKS for name in self.names)
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -143,6 +150,9 @@ def resolve_tasks(
         if name == KL_TASK:
             if ddir is not None:
                 read_text_file(_require(ddir / KL_TEXT_FILE, KL_TASK), f"task '{KL_TASK}'")
+        elif name in PASSKEY_TASKS:  # its lm-eval config is built with the model's tokenizer (run_eval)
+            if ddir is not None:
+                read_text_file(_require(ddir / KL_TEXT_FILE, name), f"task '{name}'")
         elif name in user_names:
             _check_user_data_files(inc, name)
             plan.lm_eval_specs[name] = name  # the user's YAML, exactly as lm_eval --include_path
@@ -198,12 +208,14 @@ def _add_lm_eval_task(plan: TaskPlan, name: str, ddir: Path | None, gpqa_passwor
 
 
 def _unknown_tasks_message(unknown: list[str], user_names: set[str]) -> str:
-    known = sorted(set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK} | user_names | set(lm_eval_task_index()))
+    known = sorted(
+        set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK, *PASSKEY_TASKS} | user_names | set(lm_eval_task_index())
+    )
     parts = []
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
         parts.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-    return f"unknown task {'; '.join(parts)}; use an lm-eval task name, kl, or a task of --include-path"
+    return f"unknown task {'; '.join(parts)}; use an lm-eval task name, kl, passkey, passkey_mc, or a task of --include-path"
 
 
 _NAME_LINE = re.compile(r"^(task|group|tag):[ \t]*([^#\n]*)$", re.M)

@@ -25,11 +25,35 @@ import torch
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, UsageError
 from kvcal.kernels.cache import KVRead, LayerPlan, NonFiniteCount, QuantizedLayer
 from kvcal.kernels.reference import quantized_attention_ref
 
 ATTN_NAME = "kvcal"
+
+# What the attention computes in (`--attention`): name -> what it is.
+ATTENTION_MODES: dict[str, str] = {
+    "kv": "K/V stored quantized, attention in the model's dtype (vLLM's Triton / FlashInfer / FA2 paths, SGLang)",
+    "fp8": (
+        "vLLM's FlashAttention-3 FP8 path: Q cast to e4m3 with q_scale (1.0 without a calibrated one), "
+        "softmax P cast to e4m3 (times 2**8) for P.V; needs fp8_e4m3 K and V"
+    ),
+}
+
+
+def check_attention_mode(mode: str, k_format: str, v_format: str | None = None) -> str:
+    """UsageError unless `mode` is an ATTENTION_MODES key that the K/V formats allow (FP8 attention multiplies
+    e4m3 codes: FA3 takes an fp8_e4m3 cache only)."""
+    if mode not in ATTENTION_MODES:
+        raise UsageError(f"unknown --attention '{mode}'; use one of {', '.join(ATTENTION_MODES)}")
+    formats = {k_format, v_format or k_format}
+    if mode == "fp8" and formats != {"fp8_e4m3"}:
+        raise UsageError(
+            f"--attention fp8 runs FlashAttention-3's FP8 kernel, which reads an fp8_e4m3 K/V cache; "
+            f"got --kv-format {k_format if v_format in (None, k_format) else f'k={k_format},v={v_format}'}: "
+            "use --kv-format fp8_e4m3 or drop --attention"
+        )
+    return mode
 
 
 @dataclass(frozen=True)
@@ -145,6 +169,8 @@ def kvcal_attention_forward(
         softcap=softcap,
         sinks=s_aux,
         key_padding=key_padding,
+        v_fmt=read.v_fmt,
+        q_scale=cfg.plan.q_scale if cfg is not None else None,  # FP8 attention: Q (and P) quantized
     )
     if impl == "triton":
         from kvcal.kernels.triton_attention import quantized_attention_triton  # lazy: Triton is optional

@@ -3,6 +3,9 @@
 What a layer holds: codes + scales of every token it keeps ([B, H_kv, T, D] logical layout), never a
 full-precision copy. Each write quantizes only the new tokens and concatenates codes (and block scales) along T,
 as an engine writes new slots of its paged cache; nothing already stored is re-quantized.
+(The torch reference attention keeps, beside the stored codes, the float32 values it has already
+dequantized, so a decode step dequantizes only the new tokens: `reference.incremental`. That is the CPU
+path's workspace, not cache storage; the Triton path never fills it.)
 
 What `update` returns: transformers calls `past_key_values.update(k, v, layer_idx)` and passes the result straight
 to the attention function. We return two zero-stride placeholders of the right shape and dtype
@@ -33,6 +36,11 @@ Scales:
     engine must fix a scale before writing into its paged cache; decode tokens larger than the prefill's amax
     saturate their block scale at 448 (E4M3 max), as a calibrated global would clip them.
 - int8_per_token_head, fp4_e2m1, mxfp4: per-token / per-block dynamic scales computed at write time.
+- `LayerPlan.first_batch` (fp8_*, nvfp4, nvfp4_4over6; `--scales first-batch`): vLLM's calculate_kv_scales,
+  scales computed from the first write and fixed afterwards (`FirstBatchScales`).
+
+K/V input dtype: `LayerPlan.kv_input_dtype` rounds the new K/V to the engine's serving dtype (bf16 by default in
+`kvcal eval`) before anything is computed from them, as an engine serving a bf16 model quantizes bf16 K/V.
 
 Non-finite K/V: each write counts the NaN/Inf elements of the real tokens it was asked to store, per layer and
 K/V, into the runtime's `NonFiniteCount` (on the device, no synchronisation); evaluation reports them.
@@ -50,6 +58,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
+from kvcal.kernels.reference import incremental
 
 # nvfp4 global scale when no scale file is given: name -> what it is (LayerPlan.nvfp4_global)
 NVFP4_GLOBALS: dict[str, str] = {
@@ -64,6 +73,50 @@ def check_nvfp4_global(name: str) -> str:
     return name
 
 
+# vLLM's ranges for calculate_kv_scales (vllm/envs.py K_SCALE_CONSTANT, V_SCALE_CONSTANT; Q_SCALE_CONSTANT = 200)
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
+FIRST_BATCH = "first-batch"
+
+
+class FirstBatchScales:
+    """vLLM's `calculate_kv_scales`: each layer's k_scale / v_scale computed from the first forward that writes K/V
+    and fixed for every later write of any cache of the same runtime (vLLM fixes them for the server's lifetime).
+
+    vLLM (vllm/model_executor/layers/attention/attention.py `Attention.calc_kv_scales`, called through
+    `maybe_calc_kv_scales` at the start of the attention layer's forward, before the cache write, while the layer's
+    `calculate_kv_scales` flag is set; the flag drops after the first call, and the V1 model runner turns it off
+    after its first real forward): `k_scale = abs(key).max() / K_SCALE_CONSTANT (200)`, `v_scale = abs(value).max()
+    / V_SCALE_CONSTANT (100)`, one fp32 number per layer over every token of that batch (its real tokens: vLLM's
+    batches hold no padding) and every KV head. Here: over the real tokens of the first write (padding stored as 0,
+    NaN/Inf ignored as everywhere in kvcal), in the K/V input dtype; an all-zero first batch gets 1.0. fp8_* use it
+    as their scale, nvfp4 / nvfp4_4over6 as their global scale (vLLM's NVFP4 store divides by k_scale / v_scale).
+
+    History: vLLM deprecated `--calculate-kv-scales` (PR #37201, March 2026) and removed it (PR #49389, July 2026):
+    current vLLM takes checkpoint scales or 1.0. This reproduces the releases that have it (up to v0.18), whose
+    V1 runner computes the scales in its first real forward (PR #27232); some earlier ones took them from the
+    profiling dummy run (PR #37565), which kvcal does not reproduce."""
+
+    def __init__(self) -> None:
+        self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (layer, 'k' | 'v') -> fp32 0-d
+
+    def scale(self, layer: int, which: str, x: torch.Tensor) -> torch.Tensor:
+        """The layer's fixed scale, computed from x [B, H_kv, T, D] (padding zeroed) if this is its first write."""
+        key = (layer, which)
+        if key not in self.scales:
+            amax = formats.finite_abs(x).amax().float() if x.numel() else torch.zeros((), device=x.device)
+            rng = K_SCALE_CONSTANT if which == "k" else V_SCALE_CONSTANT
+            self.scales[key] = torch.where(amax > 0, amax / rng, torch.ones_like(amax))
+        return self.scales[key]
+
+    def as_lists(self) -> dict[str, list[float | None]]:
+        """{'k': [per layer], 'v': [...]} of the scales fixed so far (None: layer not written yet)."""
+        n = 1 + max((i for i, _ in self.scales), default=-1)
+        return {
+            w: [float(self.scales[(i, w)]) if (i, w) in self.scales else None for i in range(n)] for w in "kv"
+        }
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """How one layer's K/V are stored."""
@@ -75,6 +128,17 @@ class LayerPlan:
     v_scale: torch.Tensor | None = None
     skipped: bool = False  # kept in BF16 because of --skip-layers
     nvfp4_global: str = "one"  # nvfp4 without k_scale/v_scale: a key of NVFP4_GLOBALS
+    v_fmt: KVFormat | None = None  # V's format when it differs from K's (`k=...,v=...`); None = fmt
+    q_scale: float | None = None  # FP8 attention (`--attention fp8`): the query's e4m3 scale; None = off
+    # K/V are rounded to this dtype before quantization (`--kv-input-dtype`: the engine's serving dtype holds them
+    # so); None = quantize them as the model computed them
+    kv_input_dtype: torch.dtype | None = None
+    # vLLM's calculate_kv_scales (`--scales first-batch`): the runtime's store of scales fixed by the first write
+    first_batch: FirstBatchScales | None = None
+
+    def side_format(self, which: str) -> KVFormat:
+        """The format K ('k') or V ('v') is stored in."""
+        return self.v_fmt if which == "v" and self.v_fmt is not None else self.fmt
 
 
 @dataclass
@@ -83,20 +147,30 @@ class NonFiniteCount:
 
     num_layers: int
     counts: torch.Tensor | None = field(default=None, repr=False)  # int64 [num_layers, 2] (K, V)
+    # under a device map each layer counts on its own device: one tensor per device, summed by take()
+    elsewhere: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def add(self, layer: int, which: int, x: torch.Tensor, valid: torch.Tensor | None) -> None:
         """x: [B, H_kv, T, D]; valid: [B, T] bool or None (all real). `which`: 0 = K, 1 = V."""
-        bad = ~torch.isfinite(x)
+        finite = torch.isfinite(x)
+        if x.device.type == "cpu" and bool(finite.all()):
+            return  # the usual case, one reduction (a CPU check costs no device synchronisation)
+        bad = ~finite
         if valid is not None:
             bad = bad & valid[:, None, :, None]
         if self.counts is None or self.counts.device != x.device:
-            self.counts = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=x.device)
+            if self.counts is not None:
+                self.elsewhere[self.counts.device] = self.counts
+            self.counts = self.elsewhere.pop(x.device, None)
+            if self.counts is None:
+                self.counts = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=x.device)
         self.counts[layer, which] += bad.sum()
 
     def take(self) -> dict[str, Any]:
         """{'per_layer': [{'layer', 'k', 'v'}] (layers with a non-finite element only), 'total'} and reset."""
-        c = [[0, 0]] * self.num_layers if self.counts is None else self.counts.tolist()
-        self.counts = None
+        parts = [t.cpu() for t in [self.counts, *self.elsewhere.values()] if t is not None]
+        c = [[0, 0]] * self.num_layers if not parts else torch.stack(parts).sum(0).tolist()
+        self.counts, self.elsewhere = None, {}
         per_layer = [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(c) if k or v]
         return {"per_layer": per_layer, "total": sum(k + v for k, v in c)}
 
@@ -107,19 +181,22 @@ class KVRead:
 
     k: QTensor
     v: QTensor
-    fmt: KVFormat
+    fmt: KVFormat  # K's format (and V's unless v_fmt is set)
     q_start: int  # absolute (cache) position of the first query of this forward
     k_start: int  # absolute position of the first key in k/v
     layer: int
     window: int | None = None
+    v_fmt: KVFormat | None = None  # V's format when a K/V pair differs
 
 
 def _cat(a: QTensor | None, b: QTensor) -> QTensor:
-    """Concatenate storage along T (dim -2 of codes and block scales); the static/global scale is shared."""
+    """Concatenate storage along T (dim -2 of codes and block scales); the static/global scale is shared. The
+    result is marked so the torch path dequantizes only the new tokens (`reference.incremental`)."""
     if a is None:
-        return b
+        return incremental(None, b)
     bs = None if b.block_scales is None else torch.cat([a.block_scales, b.block_scales], dim=-2)
-    return QTensor(codes=torch.cat([a.codes, b.codes], dim=-2), block_scales=bs, scale=b.scale)
+    out = QTensor(codes=torch.cat([a.codes, b.codes], dim=-2), block_scales=bs, scale=b.scale)
+    return incremental(a, out)
 
 
 def _slice_t(q: QTensor, start: int | None = None, stop: int | None = None, clone: bool = False) -> QTensor:
@@ -209,10 +286,12 @@ class QuantizedLayer(CacheLayerMixin):
     def _scale(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor | None:
         """The scale this write quantizes with: static, nvfp4's policy, or None (formats' default / dynamic).
         x: [B, H_kv, T, D] with its padding already zeroed."""
-        fmt, s = self.plan.fmt, self._scales[which]
+        fmt, s = self.plan.side_format(which), self._scales[which]
         if not fmt.calibratable:
             return None
-        if fmt.name != "nvfp4" or (s is not None and not _per_sequence(s)):
+        if self.plan.first_batch is not None:
+            return self.plan.first_batch.scale(self.plan.index, which, x)
+        if fmt.layout != "nvfp4" or (s is not None and not _per_sequence(s)):
             return s
         if self.plan.nvfp4_global == "one":
             return torch.ones((), dtype=torch.float32, device=x.device)
@@ -223,15 +302,17 @@ class QuantizedLayer(CacheLayerMixin):
         else:  # a sequence keeps the global of its first write with a real token
             s = torch.where(self._fixed[:, None, None, None], s, new)
         self._scales[which] = s
-        if which == "v":
+        if which == "v" or self.plan.side_format("v").layout != "nvfp4":  # after the layer's last nvfp4 side
             self._fixed = real if self._fixed is None else self._fixed | real
         return s
 
     def _write(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> QTensor:
+        if self.plan.kv_input_dtype is not None and x.dtype != self.plan.kv_input_dtype:
+            x = x.to(self.plan.kv_input_dtype)  # as the engine holds them (an overflow becomes Inf, as there)
         if self.nonfinite is not None:
             self.nonfinite.add(self.plan.index, 0 if which == "k" else 1, x, valid)
         x = without_padding(x, valid)
-        return formats.quantize(x, self.plan.fmt, scale=self._scale(x, which, valid))
+        return formats.quantize(x, self.plan.side_format(which), scale=self._scale(x, which, valid))
 
     def update(
         self,
@@ -262,6 +343,7 @@ class QuantizedLayer(CacheLayerMixin):
             k_start=q_start - kept_before,
             layer=self.plan.index,
             window=self.plan.window,
+            v_fmt=self.plan.v_fmt,
         )
         tk = kept_before + t_new
         return _placeholder(key_states, tk, read), _placeholder(value_states, tk, read)

@@ -36,6 +36,15 @@ Empty rows. A query row with no visible key (e.g. a left-padding query) outputs 
 never NaN.
 
 Output. o[b, h, i] = sum_j p_ij * v[b, h // G, j], computed in compute_dtype and cast to q.dtype.
+
+K/V pairs. `fmt` is K's format; `v_fmt` (default: fmt) is V's: each side is dequantized with its own format.
+
+FP8 attention (`q_scale` given; vLLM's FlashAttention-3 path with an fp8 KV cache, `--attention fp8`). The query is
+cast to e4m3 first (`quantize_query`: e4m3(q / q_scale), saturating) and the logits use those codes with the
+scaling multiplied by q_scale. P.V uses FP8 probabilities: keys are visited in tiles (`p_tile` keys in the reference,
+BLOCK_N in the kernel) with an online softmax; each tile's P = exp(s - running row max) is rounded to
+e4m3(P * 2**8) / 2**8 (`round_p_e4m3`, FA3's Max_offset = 8) for the product with V, while the row sum takes the
+unrounded P. Sinks, softcap, masks and empty rows as above.
 """
 
 from __future__ import annotations
@@ -181,6 +190,9 @@ def attention_dense(
 
 
 def _lut(name: str, device: torch.device) -> torch.Tensor:
+    """256-entry decode tables per device: 'fp4' byte -> (low-nibble, high-nibble) E2M1 values [256, 2];
+    'e8m0' byte -> 2**(byte - 127) [256]; an FP8 dtype's name ('float8_e4m3fn', 'float8_e5m2') -> the float32
+    value of every byte [256] (exact: FP8 -> float32 is exact)."""
     from kvcal import formats
 
     key = (name, device)
@@ -189,8 +201,10 @@ def _lut(name: str, device: torch.device) -> torch.Tensor:
         if name == "fp4":
             e = formats.E2M1_VALUES
             _LUTS[key] = torch.stack([e[b & 0x0F], e[b >> 4]], dim=-1).to(device)  # [256, 2]
-        else:
+        elif name == "e8m0":
             _LUTS[key] = formats.e8m0_to_float(b.to(torch.uint8)).to(device)  # [256]
+        else:
+            _LUTS[key] = b.to(torch.uint8).view(getattr(torch, name)).float().to(device)  # [256]
     return _LUTS[key]
 
 
@@ -199,41 +213,228 @@ def _bcast_scale(s: torch.Tensor, ndim: int) -> torch.Tensor:
     return s if s.dim() in (0, ndim) else s.reshape((1, -1) + (1,) * (ndim - 2))
 
 
-def dequantize_fast(q, fmt) -> torch.Tensor:
-    """float32 values of a QTensor, bit-identical to `kvcal.formats.dequantize(q, fmt)` (a test checks it), but
-    cheaper: FP4 decoded through 256-entry lookup tables (one gather per byte instead of unpack + decode), the
-    saturating clamp done in place, and none where it cannot change anything (bf16 -> float32 is exact). The
-    torch path dequantizes the whole cache for every attention read, so this is its main cost."""
+def _fp8_values(c: torch.Tensor) -> torch.Tensor:
+    """float32 values of FP8 codes (any shape), by table lookup: CPU torch converts FP8 element by element,
+    several times slower than a gather."""
+    lut = _lut(str(c.dtype).removeprefix("torch."), c.device)
+    return lut.index_select(0, c.view(torch.uint8).reshape(-1).int()).view(c.shape)
+
+
+def _fp8_scaled(c: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """FP8 codes [B, H_kv, T, D] times a 0-d / [1] / [H_kv] scale, saturated to float32's range, as ONE gather
+    from a [H, 256] table of code value x scale (the same float32 product per element as c.float() * scale, and
+    the clamp applied to the 256 products instead of every element). None for other scale shapes."""
+    s = torch.ones((), device=c.device) if scale is None else scale.float()
+    heads = s.numel()
+    if s.dim() > 1 or (heads > 1 and (c.dim() != 4 or c.shape[1] != heads)):
+        return None
+    table = _fp8_table(c, s, cache_on=scale)  # [H * 256]
+    idx = c.view(torch.uint8).int()
+    if heads > 1:
+        idx = idx + torch.arange(0, 256 * heads, 256, dtype=torch.int32, device=c.device)[:, None, None]
+    return table.index_select(0, idx.reshape(-1)).view(c.shape)
+
+
+def _fp8_table(c: torch.Tensor, s: torch.Tensor, cache_on: torch.Tensor | None) -> torch.Tensor:
+    """[H * 256] float32: value of every code of c's FP8 dtype times each of the H scales s, saturated. Kept on
+    the scale tensor `cache_on` (a layer's static scale is the same tensor at every write; its version counter
+    guards against in-place changes), or per device for the default scale 1.0 (cache_on None)."""
+    name = str(c.dtype).removeprefix("torch.")
+    if cache_on is None:
+        key = (f"{name}*1", c.device)
+        if key not in _LUTS:
+            _LUTS[key] = _fp8_table(c, s, cache_on=s)
+        return _LUTS[key]
+    kept = getattr(cache_on, "_kvcal_fp8_table", None)
+    if kept is not None and kept[0] == name and kept[1] == cache_on._version and kept[2].device == c.device:
+        return kept[2]
+    fi = torch.finfo(torch.float32)
+    table = (_lut(name, c.device)[None, :] * s.reshape(-1, 1)).clamp_(fi.min, fi.max).reshape(-1)
+    cache_on._kvcal_fp8_table = (name, cache_on._version, table)  # type: ignore[attr-defined]
+    return table
+
+
+def _saturate(y: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """formats' saturating cast of y to float32's range; skipped (an identity) when `bound`, an upper bound of
+    |y| computed from the scales, shows no element can be out of range."""
+    fi = torch.finfo(torch.float32)
+    b = float(bound)
+    if math.isfinite(b) and b < fi.max / 2:
+        return y
+    return y.clamp_(fi.min, fi.max)
+
+
+def _dequantize(q, f) -> torch.Tensor:
+    """dequantize_fast without the incremental memo: every token of q."""
     from kvcal import formats
 
-    f = formats.get_format(fmt)
     c = q.codes
     if f.element in ("auto", "bf16"):
         return c if c.dtype == torch.float32 else c.float()  # exact: no overflow possible
+    fi = torch.finfo(torch.float32)
     if f.element in ("e4m3", "e5m2"):
+        y = _fp8_scaled(c, q.scale)
+        if y is not None:
+            return y
         s = q.scale.float() if q.scale is not None else torch.tensor(1.0, device=c.device)
-        y = c.float() * _bcast_scale(s, c.dim())
-    elif f.element == "int8":
+        return (_fp8_values(c) * _bcast_scale(s, c.dim())).clamp_(fi.min, fi.max)
+    if f.element == "int8":
         y = c.float() * q.block_scales
         y = y.masked_fill_(c == formats.INT8_NAN, math.nan)
+        return y.clamp_(fi.min, fi.max)
+    vals = _lut("fp4", c.device).index_select(0, c.reshape(-1).int())  # [N, 2] (code 8 -> NaN)
+    vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
+    bs = q.block_scales
+    if f.layout == "nvfp4":  # nvfp4, nvfp4_4over6: E4M3 block scales x the global scale
+        bsf = _fp8_values(bs) if bs.element_size() == 1 and bs.is_floating_point() else bs.float()
+        eff = bsf * _bcast_scale(q.scale.float(), c.dim())
     else:
-        vals = _lut("fp4", c.device).index_select(0, c.reshape(-1).int())  # [N, 2] (code 8 -> NaN)
-        vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
-        bs = q.block_scales
-        if f.name == "nvfp4":
-            eff = bs.float() * _bcast_scale(q.scale.float(), c.dim())
-        else:
-            eff = _lut("e8m0", c.device).index_select(0, bs.reshape(-1).int()).view(bs.shape)
-        y = (vals * eff.unsqueeze(-1)).flatten(-2)
-    fi = torch.finfo(torch.float32)
-    return y.clamp_(fi.min, fi.max)  # formats' saturating cast (a product may round past float32's max)
+        eff = _lut("e8m0", c.device).index_select(0, bs.reshape(-1).int()).view(bs.shape)
+    y = (vals * eff.unsqueeze(-1)).flatten(-2)
+    return _saturate(y, eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(()))  # |E2M1| <= 6
+
+
+# Incremental dequantization of the cache's stored tokens (torch path). `QuantizedLayer` stores each write by
+# concatenating codes (`cache._cat`), and stored codes never change, so the float32 values of the tokens a read
+# shares with the previous read need not be computed again: `incremental(prev, out)` marks the cache's new
+# storage `out` with prev's memo, and `dequantize_fast(out)` computes only the new tokens, concatenates, and keeps
+# the result on `out` for the next step. Bit-identical (dequantization is elementwise). The memo is the torch
+# path's workspace, not cache storage: 4 bytes per element of what it has read (Triton reads codes, never
+# dequantizes, and never fills it); a batch re-index, crop or sliding-window trim makes a new QTensor without it.
+_MEMO = "_kvcal_dequantized"  # on a cache QTensor: (format name, scale, float32 values [B, H_kv, T, D])
+_PREFIX = "_kvcal_prefix"  # on a cache QTensor before its first read: the memo of its first tokens, or None
+
+
+def incremental(prev, out):
+    """Mark `out` (QTensor: prev's tokens followed by new ones, or the first write when prev is None) for
+    incremental dequantization; returns out."""
+    setattr(out, _PREFIX, None if prev is None else getattr(prev, _MEMO, None))
+    return out
+
+
+def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
+
+
+def _tail(q, n: int):
+    """The QTensor of q's tokens n.. (dim -2 of codes and block scales)."""
+    bs = None if q.block_scales is None else q.block_scales[..., n:, :]
+    return type(q)(codes=q.codes[..., n:, :], block_scales=bs, scale=q.scale)
+
+
+def dequantize_fast(q, fmt) -> torch.Tensor:
+    """float32 values of a QTensor, bit-identical to `kvcal.formats.dequantize(q, fmt)` (a test checks it), but
+    cheaper: FP8 and FP4 decoded through 256-entry lookup tables (FP8's scale and saturation folded into the
+    table), the saturating clamp skipped where the scales show it cannot change anything, and for the cache's
+    own storage only the tokens written since the previous read (see `incremental`). The torch path reads the
+    whole cache for every attention call, so this is its main cost. The result may be shared: do not modify it."""
+    from kvcal import formats
+
+    f = formats.get_format(fmt)
+    memo = getattr(q, _MEMO, None)
+    if memo is not None and memo[0] == f.name:
+        return memo[2]
+    if not hasattr(q, _PREFIX):
+        return _dequantize(q, f)
+    prefix = q.__dict__.pop(_PREFIX)
+    t = q.codes.shape[-2]
+    if (
+        prefix is not None
+        and prefix[0] == f.name
+        and _same_scale(prefix[1], q.scale)
+        and prefix[2].shape[:-2] == q.codes.shape[:-2]
+        and prefix[2].shape[-2] <= t
+    ):
+        n = prefix[2].shape[-2]
+        y = torch.cat([prefix[2], _dequantize(_tail(q, n), f)], dim=-2) if n < t else prefix[2]
+    else:
+        y = _dequantize(q, f)
+    setattr(q, _MEMO, (f.name, q.scale, y))
+    return y
+
+
+# FP8 attention (vLLM's FlashAttention-3 path with an fp8 KV cache; see `quantize_query` and `attention_p_fp8`).
+FP8_E4M3_MAX = 448.0
+# FA3 computes P = exp2(s * scale_log2 - (m * scale_log2 - Max_offset)) with Max_offset = 8 for FP8, i.e. the
+# unnormalized probabilities times 2**8 (in [0, 256]), and casts that to e4m3 for the P.V GEMM
+# (Dao-AILab/flash-attention hopper/flash_fwd_kernel_sm90.h: `flash::Softmax<..., /*Max_offset=*/!Is_FP8 ? 0 : 8>`);
+# the row sum is accumulated from the unrounded fp32 P, so the 2**8 cancels in the normalization.
+FA3_P_OFFSET = 256.0
+# Key tile over which the reference keeps its running row max when it quantizes P (FA3 tiles keys in blocks of
+# 128-176 for head_dim <= 128 in FP8, hopper/tile_size.h); the Triton kernel uses its own BLOCK_N.
+P_TILE = 128
+
+
+def quantize_query(q: torch.Tensor, q_scale: float) -> torch.Tensor:
+    """q [B, H_q, Tq, D] -> the e4m3 codes of `q / q_scale` (saturating at +-448, round-to-nearest-even), as
+    q.dtype (e4m3 values are exact in bf16, fp16 and float32). The caller multiplies the softmax scaling by
+    q_scale, as FA3 folds q_descale into softmax_scale_log2. vLLM quantizes the query this way before its
+    attention backend (vllm/model_executor/layers/attention/attention.py: `query, _ = self.query_quant(query,
+    self._q_scale)`, a static per-tensor QuantFP8 that multiplies by 1 / q_scale in float32)."""
+    inv = torch.tensor(1.0 / float(q_scale), dtype=torch.float32, device=q.device)
+    codes = (q.float() * inv).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes.to(q.dtype)
+
+
+def round_p_e4m3(p: torch.Tensor) -> torch.Tensor:
+    """Unnormalized probabilities p in [0, 1] (float32/64) -> e4m3(p * 2**8) / 2**8, FA3's FP8 P."""
+    return (p.float() * FA3_P_OFFSET).to(torch.float8_e4m3fn).to(p.dtype) / FA3_P_OFFSET
+
+
+def attention_p_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: float,
+    mask: torch.Tensor,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    p_tile: int | None,
+) -> torch.Tensor:
+    """Attention whose P.V product uses FP8 probabilities the way a flash kernel forms them: key tiles of `p_tile`
+    keys (None = all at once) are visited in order with an online softmax; each tile's P = exp(s - running max)
+    is rounded to e4m3 (`round_p_e4m3`) for P.V, while the row sum takes the unrounded P.
+    q: [B, H_q, Tq, D], k/v: [B, H_kv, Tk, D] dequantized; mask [1|B, 1, Tq, Tk] bool -> [B, H_q, Tq, D]."""
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qg = q.view(b, hkv, group, tq, d)
+    m = torch.full((b, hkv, group, tq, 1), -math.inf, dtype=q.dtype, device=q.device)
+    l_sum = torch.zeros_like(m)
+    acc = q.new_zeros(b, hkv, group, tq, d)
+    step = tk if p_tile is None else int(p_tile)
+    for s0 in range(0, tk, step):
+        s1 = min(tk, s0 + step)
+        s = torch.matmul(qg, k[:, :, None, s0:s1].transpose(-1, -2)) * scaling  # [B, H_kv, G, Tq, n]
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~mask[:, :, None, :, s0:s1], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - m_safe)  # masked -> 0
+        alpha = torch.exp(m - m_safe)  # first tile: exp(-inf) = 0
+        l_sum = l_sum * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(round_p_e4m3(p), v[:, :, None, s0:s1])
+        m = m_new
+    if sinks is not None:
+        sink = sinks.to(q.dtype).view(1, hkv, group, 1, 1)
+        m_f = torch.maximum(m, sink)
+        corr = torch.exp(m - m_f)
+        l_sum = l_sum * corr + torch.exp(sink - m_f)
+        acc = acc * corr
+    out = acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))
+    has_key = mask.any(dim=-1, keepdim=True)  # [1|B, 1, Tq, 1]
+    return out.reshape(b, hq, tq, d).masked_fill(~has_key, 0.0)
 
 
 def quantized_attention_ref(
     q: torch.Tensor,
     k,  # kvcal.formats.QTensor of a [B, H_kv, Tk, D] tensor
     v,  # kvcal.formats.QTensor of a [B, H_kv, Tk, D] tensor
-    fmt,  # kvcal.formats.KVFormat (or its name)
+    fmt,  # kvcal.formats.KVFormat (or its name): K's format, and V's unless v_fmt is given
     *,
     scaling: float,
     q_start: int,
@@ -243,6 +444,9 @@ def quantized_attention_ref(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_padding: torch.Tensor | None = None,
+    v_fmt=None,  # V's format when it differs from K's (a K/V format pair)
+    q_scale: float | None = None,
+    p_tile: int | None = P_TILE,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention of q over quantized K/V storage; semantics in the module docstring.
@@ -250,12 +454,23 @@ def quantized_attention_ref(
     q: [B, H_q, Tq, D]; k, v: QTensor storage of [B, H_kv, Tk, D]; sinks: [H_q] or None; key_padding: [B, Tk] bool
     or None. Returns [B, H_q, Tq, D] in q.dtype. `compute_dtype` (reference only; kernels have no such argument)
     selects float32 (default) or float64 for dequantization and the whole computation.
+
+    FP8 attention (`q_scale` given, vLLM's FlashAttention-3 path): q is replaced by `quantize_query(q, q_scale)`
+    and the scaling multiplied by q_scale (QK^T of e4m3 codes, descaled once per logit), and P is rounded to e4m3
+    for P.V (`attention_p_fp8`, running max over key tiles of `p_tile`).
     """
     from kvcal import formats  # lazy: the formats floor is imported only when attention runs
 
     f = formats.get_format(fmt) if isinstance(fmt, str) else fmt
+    fv = f if v_fmt is None else formats.get_format(v_fmt)
     kd = dequantize_fast(k, f).to(compute_dtype)  # [B, H_kv, Tk, D]
-    vd = dequantize_fast(v, f).to(compute_dtype)
+    vd = dequantize_fast(v, fv).to(compute_dtype)
+    if q_scale is not None:
+        return _fp8_attention_ref(
+            q, kd, vd, q_scale=q_scale, p_tile=p_tile, scaling=scaling, q_start=q_start, k_start=k_start,
+            causal=causal, sliding_window=sliding_window, softcap=softcap, sinks=sinks, key_padding=key_padding,
+            compute_dtype=compute_dtype,
+        )  # fmt: skip
     out = attention_dense(
         q.to(compute_dtype),
         kd,
@@ -268,5 +483,44 @@ def quantized_attention_ref(
         softcap=softcap,
         sinks=None if sinks is None else sinks.to(compute_dtype),
         key_padding=key_padding,
+    )
+    return out.to(q.dtype)
+
+
+def _fp8_attention_ref(
+    q: torch.Tensor,
+    kd: torch.Tensor,
+    vd: torch.Tensor,
+    *,
+    q_scale: float,
+    p_tile: int | None,
+    scaling: float,
+    q_start: int,
+    k_start: int,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    key_padding: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """quantized_attention_ref's FP8-attention branch on dequantized kd/vd [B, H_kv, Tk, D]."""
+    _check_shapes(q, kd, vd, key_padding)
+    b, hq, tq, d = q.shape
+    if kd.shape[2] == 0 or tq == 0:
+        return q.new_zeros(b, hq, tq, d)
+    mask = visibility_mask(
+        tq, kd.shape[2], q_start=q_start, k_start=k_start, causal=causal, sliding_window=sliding_window,
+        key_padding=key_padding, device=q.device,
+    )  # fmt: skip
+    out = attention_p_fp8(
+        quantize_query(q, q_scale).to(compute_dtype),
+        kd,
+        vd,
+        scaling=float(scaling) * float(q_scale),
+        mask=mask,
+        softcap=softcap,
+        sinks=None if sinks is None else sinks.to(compute_dtype),
+        p_tile=p_tile,
     )
     return out.to(q.dtype)

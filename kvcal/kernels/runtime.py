@@ -13,7 +13,9 @@ A forward pre-hook on the model hands each forward's 2-D attention mask to a kvc
 sees it. A model carries one runtime at a time: building a new one (including 'auto') replaces the previous one.
 
 `nvfp4_global` (nvfp4 without a scale file, `kvcal.kernels.cache.NVFP4_GLOBALS`): "one" (default, vLLM's 1.0) or
-"per_sequence". `take_nonfinite_kv()` returns (and resets) the NaN/Inf K/V counted since the last call.
+"per_sequence". `kv_input_dtype` ("bfloat16" | "float16" | "float32"; None = as computed): K/V are rounded to it
+before quantization, as the engine's serving dtype holds them. `first_batch` (True, or a `FirstBatchScales` to
+share): vLLM's calculate_kv_scales, each layer's scales fixed by the first forward (`runtime.first_batch`). `take_nonfinite_kv()` returns (and resets) the NaN/Inf K/V counted since the last call.
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, register
+from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, check_attention_mode, register
 from kvcal.kernels.cache import (
     NVFP4_GLOBALS,
+    FirstBatchScales,
     LayerPlan,
     NonFiniteCount,
     QuantizedKVCache,
     check_nvfp4_global,
 )
-from kvcal.models import KVSpec, kv_spec, parse_skip_layers
+from kvcal.models import KVSpec, input_device, kv_spec, parse_skip_layers
 
 IMPLS = ("auto", "torch", "triton")
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
@@ -76,6 +79,8 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
+    if hasattr(model, "get_input_embeddings"):  # under a device map: where inputs go (kvcal.models.input_device)
+        return input_device(model)
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
@@ -129,6 +134,23 @@ def _as_skip_set(skip_layers: str | Iterable[int] | None, kv: KVSpec) -> frozens
     return chosen
 
 
+def _first_batch_store(
+    first_batch: bool | FirstBatchScales, fmt: formats.KVFormat, scales: Any
+) -> FirstBatchScales | None:
+    """The runtime's first-batch store (None: static scales or formats' defaults); UsageError where the format
+    takes no static scale or a scale file is given too."""
+    if first_batch is False or first_batch is None:
+        return None
+    if not fmt.calibratable:
+        raise UsageError(
+            f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt.name} computes its "
+            "scales at write time; use it with fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
+        )
+    if scales is not None:
+        raise UsageError("first-batch scales replace a scale file; pass one or the other")
+    return first_batch if isinstance(first_batch, FirstBatchScales) else FirstBatchScales()
+
+
 def _as_scale(s: Any) -> torch.Tensor:
     return torch.as_tensor(s, dtype=torch.float32)
 
@@ -144,16 +166,21 @@ def check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
             )
 
 
-def _check_scales(scales: Any, fmt: formats.KVFormat, kv: KVSpec) -> None:
-    if not fmt.calibratable:
+def _check_scales(
+    scales: Any, fmt: formats.KVFormat, kv: KVSpec, v_fmt: formats.KVFormat | None = None
+) -> None:
+    v_fmt = fmt if v_fmt is None else v_fmt
+    for f in {fmt.name: fmt, v_fmt.name: v_fmt}.values():
+        if not f.calibratable:
+            raise UsageError(
+                f"format {f.name} takes no static scales (its scales are computed at write time); "
+                "drop --scales or use fp8_e4m3, fp8_e5m2 or nvfp4"
+            )
+    name = fmt.name if v_fmt is fmt else f"k={fmt.name},v={v_fmt.name}"
+    if formats.parse_kv_format(scales.kv_format) != name:
         raise UsageError(
-            f"format {fmt.name} takes no static scales (its scales are computed at write time); "
-            "drop --scales or use fp8_e4m3, fp8_e5m2 or nvfp4"
-        )
-    if formats.get_format(scales.kv_format) is not fmt:
-        raise UsageError(
-            f"the scale file was calibrated for {scales.kv_format}, not {fmt.name}; "
-            f"calibrate for {fmt.name} or pass --kv-format {scales.kv_format}"
+            f"the scale file was calibrated for {scales.kv_format}, not {name}; "
+            f"calibrate for {name} or pass --kv-format {scales.kv_format}"
         )
     for name, lst in (("k", scales.k_scales), ("v", scales.v_scales)):
         if len(lst) != kv.num_layers:
@@ -168,6 +195,24 @@ def _check_scales(scales: Any, fmt: formats.KVFormat, kv: KVSpec) -> None:
                     f"layer {layer.index} {name}_scale has {n} values but the model has {layer.kv_heads} KV heads "
                     "(per-tensor scales have 1); it belongs to another model — recalibrate for this one"
                 )
+
+
+def query_scales(attention: str, scales: Any, num_layers: int) -> list[float] | None:
+    """Per-layer q_scale for FP8 attention: the scale file's (`kvcal calibrate --attention-scales`), 1.0 without
+    a scale file (what vLLM uses when the checkpoint has none: kv_cache.py warns "Using uncalibrated q_scale 1.0");
+    None when attention is not FP8. A scale file without q scales is refused: its K/V scales are calibrated, so a
+    silent 1.0 for Q would mix a calibrated cache with an uncalibrated query."""
+    if attention != "fp8":
+        return None
+    if scales is None:
+        return [1.0] * num_layers
+    q = getattr(scales, "q_scales", None)
+    if not q:
+        raise UsageError(
+            "--attention fp8 needs the query scale (q_scale) of every layer, but this scale file has none; "
+            "recalibrate with `kvcal calibrate --attention-scales`, or drop --scales to use q_scale 1.0"
+        )
+    return [float(torch.as_tensor(x).reshape(-1)[0]) for x in q]
 
 
 def install_plans(
@@ -244,9 +289,17 @@ class KVRuntime:
         skip_layers: str | Iterable[int] | None = frozenset(),
         impl: str = "auto",
         nvfp4_global: str = "one",
+        kv_input_dtype: str | None = None,  # --kv-input-dtype; None = K/V quantized as computed
+        first_batch: bool | FirstBatchScales = False,  # vLLM's calculate_kv_scales; a store to share
+        attention: str = "kv",  # kvcal.kernels.attention.ATTENTION_MODES: "fp8" = vLLM's FA3 FP8 attention
     ):
         self.model = model
-        self.fmt = formats.get_format(kv_format)
+        # K's format (self.fmt) and V's: the same unless kv_format is a pair `k=...,v=...`
+        self.fmt, self.v_fmt = formats.kv_pair(kv_format)
+        self.kv_format = formats.parse_kv_format(kv_format) if isinstance(kv_format, str) else self.fmt.name
+        self.attention = check_attention_mode(attention, self.fmt.name, self.v_fmt.name)
+        self.kv_input_dtype = None if kv_input_dtype is None else formats.parse_kv_input_dtype(kv_input_dtype)
+        self.first_batch = _first_batch_store(first_batch, self.fmt, scales)
         self.kv = kv_spec(model.config)
         self.scales = scales
         self.nvfp4_global = check_nvfp4_global(nvfp4_global)
@@ -266,8 +319,10 @@ class KVRuntime:
             return
         mods = check_architecture(model, self.kv)
         check_block_fits(self.fmt, self.kv)
+        check_block_fits(self.v_fmt, self.kv)
         if scales is not None:
-            _check_scales(scales, self.fmt, self.kv)
+            _check_scales(scales, self.fmt, self.kv, v_fmt=self.v_fmt)
+        self.q_scales = query_scales(self.attention, scales, self.kv.num_layers)
         self.impl = resolve_impl(impl, _model_device(model))
         self.plans = self._layer_plans()
         self._install(mods)
@@ -287,6 +342,12 @@ class KVRuntime:
                     v_scale=_as_scale(self.scales.v_scales[layer.index]) if use_scales else None,
                     skipped=skipped,
                     nvfp4_global=self.nvfp4_global,
+                    kv_input_dtype=None
+                    if self.kv_input_dtype is None
+                    else formats.KV_INPUT_DTYPES[self.kv_input_dtype],
+                    first_batch=None if skipped else self.first_batch,
+                    v_fmt=None if skipped or self.v_fmt is self.fmt else self.v_fmt,
+                    q_scale=None if skipped or self.q_scales is None else self.q_scales[layer.index],
                 )
             )
         return plans
@@ -328,16 +389,19 @@ class KVRuntime:
     @property
     def uncalibrated(self) -> bool:
         """FP8 / NVFP4 without a scale file (FP8 at scale 1.0, NVFP4 with a dynamic global)."""
-        return self.fmt.calibratable and self.scales is None
+        calibratable = self.fmt.calibratable or self.v_fmt.calibratable  # either side of a K/V pair
+        return calibratable and self.scales is None and self.first_batch is None
 
     def scale_source(self) -> str:
         if self.fmt.name in ("auto", "bf16"):
             return "none"
         if self.scales is not None:
             return f"scale file ({getattr(self.scales, 'granularity', 'tensor')})"
+        if self.first_batch is not None:
+            return "first-batch (vLLM calculate_kv_scales: amax / 200 for K, / 100 for V, fixed after the first write)"
         if self.fmt.element in ("e4m3", "e5m2"):
             return "uncalibrated (scale 1.0)"
-        if self.fmt.name == "nvfp4":
+        if self.fmt.layout == "nvfp4":
             return f"uncalibrated (global scale {NVFP4_GLOBALS[self.nvfp4_global]})"
         return "dynamic (computed at write time)"
 
@@ -350,12 +414,18 @@ class KVRuntime:
                     "layer": layer.index,
                     "type": layer.type,
                     "window": layer.window,
-                    "format": plan.fmt.name if plan else "auto",
+                    "format": (
+                        plan.fmt.name if plan.v_fmt is None else f"k={plan.fmt.name},v={plan.v_fmt.name}"
+                    )
+                    if plan
+                    else "auto",
                     "skipped": bool(plan and plan.skipped),
                 }
             )
         return {
-            "kv_format": self.fmt.name,
+            "kv_format": self.kv_format,
+            "attention": self.attention,
+            "q_scales": getattr(self, "q_scales", None),
             "model_type": self.kv.model_type,
             "impl": self.impl,
             "requested_impl": self.requested_impl,
@@ -363,7 +433,11 @@ class KVRuntime:
             "scale_source": self.scale_source(),
             "uncalibrated": self.uncalibrated,
             "granularity": getattr(self.scales, "granularity", None),
-            "nvfp4_global": self.nvfp4_global if self.fmt.name == "nvfp4" and self.scales is None else None,
+            "nvfp4_global": self.nvfp4_global
+            if self.fmt.layout == "nvfp4" and self.scales is None and self.first_batch is None
+            else None,
+            "kv_input_dtype": self.kv_input_dtype,
+            "first_batch_scales": None if self.first_batch is None else self.first_batch.as_lists(),
             "skip_layers": sorted(self.skip_layers),
             "layer_formats": [entry["format"] for entry in layers],
             "layers": layers,

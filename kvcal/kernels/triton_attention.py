@@ -174,6 +174,7 @@ _e8m0: Any = None
 _tanh: Any = None
 _load_fp4_tile: Any = None
 _to_dot: Any = None
+_round_e4m3: Any = None
 
 # Dot operand dtypes (constexpr DOT_KIND): the narrowest type in which q and the dequantized tile values are exact.
 DOT_F32, DOT_BF16, DOT_F16 = 0, 1, 2
@@ -187,6 +188,18 @@ def _to_dot_impl(x, DOT_KIND: tl.constexpr):
     else:
         y = x.to(tl.float32)
     return y
+
+
+def _round_e4m3_impl(x):
+    # x >= 0 (at most 448, NaN kept) -> the nearest e4m3 value, ties to even, by arithmetic: under the interpreter
+    # an fp32 -> fp8 cast inside a kernel gives wrong bytes. Normal range (x >= 2**-6): round the float32 mantissa
+    # to 3 bits (add 0x7FFFF plus the kept lsb, clear the low 20 bits); subnormals: multiples of 2**-9, which
+    # float32 addition of 2**14 (ulp 2**-9) rounds to, ties to even.
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    sub = (x + 16384.0) - 16384.0
+    return tl.where(x < 0.015625, sub, normal)
 
 
 def _e8m0_impl(b):
@@ -318,6 +331,8 @@ def _attn_fwd_impl(
     tk_bucket,  # autotune key only
     FMT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FMT_V: tl.constexpr,
+    BLOCK_SIZE_V: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -325,6 +340,7 @@ def _attn_fwd_impl(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_KPAD: tl.constexpr,
+    P_FP8: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -332,8 +348,11 @@ def _attn_fwd_impl(
     BLOCK_N: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
-    IS_FP4: tl.constexpr = FMT >= 3
-    HAS_SCALAR_SCALE: tl.constexpr = (FMT == 1) or (FMT == 3)
+    # FMT / BLOCK_SIZE: K's format; FMT_V / BLOCK_SIZE_V: V's (equal unless a K/V format pair)
+    K_FP4: tl.constexpr = FMT >= 3
+    V_FP4: tl.constexpr = FMT_V >= 3
+    K_SCALAR: tl.constexpr = (FMT == 1) or (FMT == 3)
+    V_SCALAR: tl.constexpr = (FMT_V == 1) or (FMT_V == 3)
     DH: tl.constexpr = HEAD_DIM // 2
     DH_PAD: tl.constexpr = D_PAD // 2
 
@@ -376,33 +395,37 @@ def _attn_fwd_impl(
 
     qk_scale = sm_scale
     v_scale = 1.0
-    if HAS_SCALAR_SCALE:
+    if K_SCALAR:
         qk_scale = qk_scale * tl.load(KSC + b * stride_kscb + h * stride_ksc).to(tl.float32)
+    if V_SCALAR:
         v_scale = tl.load(VSC + b * stride_vscb + h * stride_vsc).to(tl.float32)
-    if IS_FP4:
-        # FP4 tiles hold e2m1 * 2**-14 * block_scale (see _load_fp4_tile_impl)
+    # FP4 tiles hold e2m1 * 2**-14 * block_scale (see _load_fp4_tile_impl)
+    if K_FP4:
         qk_scale = qk_scale * 16384.0
+    if V_FP4:
         v_scale = v_scale * 16384.0
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E  # work in the exp2 domain
 
-    if IS_FP4:
-        offs_i = tl.arange(0, DH_PAD)
-        i_ok = offs_i < DH
+    offs_i = tl.arange(0, DH_PAD)  # half-width columns (FP4 tiles)
+    i_ok = offs_i < DH
+    offs_d = tl.arange(0, D_PAD)  # full-width columns
+    d_ok = offs_d < HEAD_DIM
+    if K_FP4:
         qm = row_ok[:, None] & i_ok[None, :]
         q_even = tl.load(q_row[:, None] + (2 * offs_i)[None, :] * stride_qd, mask=qm, other=0.0)
         q_odd = tl.load(q_row[:, None] + (2 * offs_i + 1)[None, :] * stride_qd, mask=qm, other=0.0)
         q_even = _to_dot(q_even, DOT_KIND)
         q_odd = _to_dot(q_odd, DOT_KIND)
-        acc_e = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
-        acc_o = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
     else:
-        offs_d = tl.arange(0, D_PAD)
-        d_ok = offs_d < HEAD_DIM
         qv = tl.load(
             q_row[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0
         )
         qv = _to_dot(qv, DOT_KIND)
+    if V_FP4:
+        acc_e = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
+        acc_o = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
+    else:
         acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -412,7 +435,7 @@ def _attn_fwd_impl(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         # ---- S = Q K^T (dequantized in registers) ----
-        if IS_FP4:
+        if K_FP4:
             k_e, k_o = _load_fp4_tile(
                 k_base,
                 kbs_base,
@@ -463,11 +486,15 @@ def _attn_fwd_impl(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         m_i = m_new
-        if FMT == 2:
+        if P_FP8:
+            # FA3's FP8 P: e4m3(P * 2**8) for the P.V product; the row sum above took the unrounded P
+            # (kvcal.kernels.reference.FA3_P_OFFSET); 2**-8 is exact
+            p = _round_e4m3(p * 256.0) * 0.00390625
+        if FMT_V == 2:
             vs = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
             p = p * vs[None, :]
         # ---- O += P V ----
-        if IS_FP4:
+        if V_FP4:
             v_e, v_o = _load_fp4_tile(
                 v_base,
                 vbs_base,
@@ -479,8 +506,8 @@ def _attn_fwd_impl(
                 stride_vd,
                 stride_vbst,
                 stride_vbsd,
-                FMT,
-                BLOCK_SIZE,
+                FMT_V,
+                BLOCK_SIZE_V,
             )
             acc_e = acc_e * alpha[:, None]
             acc_o = acc_o * alpha[:, None]
@@ -493,7 +520,7 @@ def _attn_fwd_impl(
                 mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            if FMT == 2:
+            if FMT_V == 2:
                 vt = tl.where(vt == -128, float("nan"), vt.to(tl.float32))
             acc = acc * alpha[:, None]
             acc += tl.dot(_to_dot(p, DOT_KIND), _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
@@ -504,7 +531,7 @@ def _attn_fwd_impl(
         tl.store(ml_row, m_i, mask=row_ok)
         tl.store(ml_row + 1, l_i, mask=row_ok)
         acc_row = PART_ACC + (((b * H_KV * G + hq) * TQ + t) * n_splits + pid_s) * D_PAD
-        if IS_FP4:
+        if V_FP4:
             sm = row_ok[:, None] & i_ok[None, :]
             tl.store(acc_row[:, None] + (2 * offs_i)[None, :], acc_e * v_scale, mask=sm)
             tl.store(acc_row[:, None] + (2 * offs_i + 1)[None, :], acc_o * v_scale, mask=sm)
@@ -521,7 +548,7 @@ def _attn_fwd_impl(
         # empty rows (no visible key) have acc = 0 and output exactly 0
         inv = tl.where(l_i > 0, v_scale * corr / tl.where(l_i > 0, l_i, 1.0), 0.0)
         o_row = OUT + b * stride_ob + hq * stride_oh + t * stride_ot
-        if IS_FP4:
+        if V_FP4:
             sm = row_ok[:, None] & i_ok[None, :]
             tl.store(
                 o_row[:, None] + (2 * offs_i)[None, :] * stride_od,
@@ -616,6 +643,7 @@ def _kernels() -> _Kernels:
         g["_tanh"] = triton.jit(_tanh_impl)
         g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
         g["_to_dot"] = triton.jit(_to_dot_impl)
+        g["_round_e4m3"] = triton.jit(_round_e4m3_impl)
         _KERNELS = _Kernels(interp, triton.jit(_attn_fwd_impl), triton.jit(_combine_impl), {})
     return _KERNELS
 
@@ -626,7 +654,7 @@ def _tuned(kern: _Kernels, kind: str, block_m: int) -> Any:
         cfgs = decode_configs(block_m) if kind == "decode" else prefill_configs()
         kern.tuned[key] = triton.autotune(
             configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in cfgs],
-            key=["FMT", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"],
+            key=["FMT", "FMT_V", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"],
         )(kern.attn)
     return kern.tuned[key]
 
@@ -703,27 +731,38 @@ def _dot_kind(interpret: bool, q_dtype: torch.dtype, code_dtype: torch.dtype, fm
     return DOT_F32
 
 
-def _check_inputs(
-    q: torch.Tensor, k: Any, v: Any, fmt_name: str, block: int
-) -> tuple[int, int, int, int, int, int]:
+def _pair_dot_kind(
+    interpret: bool,
+    q_dtype: torch.dtype,
+    code_dtypes: tuple[torch.dtype, torch.dtype],
+    fmt_ids: tuple[int, int],
+) -> int:
+    """One dot type for both products: K's and V's when they agree, float32 otherwise (a K/V format pair)."""
+    kinds = {_dot_kind(interpret, q_dtype, c, f) for c, f in zip(code_dtypes, fmt_ids, strict=True)}
+    return kinds.pop() if len(kinds) == 1 else DOT_F32
+
+
+def _check_inputs(q: torch.Tensor, k: Any, v: Any, fk: Any, fv: Any) -> tuple[int, int, int, int, int, int]:
+    """fk / fv: K's and V's formats (the same unless a K/V format pair)."""
     if q.dim() != 4:
         raise UsageError(f"q must be [B, H_q, Tq, D], got shape {tuple(q.shape)}")
     b, hq, tq, d = q.shape
     kc, vc = k.codes, v.codes
-    if kc.dim() != 4 or vc.dim() != 4 or kc.shape != vc.shape:
+    if kc.dim() != 4 or vc.dim() != 4 or kc.shape[:3] != vc.shape[:3]:
         raise UsageError(
             f"k/v codes must both be [B, H_kv, Tk, D'], got {tuple(kc.shape)} and {tuple(vc.shape)}"
         )
-    bk, hkv, tk, dc = kc.shape
-    fp4 = FMT_CODES[fmt_name] >= FMT_NVFP4
-    if bk != b or (dc * 2 if fp4 else dc) != d:
-        raise UsageError(
-            f"q {tuple(q.shape)} and k/v codes {tuple(kc.shape)} do not fit together ({fmt_name})"
-        )
+    bk, hkv, tk, _ = kc.shape
+    for f, codes in ((fk, kc), (fv, vc)):
+        dc = codes.shape[-1]
+        if bk != b or (dc * 2 if FMT_CODES[f.layout] >= FMT_NVFP4 else dc) != d:
+            raise UsageError(
+                f"q {tuple(q.shape)} and k/v codes {tuple(codes.shape)} do not fit together ({f.name})"
+            )
+        if f.block_size and d % f.block_size:
+            raise UsageError(f"head_dim {d} is not a multiple of {f.name}'s block size {f.block_size}")
     if hq % hkv:
         raise UsageError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if block and d % block:
-        raise UsageError(f"head_dim {d} is not a multiple of {fmt_name}'s block size {block}")
     if q.device.type != "cuda" and not _interpreting():
         raise UsageError(
             "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to run them slowly on CPU); use --impl torch"
@@ -748,12 +787,15 @@ def quantized_attention_triton(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_padding: torch.Tensor | None = None,
+    v_fmt=None,  # V's format when it differs from K's (a K/V format pair)
+    q_scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of q over quantized K/V storage with dequantization fused into the kernel.
 
     Same arguments and semantics as `kvcal.kernels.reference.quantized_attention_ref` (without its reference-only
-    `compute_dtype`). q: [B, H_q, Tq, D]; k, v: QTensor storage of [B, H_kv, Tk, D]; returns [B, H_q, Tq, D] in
-    q.dtype. Runs on CUDA, or on CPU under TRITON_INTERPRET=1.
+    `compute_dtype` and `p_tile`: with `q_scale` (FP8 attention) P is rounded to e4m3 per key tile of the
+    kernel's BLOCK_N, relative to the running row max). q: [B, H_q, Tq, D]; k, v: QTensor storage of
+    [B, H_kv, Tk, D]; returns [B, H_q, Tq, D] in q.dtype. Runs on CUDA, or on CPU under TRITON_INTERPRET=1.
     """
     return attention(
         q,
@@ -768,6 +810,8 @@ def quantized_attention_triton(
         softcap=softcap,
         sinks=sinks,
         key_padding=key_padding,
+        v_fmt=v_fmt,
+        q_scale=q_scale,
     )
 
 
@@ -785,16 +829,23 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_padding: torch.Tensor | None = None,
+    v_fmt=None,
+    q_scale: float | None = None,
     config: KernelConfig | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """`quantized_attention_triton` plus two knobs for tests and benchmarks: `config` pins the tile config
     (no autotuning) and `num_splits` pins the decode key splits."""
     from kvcal import formats  # lazy, as in the reference
+    from kvcal.kernels.reference import quantize_query
 
+    if q_scale is not None:  # FP8 attention: e4m3 query codes, q_scale folded into the logit scale (as FA3)
+        q, scaling = quantize_query(q, q_scale), float(scaling) * float(q_scale)
     f = formats.get_format(fmt)
-    fmt_id = FMT_CODES[f.name]
-    b, hq, tq, d, hkv, tk = _check_inputs(q, k, v, f.name, f.block_size)
+    fv = f if v_fmt is None else formats.get_format(v_fmt)
+    # a format sharing another's storage (nvfp4_4over6 -> nvfp4) reads as that one
+    fmt_id, fmt_v = FMT_CODES[f.layout], FMT_CODES[fv.layout]
+    b, hq, tq, d, hkv, tk = _check_inputs(q, k, v, f, fv)
     out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
     if tq == 0:
         return out
@@ -802,8 +853,21 @@ def attention(
         return out.zero_()
     _check_options(sliding_window, softcap)
     kern = _kernels()
-    ops = _operands(q, k, v, f, fmt_id, b, hq, hkv, tk, sinks, key_padding)
-    plan = _plan_launch(kern, q, k.codes.dtype, fmt_id, b, hkv, tq, tk, hq // hkv, d, config, num_splits)
+    ops = _operands(q, k, v, (f, fv), (fmt_id, fmt_v), b, hq, hkv, tk, sinks, key_padding)
+    plan = _plan_launch(
+        kern,
+        q,
+        (k.codes.dtype, v.codes.dtype),
+        (fmt_id, fmt_v),
+        b,
+        hkv,
+        tq,
+        tk,
+        hq // hkv,
+        d,
+        config,
+        num_splits,
+    )
     args = (
         q, k.codes, v.codes, ops.kbs, ops.vbs, ops.ksc, ops.vsc, ops.sinks, ops.kp, out, plan.part_ml,
         plan.part_acc, *q.stride(), *k.codes.stride(), *v.codes.stride(), *ops.kbs_st, *ops.vbs_st, *ops.ksc_st,
@@ -813,6 +877,8 @@ def attention(
     consts = dict(
         FMT=fmt_id,
         BLOCK_SIZE=max(2, f.block_size),
+        FMT_V=fmt_v,
+        BLOCK_SIZE_V=max(2, fv.block_size),
         HEAD_DIM=d,
         D_PAD=plan.d_pad,
         CAUSAL=bool(causal),
@@ -820,6 +886,7 @@ def attention(
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
         HAS_KPAD=key_padding is not None,
+        P_FP8=q_scale is not None,
         SPLIT=plan.split,
         DOT_KIND=plan.dot_kind,
         # float32 dots: exact under the interpreter; on CUDA 3xTF32 (tensor cores, about float32 accuracy) — plain
@@ -865,8 +932,8 @@ def _operands(
     q: torch.Tensor,
     k: Any,
     v: Any,
-    f: Any,
-    fmt_id: int,
+    fs: tuple[Any, Any],
+    ids: tuple[int, int],
     b: int,
     hq: int,
     hkv: int,
@@ -874,18 +941,19 @@ def _operands(
     sinks: torch.Tensor | None,
     key_padding: torch.Tensor | None,
 ) -> _Operands:
-    """Checked kernel operands (dummies where the format or call has none)."""
+    """Checked kernel operands (dummies where the format or call has none). fs / ids: (K, V) formats and codes."""
     dev = q.device
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    if fmt_id == FMT_INT8 and (k.block_scales is None or v.block_scales is None):
-        raise UsageError("int8_per_token_head K/V need their per-token scales (block_scales)")
-    if fmt_id >= FMT_NVFP4 and (k.block_scales is None or v.block_scales is None):
-        raise UsageError(f"{f.name} K/V need their block scales")
+    for f, fid, x, name in ((fs[0], ids[0], k, "K"), (fs[1], ids[1], v, "V")):
+        if fid == FMT_INT8 and x.block_scales is None:
+            raise UsageError(f"int8_per_token_head {name} needs its per-token scales (block_scales)")
+        if fid >= FMT_NVFP4 and x.block_scales is None:
+            raise UsageError(f"{f.name} {name} needs its block scales")
     kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)
     vbs, vbs_st = _block_scale_strides(v.block_scales, dummy)
-    scaled = fmt_id in (FMT_FP8, FMT_NVFP4)
-    ksc, ksc_st = _scale_arg(k.scale if scaled else None, b, hkv, dev, "k scale")
-    vsc, vsc_st = _scale_arg(v.scale if scaled else None, b, hkv, dev, "v scale")
+    scaled = (FMT_FP8, FMT_NVFP4)
+    ksc, ksc_st = _scale_arg(k.scale if ids[0] in scaled else None, b, hkv, dev, "k scale")
+    vsc, vsc_st = _scale_arg(v.scale if ids[1] in scaled else None, b, hkv, dev, "v scale")
     sinks_t = dummy
     if sinks is not None:
         if sinks.numel() != hq:
@@ -935,8 +1003,8 @@ def _pinned_config(kern: _Kernels, config: KernelConfig | None, block_m: int) ->
 def _plan_launch(
     kern: _Kernels,
     q: torch.Tensor,
-    code_dtype: torch.dtype,
-    fmt_id: int,
+    code_dtypes: tuple[torch.dtype, torch.dtype],
+    fmt_ids: tuple[int, int],
     b: int,
     hkv: int,
     tq: int,
@@ -967,7 +1035,7 @@ def _plan_launch(
         part_acc = torch.empty((b * hkv * group * tq * num_splits * d_pad,), dtype=torch.float32, device=dev)
     return _LaunchPlan(
         d_pad=d_pad,
-        dot_kind=_dot_kind(kern.interpret, q.dtype, code_dtype, fmt_id),
+        dot_kind=_pair_dot_kind(kern.interpret, q.dtype, code_dtypes, fmt_ids),
         decode=decode,
         block_m=block_m,
         rows=rows,

@@ -410,7 +410,7 @@ def gate(ctx: Context, cells: list[sweep.Cell]) -> Any:
     g = ctx.cfg.gate
     return compare_runs(
         [c.path for c in cells], baseline="bf16", max_drop=g.max_drop, alpha=g.alpha, n_boot=g.bootstrap,
-        seed=g.seed, min_samples=g.min_samples, warn=ctx.warn,
+        seed=g.seed, min_samples=g.min_samples, warn=ctx.warn, context=g.context,
     )  # fmt: skip
 
 
@@ -554,6 +554,7 @@ def run_release(
     record.update(
         gate="pass" if passed else "fail", configurations=configuration_records(cmp, roles),
         gate_failures=cmp.to_dict()["gate"]["failures"], runs=[str(c.path) for c in cells],
+        capacity_context=cmp.context,
     )  # fmt: skip
     timings["gate_s"] = time.perf_counter() - t
     if passed:

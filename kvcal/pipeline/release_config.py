@@ -37,6 +37,8 @@ ship and how to decide. Sections (every key optional unless marked; unknown keys
       min_samples: 10
       bootstrap: 2000
       seed: 1234
+      context: null                     #   tokens of context the capacity column assumes (sliding-window
+                                        #   layers hold min(context, window)); null: the longest evaluated
     export:
       engines: [vllm, sglang]           #   vllm: checkpoint folder; sglang: --quantization-param-path JSON
       tp_size: 1                        #   sglang: tensor-parallel ranks in the JSON
@@ -62,7 +64,7 @@ import yaml
 from kvcal.errors import UsageError
 from kvcal.formats import get_format
 from kvcal.pipeline import sweep
-from kvcal.pipeline.sweep import EvalSettings, Recipe, _int, _key, _path, _raw, _read_fields, _tasks
+from kvcal.pipeline.sweep import EvalSettings, Recipe, _int, _key, _path, _raw, _read_fields, _tasks, _tokens
 
 ENGINES = ("vllm", "sglang")
 ON_DRIFT = ("recalibrate", "fail")
@@ -211,6 +213,7 @@ class Gate:
     min_samples: int = _key(_int, 10)
     bootstrap: int = _key(_int, 2000)
     seed: int = _key(_int, 1234)
+    context: int | None = _key(_tokens, None)  # capacity's context; None: the longest the runs evaluated
 
 
 @dataclass

@@ -15,20 +15,22 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from kvcal.calibrate.data import load_texts, samples_for_model
-from kvcal.calibrate.hooks import ProgressFn
+from kvcal.calibrate.hooks import ProgressFn, batches, pad_batch, per_row_attention
 from kvcal.calibrate.observers import get_observer
 from kvcal.calibrate.run import check_output_path, observed_scales
 from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.kl import kl_per_token
 from kvcal.formats import KVFormat, fake_quantize, get_format
 from kvcal.io import atomic_write_json
-from kvcal.models import FULL, SLIDING, KVSpec, LoadedModel, check_device, kv_spec, load_model
+from kvcal.models import FULL, SLIDING, KVSpec, LoadedModel, check_device, input_device, kv_spec, load_model
+from kvcal.placement import Placement
 from kvcal.scales import load_scales_for_model
 
 
@@ -67,10 +69,13 @@ def _logprobs(model: Any, ids: torch.Tensor, cache: DynamicCache) -> torch.Tenso
     return torch.log_softmax(out.logits.float(), dim=-1)  # [1, T, V]
 
 
-def _damage(ref: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
-    """mean KL(ref || q) per token (nats) and top-1 agreement; both [1, T, V] log-probabilities."""
-    kl, agree = kl_per_token(ref, q)  # [1, T] each
-    return float(kl.mean()), float(agree.mean())
+def _damage(ref: torch.Tensor, q: torch.Tensor, lengths: Sequence[int]) -> list[tuple[float, float]]:
+    """Per row: mean KL(ref || q) per real token (nats) and top-1 agreement; ref, q: [B, T, V] log-probabilities
+    of a right-padded batch, `lengths` the real tokens per row."""
+    kl, agree = kl_per_token(ref, q)  # [B, T] each
+    return [
+        (float(kl[b : b + 1, :n].mean()), float(agree[b : b + 1, :n].mean())) for b, n in enumerate(lengths)
+    ]
 
 
 def layer_sensitivity(
@@ -82,28 +87,39 @@ def layer_sensitivity(
     v_scales: Sequence[torch.Tensor | None],
     progress: ProgressFn | None = None,
     factor: float = 2.0,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
-    """Per-layer KL / top-1 damage of quantizing one layer's KV cache, the all-layer damage, and advice."""
+    """Per-layer KL / top-1 damage of quantizing one layer's KV cache, the all-layer damage, and advice.
+    `batch_size` samples per forward, right-padded, attention row by row (hooks.per_row_attention): the same
+    numbers as one sample per forward."""
     n_layers = kv.num_layers
-    device = next(model.parameters()).device
-    kl = torch.zeros(n_layers + 1, dtype=torch.float64)  # last entry: all layers quantized
-    agree = torch.zeros(n_layers + 1, dtype=torch.float64)
+    device = input_device(model)
+    # per sample (in the given order, whatever the batching), per layer; last column: all layers quantized
+    per_kl = torch.zeros(len(samples), n_layers + 1, dtype=torch.float64)
+    per_agree = torch.zeros(len(samples), n_layers + 1, dtype=torch.float64)
     total = len(samples) * (n_layers + 2)
     done = 0
     all_layers = frozenset(range(n_layers))
-    with torch.no_grad():
-        for ids in samples:
-            ids = ids.reshape(1, -1).to(device)
+    row_lengths: list[int] = []
+    rowwise = per_row_attention(model, row_lengths) if batch_size > 1 else nullcontext()
+    with torch.no_grad(), rowwise:
+        for group in batches(samples, batch_size):
+            ids, row_lengths[:] = pad_batch([samples[i] for i in group])
+            ids = ids.to(device)
             ref = _logprobs(model, ids, FakeQuantCache(model.config, fmt, frozenset(), k_scales, v_scales))
-            done += 1
+            done += len(group)
             for j, layers in enumerate([frozenset([i]) for i in range(n_layers)] + [all_layers]):
                 q = _logprobs(model, ids, FakeQuantCache(model.config, fmt, layers, k_scales, v_scales))
-                d_kl, d_agree = _damage(ref, q)
-                kl[j] += d_kl
-                agree[j] += d_agree
-                done += 1
+                for i, (d_kl, d_agree) in zip(group, _damage(ref, q, row_lengths), strict=True):
+                    per_kl[i, j], per_agree[i, j] = d_kl, d_agree
+                done += len(group)
                 if progress:
                     progress(done, total, "sensitivity")
+    kl = torch.zeros(n_layers + 1, dtype=torch.float64)
+    agree = torch.zeros(n_layers + 1, dtype=torch.float64)
+    for i in range(len(samples)):  # summed sample by sample, as one sample per forward always did
+        kl += per_kl[i]
+        agree += per_agree[i]
     kl /= len(samples)
     agree /= len(samples)
     layers = [
@@ -159,25 +175,40 @@ def sensitivity(
     dtype: str = "float32",
     device: str = "cpu",
     factor: float = 2.0,
+    batch_size: int = 1,
+    device_map: str | None = None,
+    max_memory: str | None = None,
+    offload_folder: str | None = None,
 ) -> dict[str, Any]:
     """Load, sample, get scales (a scale file, or minmax on the same samples for calibratable formats), measure.
-    Every check that needs no model (format, --scales, output path, device, the dataset) runs before it loads."""
+    Every check that needs no model (format, --scales, output path, device, the dataset) runs before it loads.
+    `batch_size`: samples per forward (same numbers as 1); `device_map` / `max_memory` / `offload_folder`:
+    accelerate's placement (kvcal.placement)."""
     fmt = get_format(kv_format)
     if fmt.element == "auto":
         raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
     if scales and not fmt.calibratable:
         raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
     out = check_output_path(output)
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
+    placement = Placement.parse(device_map, max_memory, offload_folder)
     if not isinstance(model, LoadedModel):
         check_device(device)
+        placement.check()
     source = load_texts(dataset)
-    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    lm = (
+        model
+        if isinstance(model, LoadedModel)
+        else load_model(model, dtype=dtype, device=device, placement=placement)
+    )
     kv = kv_spec(lm.model.config)
     data = samples_for_model(source, lm, num_samples, seq_len, seed, text_field)
-    k_scales, v_scales, scale_source = _layer_scales(lm, kv, fmt, scales, data.samples, progress)
+    k_scales, v_scales, scale_source = _layer_scales(lm, kv, fmt, scales, data.samples, progress, batch_size)
     result = layer_sensitivity(
-        lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor
-    )
+        lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor,
+        batch_size=batch_size,
+    )  # fmt: skip
     report = {
         "model": lm.ref,
         "model_type": kv.model_type,
@@ -203,6 +234,7 @@ def _layer_scales(
     scales: str | None,
     samples: Sequence[torch.Tensor],
     progress: ProgressFn | None,
+    batch_size: int = 1,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], str]:
     """(k_scales, v_scales, where they came from): a scale file, minmax per tensor on the same samples for a
     calibratable format, else None per layer (the format's dynamic scales)."""
@@ -212,5 +244,7 @@ def _layer_scales(
     if scales:
         ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
         return list(ss.k_scales), list(ss.v_scales), f"scale file {scales}"
-    ks, vs, _ = observed_scales(lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), progress)
+    ks, vs, _ = observed_scales(
+        lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), progress, batch_size=batch_size
+    )
     return list(ks), list(vs), "minmax per tensor on the same samples"

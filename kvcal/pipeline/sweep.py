@@ -32,15 +32,25 @@ from typing import Any
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.run import EvalConfig, model_short, run_eval, skip_tag, slug
+from kvcal.evaluate.run import (
+    FIRST_BATCH,
+    EvalConfig,
+    model_short,
+    recorded_kv_input_dtype,
+    run_eval,
+    skip_tag,
+    slug,
+)
 from kvcal.evaluate.tasks import parse_task_list
-from kvcal.formats import get_format
+from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, get_format, kv_pair, parse_kv_format, parse_kv_input_dtype
 from kvcal.io import atomic_write_json, atomic_write_text
 from kvcal.models import load_model, resolve_dtype, resolve_model, sha256_file
 from kvcal.rundir import COMPLETE, CONFIG, RunConfig
 from kvcal.scales import load_scale_file
 
-SCALE_VARIANTS = ("uncalibrated", "tensor", "head")
+# uncalibrated = the engine's default (fp8 1.0, nvfp4 global 1.0); first-batch = vLLM's calculate_kv_scales (amax
+# of the first batch / 200 for K, / 100 for V, fixed afterwards); tensor / head = calibrated here
+SCALE_VARIANTS = ("uncalibrated", "first-batch", "tensor", "head")
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 Step = Callable[
@@ -90,6 +100,13 @@ def _int(value: Any, key: str, base: Path | None) -> int:
         raise UsageError(f"sweep config: '{key}' must be an integer, got {value!r}") from None
 
 
+def _tokens(value: Any, key: str, base: Path | None) -> int:
+    n = _int(value, key, base)
+    if n < 1:
+        raise UsageError(f"sweep config: '{key}' must be a positive number of tokens (e.g. 8192), got {n}")
+    return n
+
+
 def _path(value: Any, key: str, base: Path | None) -> str | None:
     """Relative paths are taken relative to the YAML's folder when they exist there, else to the current one."""
     if value in (None, ""):
@@ -135,6 +152,10 @@ class Recipe:
     text_field: str | None = _key(_raw, None)
 
 
+def _kv_input_dtype(value: Any, key: str, base: Path | None) -> str:
+    return parse_kv_input_dtype(str(value))
+
+
 def _tasks(value: Any, key: str, base: Path | None) -> list[str]:
     return parse_task_list([str(t) for t in _as_list(value, key)])
 
@@ -142,13 +163,19 @@ def _tasks(value: Any, key: str, base: Path | None) -> list[str]:
 def _formats(value: Any, key: str, base: Path | None) -> list[str]:
     formats: list[str] = []
     for f in _as_list(value, key):
-        canon = get_format(str(f)).name
+        canon = parse_kv_format(str(f))  # a format or a K/V pair k=A,v=B
         if canon not in formats:
             formats.append(canon)
     return formats
 
 
-_SCALE_ALIASES = {"per_tensor": "tensor", "calibrated": "tensor", "per_head": "head"}
+_SCALE_ALIASES = {
+    "per_tensor": "tensor",
+    "calibrated": "tensor",
+    "per_head": "head",
+    "first_batch": "first-batch",
+    "calculate_kv_scales": "first-batch",
+}
 
 
 def _scales(value: Any, key: str, base: Path | None) -> list[str]:
@@ -219,6 +246,8 @@ class EvalSettings:
     seed: int = _key(_int, 0)
     kl_seq_len: int | None = _key(_int, None)
     max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
+    # K/V rounded to this dtype before quantization (kvcal eval --kv-input-dtype): the engine's serving dtype
+    kv_input_dtype: str = _key(_kv_input_dtype, DEFAULT_KV_INPUT_DTYPE)
 
 
 def eval_settings(settings: EvalSettings) -> dict[str, Any]:
@@ -234,6 +263,8 @@ class SweepConfig(EvalSettings):
     scales: list[str] = _key(_scales, factory=lambda: ["uncalibrated", "tensor"])
     skip_layers: list[str] = _key(_skips, factory=lambda: ["none"])
     baseline: str = _key(_text, "bf16")
+    # tokens of context `kvcal compare RUNS_DIR` assumes for capacity (recorded in sweep.yaml; see recorded_context)
+    context: int | None = _key(_tokens, None)
     recipes: list[Recipe] = _key(_recipes, factory=lambda: [Recipe()], yaml_key="calibration")
 
     def limit_for(self, task: str) -> int | None:
@@ -283,6 +314,17 @@ def load_sweep_config(path: str | os.PathLike[str]) -> SweepConfig:
     except UnicodeDecodeError:
         raise UsageError(f"sweep config {p} is not UTF-8 text; save it as UTF-8") from None
     return parse_sweep_config(raw, base_dir=p.parent)
+
+
+def recorded_context(runs_dir: str | os.PathLike[str]) -> int | None:
+    """The `context` a sweep recorded in RUNS_DIR/sweep.yaml (what `kvcal compare RUNS_DIR` assumes by default),
+    or None: no sweep.yaml, no context key, or not a positive integer."""
+    try:
+        raw = yaml.safe_load((Path(runs_dir) / "sweep.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    value = raw.get("context") if isinstance(raw, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def config_dict(cfg: SweepConfig) -> dict[str, Any]:
@@ -452,14 +494,16 @@ def _configurations(cfg: SweepConfig) -> Iterator[tuple[str, str, str | None, Re
 
 def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | None, Recipe | None]]:
     """[(label, granularity, recipe)] for one format: only calibratable formats get scale variants."""
-    fmt = get_format(fmt_name)
-    if fmt.name in ("auto", "bf16"):
+    sides = kv_pair(fmt_name)  # (K, V) formats, the same unless a K/V pair
+    if sides[0].name in ("auto", "bf16") and sides[1].name in ("auto", "bf16"):
         return [("none", None, None)]
-    if not fmt.calibratable:
+    if not all(f.calibratable for f in sides):
         return [("dynamic", None, None)]
     out: list[tuple[str, str | None, Recipe | None]] = []
     if "uncalibrated" in cfg.scales:
         out.append(("uncalibrated", None, None))
+    if FIRST_BATCH in cfg.scales:
+        out.append((FIRST_BATCH, None, None))
     for gran in ("tensor", "head"):
         if gran not in cfg.scales:
             continue
@@ -473,8 +517,9 @@ def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | No
 
 def cell_name(model: str, fmt: str, label: str, skip: str) -> str:
     """kvcal eval's run directory name (evaluate.run.run_dir_name): uncalibrated and dynamic are both 'none'."""
-    tag = label if label.startswith("calib-") else "none"
-    return f"{model}__{fmt}__{tag}__skip-{skip_tag(skip)}"
+    tag = label if label.startswith("calib-") or label == FIRST_BATCH else "none"
+    fmt_tag = slug(fmt) if "=" in fmt else fmt  # as run_dir_name names a K/V pair
+    return f"{model}__{fmt_tag}__{tag}__skip-{skip_tag(skip)}"
 
 
 def _calibration(root: Path, recipe: Recipe, fmt: str, gran: str) -> Calibration:
@@ -541,6 +586,14 @@ def _run_differences(have: RunConfig, cell: Cell, cfg: SweepConfig) -> list[str]
     diffs = [f"{k}: {getattr(have, k)!r} there, {v!r} here" for k, v in want.items() if getattr(have, k) != v]
     if have.tasks and have.tasks != [cell.task]:
         diffs.append(f"tasks: {have.tasks!r} there, {[cell.task]!r} here")
+    want_src = FIRST_BATCH if cell.scales_label == FIRST_BATCH else None
+    if have.scale_source != want_src:
+        diffs.append(f"scale source: {have.scale_source or 'none'!r} there, {want_src or 'none'!r} here")
+    kvin = recorded_kv_input_dtype(
+        EvalConfig(model=cfg.model, kv_input_dtype=cfg.kv_input_dtype), cell.kv_format
+    )
+    if kvin is not None and have.kv_input_dtype_or_legacy != kvin:
+        diffs.append(f"kv_input_dtype: {have.kv_input_dtype_or_legacy!r} there, {kvin!r} here")
     if (have.skip_layers or "none") != cell.skip:
         diffs.append(f"skip_layers: {have.skip_layers or 'none'!r} there, {cell.skip!r} here")
     cal = cell.calibration
@@ -593,6 +646,7 @@ def execute_sweep(
         "skipped_complete": skipped,
         "failed": failed + cell_failures,
         "calibrated": sum(1 for c in needed if c.status == "done"),
+        "context": cfg.context,
         "plan": plan.to_dict(),
     }
     atomic_write_json(root / "sweep.json", summary)
@@ -632,6 +686,7 @@ def calibrate_all(
                 lm, cal.kv_format, granularity=cal.granularity, observer=r.observer, dataset=r.dataset,
                 num_samples=r.num_samples, seq_len=r.seq_len, seed=r.seed, engine=r.engine, output=cal.path,
                 observer_params=r.observer_params, text_field=r.text_field, dtype=cfg.dtype, device=cfg.device,
+                kv_input_dtype=cfg.kv_input_dtype,
             )  # fmt: skip
             for w in res.warnings:
                 warn(f"{cal.name}: {w}")
@@ -681,7 +736,9 @@ def _eval_config(cfg: SweepConfig, cell: Cell, gpqa_password: str | None) -> Eva
         kv_format=cell.kv_format,
         tasks=[cell.task],
         output=str(cell.path),
-        scales=str(cell.calibration.path) if cell.calibration else None,
+        scales=str(cell.calibration.path)
+        if cell.calibration
+        else (FIRST_BATCH if cell.scales_label == FIRST_BATCH else None),
         skip_layers=None if cell.skip == "none" else cell.skip,
         include_path=cfg.include_path,
         limit=cfg.limit_for(cell.task),
@@ -694,6 +751,7 @@ def _eval_config(cfg: SweepConfig, cell: Cell, gpqa_password: str | None) -> Eva
         batch_size=cfg.batch_size,
         seed=cfg.seed,
         max_gen_toks=cfg.max_gen_toks,
+        kv_input_dtype=cfg.kv_input_dtype,
     )
     if cfg.kl_seq_len is not None:
         ec.kl_seq_len = cfg.kl_seq_len

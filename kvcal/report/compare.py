@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.report import stats
+from kvcal.report import longcontext, stats
+from kvcal.report.longcontext import PasskeyGrid, PositionCurve
 from kvcal.report.metrics import MetricSpec, arrays, metric_specs
 from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, load_run
 from kvcal.report.verdicts import (
@@ -81,6 +82,13 @@ class Comparison:
     skipped_runs: list[str]
     settings: GateSettings
     resampling: Resampling = field(default_factory=Resampling)
+    # The context (tokens) the capacity column assumes: sliding-window layers hold min(context, window) tokens.
+    # None: none given and none evaluated -> sliding layers counted in full (exact up to their window).
+    context: int | None = None
+    context_source: str = ""  # '--context' | 'the longest the runs evaluated: kl windows of 4096 tokens'
+    sliding_layers: bool | None = None  # the model has sliding layers (None: its config is not readable)
+    positions: list[PositionCurve] = field(default_factory=list)  # KL by position, one per configuration
+    passkey: list[PasskeyGrid] = field(default_factory=list)  # passkey accuracy by (length, depth)
 
     @property
     def max_drop(self) -> float:
@@ -156,7 +164,19 @@ class Comparison:
             "results": [asdict(r) for r in self.results],
             "warnings": self.warnings,
             "skipped_runs": self.skipped_runs,
+            **self._long_context_dict(),
         }
+
+    def _long_context_dict(self) -> dict[str, Any]:
+        """Keys present only where there is something to say (runs without them keep their JSON)."""
+        out: dict[str, Any] = {}
+        if self.context is not None:
+            out["capacity_context"] = {"tokens": self.context, "source": self.context_source}
+        if self.positions:
+            out["kl_by_position"] = [c.to_dict() for c in self.positions]
+        if self.passkey:
+            out["passkey_by_cell"] = [g.to_dict() for g in self.passkey]
+        return out
 
     def _gate_dict(self) -> dict[str, Any]:
         def brief(r: MetricResult) -> dict[str, Any]:
@@ -198,12 +218,15 @@ class Comparison:
 
 
 def describe_scales(cfg: RunConfig) -> str:
-    """'calib-<granularity>' | 'uncalibrated' (FP8, or nvfp4 with global 1.0: scale 1) | 'per-sequence' (nvfp4's
-    dynamic global) | 'dynamic' (per token / block formats) | 'none' (16-bit)."""
+    """'calib-<granularity>' | 'first-batch' (vLLM's calculate_kv_scales) | 'uncalibrated' (FP8, or nvfp4 with
+    global 1.0: scale 1) | 'per-sequence' (nvfp4's dynamic global) | 'dynamic' (per token / block formats) |
+    'none' (16-bit)."""
     if cfg.calibrated:
         return f"calib-{cfg.scales_granularity or 'tensor'}"
+    if cfg.scale_source:  # "first-batch": vLLM's calculate_kv_scales
+        return cfg.scale_source
     fmt = cfg.kv_format
-    if fmt == "nvfp4":
+    if fmt in ("nvfp4", "nvfp4_4over6"):
         # run_format 1 recorded no policy: kvcal 0.1's nvfp4 took a dynamic global scale
         return {"one": "uncalibrated", "per_sequence": "per-sequence"}.get(cfg.nvfp4_global or "", "dynamic")
     if fmt.startswith("fp8"):
@@ -215,19 +238,32 @@ def describe_skip(cfg: RunConfig) -> str:
     return cfg.skip_layers or "none"
 
 
-def _capacity_of(run: Run) -> float | None:
-    """KV tokens that fit vs a BF16 cache: kvcal.capacity on the run's model config (skipped layers at 16 bits)
-    when the model folder is readable here, else what the run recorded in metrics.json."""
+def _kv_spec_of(run: Run) -> Any | None:
+    """The KV geometry (kvcal.models.KVSpec) of the run's model when its folder is readable here, else None."""
     model_dir = run.model_dir
     if model_dir and (Path(model_dir) / "config.json").is_file():
-        from kvcal.capacity import capacity_table
         from kvcal.models import kv_spec, load_config
 
         try:
-            skip = frozenset(run.config.skip_layer_indices)
-            table = capacity_table(kv_spec(load_config(model_dir)), [run.kv_format], skip)
-            return float(table["formats"][0]["multiplier_vs_bf16"])
+            return kv_spec(load_config(model_dir))
         except (KvcalError, ValueError, OSError):
+            return None
+    return None
+
+
+def _capacity_of(run: Run, context: int | None = None) -> float | None:
+    """KV tokens that fit vs a BF16 cache: kvcal.capacity on the run's model config (skipped layers at 16 bits;
+    sliding-window layers at min(context, window) of `context` tokens) when the model folder is readable here,
+    else what the run recorded in metrics.json (sliding layers counted in full)."""
+    kv = _kv_spec_of(run)
+    if kv is not None:
+        from kvcal.capacity import capacity_table
+
+        try:
+            skip = frozenset(run.config.skip_layer_indices)
+            table = capacity_table(kv, [run.kv_format], skip, context)
+            return float(table["formats"][0]["multiplier_vs_bf16"])
+        except (KvcalError, ValueError):
             pass
     v = run.metrics.get("capacity_multiplier_vs_bf16")
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
@@ -324,14 +360,36 @@ def _baseline_first(configs: list[Configuration], baseline: str) -> list[Configu
     return found + [c for c in configs if c is not found[0]]
 
 
-def _add_capacity_and_throughput(configs: list[Configuration]) -> None:
+def _add_capacity_and_throughput(configs: list[Configuration], context: int | None = None) -> None:
     for c in configs:
-        c.capacity = next((v for v in map(_capacity_of, c.runs) if v is not None), None)
+        c.capacity = next((v for v in (_capacity_of(r, context) for r in c.runs) if v is not None), None)
         c.tokens_per_s = next((v for v in map(_tokens_per_s, c.runs) if v is not None), None)
     base = configs[0].tokens_per_s
     for c in configs:
         if base and c.tokens_per_s is not None:
             c.throughput_ratio = c.tokens_per_s / base
+
+
+def _capacity_context(
+    configs: list[Configuration], context: int | None, source: str, warn: Warn
+) -> tuple[int | None, str, bool | None]:
+    """(context, where it comes from, whether the model has sliding-window layers) of the capacity column:
+    --context, else the longest context the runs evaluated (kl windows, passkey prompts), else None."""
+    from kvcal.models import SLIDING
+
+    runs = [r for c in configs for r in c.runs]
+    if context is None:
+        found = longcontext.longest_context(runs)
+        context, source = (found[0], f"the longest the runs evaluated: {found[1]}") if found else (None, "")
+    kv = next((k for k in map(_kv_spec_of, runs) if k is not None), None)
+    sliding = None if kv is None else any(layer.type == SLIDING and layer.window for layer in kv.layers)
+    if kv is None and context is not None:
+        warn(
+            f"the model's config is not readable here ({runs[0].model_dir or runs[0].model}): tokens vs BF16 is "
+            f"each run's recorded figure (sliding-window layers counted in full), not at {context} tokens of "
+            "context; compare where the model folder exists to apply the context"
+        )
+    return context, source, sliding
 
 
 def _paired_keys(task: str, brun: Run, orun: Run, label: str, warn: Warn) -> list[tuple[str, str]]:
@@ -527,6 +585,8 @@ def compare_runs(
     warn: Warn | None = None,
     min_samples: int = stats.DEFAULT_MIN_SAMPLES,
     multiple_testing: str = HOLM,
+    context: int | None = None,
+    context_source: str = "--context",
 ) -> Comparison:
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
 
@@ -537,8 +597,13 @@ def compare_runs(
     `on_bad_run`: 'fail' raises on an incomplete or corrupt run directory; 'skip' leaves it out with a warning.
     `multiple_testing`: 'holm' (Holm-Bonferroni over the gate's family) or 'none'.
     `warn` is called with each warning as it arises (they are also collected in Comparison.warnings).
+    `context`: tokens of context the capacity column assumes (sliding-window layers hold min(context, window));
+    None: the longest context the runs evaluated (kl_seq_len, passkey lengths), or none when no run says.
+    `context_source` says where a given `context` comes from, in the report's words.
     """
     settings = _settings(max_drop, on_bad_run, alpha, min_samples, multiple_testing)
+    if context is not None and context < 1:
+        raise UsageError(f"--context must be a positive number of tokens (e.g. 8192), got {context}")
     resampling = Resampling(n_boot, seed)
     warnings: list[str] = []
 
@@ -550,7 +615,8 @@ def compare_runs(
     runs, skipped = _load_runs(run_dirs, on_bad_run, _warn)
     model = _one_model(runs)
     configs = _baseline_first(_configurations(runs), baseline)
-    _add_capacity_and_throughput(configs)
+    ctx, ctx_source, sliding = _capacity_context(configs, context, context_source, _warn)
+    _add_capacity_and_throughput(configs, ctx)
     results = _compare_configs(configs, settings, resampling, _warn)
     judge(results, settings)
     _unmatched_policy_warnings(results, settings.policy, _warn)
@@ -562,5 +628,9 @@ def compare_runs(
     return Comparison(
         model=model, baseline=configs[0].label, configs=configs, results=results,
         tasks=list(base_tasks), warnings=warnings, skipped_runs=skipped,
-        settings=settings, resampling=resampling,
+        settings=settings, resampling=resampling, context=ctx, context_source=ctx_source, sliding_layers=sliding,
+        positions=longcontext.position_curves(
+            [(c.label, c.runs) for c in configs], alpha, multiple_testing == HOLM, _warn
+        ),
+        passkey=[g for c in configs for g in longcontext.passkey_grids(c.label, c.runs, _warn)],
     )  # fmt: skip

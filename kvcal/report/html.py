@@ -7,10 +7,20 @@ import html
 from datetime import UTC, datetime
 
 from kvcal import __version__
+from kvcal.report import longcontext as lc
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
-from kvcal.report.markdown import by_task, gated_list, how_to_read
-from kvcal.report.plots import forest_png, pareto_png
+from kvcal.report.markdown import (
+    by_task,
+    gated_list,
+    how_to_read,
+    passkey_intro,
+    passkey_table,
+    passkey_tasks,
+    position_intro,
+    position_table,
+)
+from kvcal.report.plots import forest_png, kl_position_png, pareto_png, passkey_png
 from kvcal.report.verdicts import MetricResult
 
 e = html.escape
@@ -65,7 +75,8 @@ def _head(cmp: Comparison) -> list[str]:
 
 def _summary(cmp: Comparison) -> list[str]:
     out = ["<h2>Summary</h2><table><tr><th>configuration</th><th>kv format</th><th>scales</th><th>skip layers</th>"
-           "<th>tokens vs BF16</th><th>throughput vs baseline</th><th>gate</th><th>verdict</th></tr>"]  # fmt: skip
+           f"<th>{e(fmt.capacity_heading(cmp.context))}</th><th>throughput vs baseline</th><th>gate</th>"
+           "<th>verdict</th></tr>"]  # fmt: skip
     for c in cmp.configs:
         gate = cmp.config_gate(c.label)
         verdict = "baseline" if c.label == cmp.baseline else cmp.config_verdict(c.label)
@@ -122,9 +133,46 @@ def _tasks(cmp: Comparison) -> list[str]:
     return out
 
 
+def _img(title: str, png: str | None) -> list[str]:
+    return [f"<img alt='{e(title)}' src='data:image/png;base64,{png}'/>"] if png else []
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A table of markdown.position_table / passkey_table cells (`code` marks become <code>)."""
+
+    def cell(text: str) -> str:
+        return f"<code>{e(text[1:-1])}</code>" if text.startswith("`") and text.endswith("`") else e(text)
+
+    out = ["<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>"]
+    out += ["<tr>" + "".join(f"<td>{cell(c)}</td>" for c in row) + "</tr>" for row in rows]
+    return out + ["</table>"]
+
+
+def _long_context(cmp: Comparison) -> list[str]:
+    out: list[str] = []
+    if cmp.positions:
+        out += ["<h2>KL by position</h2>", f"<p class='note'>{e(position_intro(cmp))}</p>"]
+        out += _img("KL by position", kl_position_png(cmp)) + _table(*position_table(cmp))
+        out += ["<p><b>Does the damage grow with position?</b></p><ul>"]
+        out += [
+            f"<li class='{'worse' if c.growth.verdict == lc.GROWS else ''}'><code>{e(c.config)}</code>: "
+            f"{e(lc.growth_sentence(c.growth, cmp.alpha))}</li>"
+            for c in cmp.positions
+        ]
+        out.append("</ul>")
+    for task in passkey_tasks(cmp):
+        out += [
+            f"<h2>{e(task)} by length and depth</h2>",
+            f"<p class='note'>{e(passkey_intro(cmp, task))}</p>",
+        ]
+        out += _img(f"{task} heatmaps", passkey_png(cmp, task)) + _table(*passkey_table(cmp, task))
+    return out
+
+
 def render_html(cmp: Comparison) -> str:
-    """One self-contained HTML page: summary, plots (embedded PNG data URIs), per-task tables, warnings."""
-    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp)
+    """One self-contained HTML page: summary, plots (embedded PNG data URIs), per-task tables, long-context
+    curves and heatmaps, warnings."""
+    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _long_context(cmp)
     if cmp.warnings:
         out += ["<h2>Warnings</h2><ul>", *(f"<li>{e(w)}</li>" for w in cmp.warnings), "</ul>"]
     out += ["<h2>How to read this report</h2><ul class='note'>"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from kvcal import __version__
+from kvcal.report import longcontext as lc
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
 from kvcal.report.verdicts import MetricResult
@@ -72,7 +73,8 @@ def _summary(cmp: Comparison) -> list[str]:
     lines = [
         "## Summary",
         "",
-        "| configuration | kv format | scales | skip layers | tokens vs BF16 | throughput vs baseline | gate | verdict |",
+        f"| configuration | kv format | scales | skip layers | {fmt.capacity_heading(cmp.context)} | "
+        "throughput vs baseline | gate | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in cmp.configs:
@@ -149,13 +151,147 @@ def how_to_read(cmp: Comparison) -> list[str]:
         f"- **insufficient data**: fewer than {cmp.min_samples} paired samples (--min-samples): no test, no "
         "interval, never FAIL; the gate does not fail on it but lists it.",
         "- **tokens vs BF16**: KV-cache tokens that fit in the same memory as a BF16 cache (skipped layers stay at "
-        "16 bits). **throughput**: measured tokens/s relative to the baseline run (same machine assumed).",
+        f"16 bits){context_words(cmp)}. **throughput**: measured tokens/s relative to the baseline run (same "
+        "machine assumed).",
+    ] + _long_context_notes(cmp)
+
+
+def context_words(cmp: Comparison) -> str:
+    """What the capacity column assumes about the context (empty where it does not matter or is not known)."""
+    if cmp.context is not None:
+        why = cmp.context_source or "given"
+        return (
+            f", at {cmp.context} tokens of context ({why}): sliding-window layers hold min(context, window) "
+            "tokens, here and on the Pareto axis (--context N sets it)"
+        )
+    if cmp.sliding_layers:
+        return (
+            "; no context given or evaluated: sliding-window layers are counted in full, as at contexts up to "
+            "their window (--context N counts them at min(N, window))"
+        )
+    return ""
+
+
+def _long_context_notes(cmp: Comparison) -> list[str]:
+    out = []
+    if cmp.positions:
+        out.append(
+            "- **KL by position**: kvcal's `kl` averaged over the tokens whose 1-based position (of the "
+            f"predicting token) falls in each bucket; [{1 - cmp.alpha:.0%} t interval] over windows. *Grows* "
+            "only when a paired t test of the last bucket vs the first (windows as the pairs"
+            f"{', Holm-adjusted over the configurations' if cmp.multiple_testing == 'holm' else ''}) is "
+            f"significant at {cmp.alpha:g}; with one window there is no test."
+        )
+    if cmp.passkey:
+        out.append(
+            "- **passkey**: accuracy of retrieving a key stated once inside filler text, per prompt length and "
+            f"key depth; *all* pools every depth. A length where the baseline scores below {lc.RETRIEVES:g} says "
+            "little about the formats."
+        )
+    return out
+
+
+# ---- long context (issue 14): tables shared with the HTML report ------------------------------------------------
+
+
+def position_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of KL by position: a row per configuration, a column per position bucket, each cell
+    'KL [t interval]' ('—' where a configuration has no such bucket)."""
+    spans = sorted({(b.lo, b.hi) for c in cmp.positions for b in c.buckets})
+    header = ["configuration", *(f"{lo}–{hi}" for lo, hi in spans)]
+    rows = []
+    for c in cmp.positions:
+        have = {(b.lo, b.hi): b for b in c.buckets}
+        cells = []
+        for span in spans:
+            b = have.get(span)
+            if b is None:
+                cells.append("—")
+                continue
+            ci = lc.bucket_interval(b, c.n_windows, cmp.alpha)
+            cells.append(f"{b.kl:.4g}" + (f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""))
+        rows.append([f"`{c.config}`", *cells])
+    return header, rows
+
+
+def position_intro(cmp: Comparison) -> str:
+    windows = sorted({(c.seq_len, c.prefill_chunk, c.n_windows) for c in cmp.positions}, key=str)
+    what = "; ".join(
+        f"Windows of {seq if seq is not None else '?'} tokens"
+        + (f" (prefill chunk {chunk})" if chunk is not None and chunk != seq else "")
+        + f", {n} window{'s' if n != 1 else ''}"
+        for seq, chunk, n in windows
+    )
+    return (
+        f"{what}. KL (nats) of each position bucket, mean over its tokens [{1 - cmp.alpha:.0%} t interval over "
+        "windows]."
+    )
+
+
+def passkey_table(cmp: Comparison, task: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of one passkey variant: a row per (configuration, length), a column per depth, then 'all'."""
+    grids = [g for g in cmp.passkey if g.task == task]
+    depths = sorted({d for g in grids for d in g.depths})
+    header = ["configuration", "length", *(fmt.depth(d) for d in depths), "all"]
+    rows = []
+    for g in grids:
+        for length in g.lengths:
+            accs = [g.acc(length, d) for d in depths]
+            rows.append(
+                [
+                    f"`{g.config}`",
+                    fmt.tokens(length),
+                    *(fmt.f(a, 2) for a in accs),
+                    fmt.f(g.length_acc(length), 2),
+                ]
+            )
+    return header, rows
+
+
+def passkey_intro(cmp: Comparison, task: str) -> str:
+    ns = sorted({int(c["n"]) for g in cmp.passkey if g.task == task for c in g.cells.values()})
+    n = f"{ns[0]} prompts per cell" if len(ns) == 1 else f"{ns[0]}–{ns[-1]} prompts per cell"
+    kind = "the right key's log-likelihood highest of 4" if task == "passkey_mc" else "exact match of the key"
+    good, bad = lc.baseline_retrieval(cmp.passkey, cmp.baseline, task)
+    base = ""
+    if good or bad:
+        base = (
+            f" Baseline `{cmp.baseline}` retrieves (>= {lc.RETRIEVES:g} over every depth) at "
+            f"{', '.join(map(fmt.tokens, good)) or 'no length'}"
+            + (f"; not at {', '.join(map(fmt.tokens, bad))}" if bad else "")
+            + "."
+        )
+    return f"Accuracy ({kind}) by prompt length (tokens) and key depth; {n}.{base}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(_esc(c) for c in row) + " |" for row in rows),
     ]
+
+
+def passkey_tasks(cmp: Comparison) -> list[str]:
+    return list(dict.fromkeys(g.task for g in cmp.passkey))
+
+
+def _long_context(cmp: Comparison) -> list[str]:
+    lines: list[str] = []
+    if cmp.positions:
+        lines += ["## KL by position", "", position_intro(cmp), "", *_table(*position_table(cmp)), ""]
+        lines += ["Does the damage grow with position?", ""]
+        lines += [f"- `{c.config}`: {lc.growth_sentence(c.growth, cmp.alpha)}" for c in cmp.positions]
+        lines.append("")
+    for task in passkey_tasks(cmp):
+        lines += [f"## {task} by length and depth", "", passkey_intro(cmp, task), ""]
+        lines += [*_table(*passkey_table(cmp, task)), ""]
+    return lines
 
 
 def render_markdown(cmp: Comparison) -> str:
     """The report as Markdown."""
-    lines = _header(cmp) + _gate_lists(cmp) + _summary(cmp) + _tasks(cmp)
+    lines = _header(cmp) + _gate_lists(cmp) + _summary(cmp) + _tasks(cmp) + _long_context(cmp)
     if cmp.warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in cmp.warnings] + [""]
     lines += ["## How to read this report", ""] + how_to_read(cmp) + [""]

@@ -124,3 +124,18 @@ def role(r: MetricResult) -> str:
     if r.gated:
         return f"{kind}, gated at {threshold(r)}"
     return f"{kind}, reported (not gated)" if r.key else kind
+
+
+def tokens(n: int) -> str:
+    """A token count as people write contexts: 8192 -> '8k', 32768 -> '32k', 4000 -> '4000'."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def capacity_heading(context: int | None) -> str:
+    """The capacity column's heading: 'tokens vs BF16' or 'tokens vs BF16 @ 8k context'."""
+    return "tokens vs BF16" if context is None else f"tokens vs BF16 @ {tokens(context)} context"
+
+
+def depth(d: float) -> str:
+    """A passkey depth as a percentage: 0.5 -> '50%'."""
+    return f"{100 * d:.0f}%"

@@ -1,5 +1,6 @@
 """The report's plots as base64 PNG (matplotlib, Agg backend; no network, no external assets): capacity vs quality
-(Pareto view) and a forest plot of the differences with their intervals, one panel per (task, key metric)."""
+(Pareto view) and a forest plot of the differences with their intervals, one panel per (task, key metric); for
+long-context runs KL by position (a curve per configuration) and passkey heatmaps (a panel per configuration)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import io
 import math
 from typing import Any
 
+from kvcal.report import longcontext as lc
+from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
 from kvcal.report.verdicts import MetricResult
 
@@ -88,10 +91,19 @@ def _pareto_panel(ax: Any, cmp: Comparison, task: str, label: str) -> None:
     ax.axhline(0, color="grey", lw=0.8)
     if thr is not None:
         ax.axhline(thr, color="red", ls="--", lw=0.8, label="gate threshold")
-    ax.set_xlabel("KV tokens that fit vs BF16 (x)")
+    ax.set_xlabel(capacity_axis_label(cmp))
     ax.set_ylabel(f"{label} {unit}")
     ax.set_title(f"{task} · {label} ({better})", fontsize=10)
     ax.grid(alpha=0.3)
+
+
+def capacity_axis_label(cmp: Comparison) -> str:
+    """The Pareto view's x label, with the context the capacity assumes."""
+    if cmp.context is not None:
+        return f"KV tokens that fit vs BF16 (x) @ {fmt.tokens(cmp.context)} context"
+    if cmp.sliding_layers:
+        return "KV tokens that fit vs BF16 (x), sliding layers in full (context <= window)"
+    return "KV tokens that fit vs BF16 (x)"
 
 
 def pareto_png(cmp: Comparison) -> str | None:
@@ -155,4 +167,81 @@ def forest_png(cmp: Comparison) -> str | None:
         fontsize=9,
     )
     fig.tight_layout()
+    return _png(fig)
+
+
+# ---- long context ------------------------------------------------------------------------------------------------
+
+
+def kl_position_png(cmp: Comparison) -> str | None:
+    """KL vs position (log x: each bucket at its last position), one curve per configuration with its t
+    interval over windows as error bars. A configuration whose KL is 0 everywhere (the BF16 baseline measured
+    against a BF16 cache) is left out so that the y axis can be logarithmic."""
+    curves = [c for c in cmp.positions if any(b.kl > 0 for b in c.buckets)]
+    if not curves:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    cmap = plt.get_cmap("tab10")
+    positive = all(b.kl > 0 for c in curves for b in c.buckets)
+    for i, c in enumerate(curves):
+        xs = [b.hi for b in c.buckets]
+        ys = [b.kl for b in c.buckets]
+        cis = [lc.bucket_interval(b, c.n_windows, cmp.alpha) for b in c.buckets]
+        lo = [y - ci[0] if ci else 0.0 for y, ci in zip(ys, cis, strict=True)]
+        hi = [ci[1] - y if ci else 0.0 for y, ci in zip(ys, cis, strict=True)]
+        if positive:  # a log axis cannot draw a bar below 0
+            lo = [min(d, 0.95 * y) for d, y in zip(lo, ys, strict=True)]
+        mark = {lc.GROWS: " (grows)", lc.SHRINKS: " (shrinks)"}.get(c.growth.verdict, "")
+        ax.errorbar(
+            xs, ys, yerr=[lo, hi], marker="o", capsize=3, color=cmap(i % 10), label=f"{c.config}{mark}"
+        )
+    ax.set_xscale("log", base=2)
+    spans = sorted({(b.lo, b.hi) for c in curves for b in c.buckets})
+    ax.set_xticks([hi for _, hi in spans], [f"{lo}–{hi}" for lo, hi in spans], fontsize=7)
+    ax.minorticks_off()
+    if positive:
+        ax.set_yscale("log")
+    ax.set_xlabel("position of the predicting token (bucket, log scale)")
+    ax.set_ylabel("KL vs BF16 cache (nats per token)")
+    ax.set_title(f"KL by position with {1 - cmp.alpha:.0%} t intervals over windows", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def passkey_png(cmp: Comparison, task: str) -> str | None:
+    """Heatmaps of one passkey variant: a panel per configuration, length (rows) x depth (columns), accuracy."""
+    grids = [g for g in cmp.passkey if g.task == task]
+    if not grids:
+        return None
+    fig, axes = _grid(len(grids), 4.2, 0.45 * max(len(g.lengths) for g in grids) + 1.8)
+    image = None
+    for ax, g in zip(axes, grids, strict=True):
+        acc = [[g.acc(ln, d) for d in g.depths] for ln in g.lengths]
+        grid = [[math.nan if a is None else a for a in row] for row in acc]
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
+        for r, row in enumerate(acc):
+            for k, a in enumerate(row):
+                if a is not None:
+                    dark = a > 0.8 or a < 0.15  # the ends of RdYlGn: white text reads better there
+                    ax.text(
+                        k,
+                        r,
+                        f"{a:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if dark else "black",
+                    )
+        ax.set_xticks(range(len(g.depths)), [fmt.depth(d) for d in g.depths], fontsize=7)
+        ax.set_yticks(range(len(g.lengths)), [fmt.tokens(ln) for ln in g.lengths], fontsize=7)
+        ax.set_xlabel("key depth", fontsize=8)
+        ax.set_ylabel("prompt length (tokens)", fontsize=8)
+        ax.set_title(g.config, fontsize=8)
+    fig.suptitle(f"{task}: accuracy by prompt length and key depth", fontsize=10)
+    fig.tight_layout()
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     return _png(fig)

@@ -34,6 +34,8 @@ What is computed, and why this way:
   interval: simulated coverage of paired accuracies is 0.93-0.95 at 95% (0.92 at 40 questions, 10% right).
 - Standard errors of the scores: the same linearisation (for a plain mean it is lm-eval's `*_stderr`).
 - Multiple testing: Holm-Bonferroni (statsmodels.stats.multitest.multipletests, method='holm').
+- A handful of paired units, each a mean over many tokens (the windows of KL by position): the paired t test and
+  its t interval (scipy.stats.ttest_rel); a bootstrap over 3-10 units has too few distinct resamples.
 """
 
 from __future__ import annotations
@@ -397,3 +399,36 @@ def mdd_continuous(se_diff: float, alpha: float = ALPHA, power: float = POWER) -
     za = sps.norm.ppf(1 - alpha / 2)
     zb = sps.norm.ppf(power)
     return float((za + zb) * se_diff)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Few paired units (windows): the paired t test
+
+
+def t_interval(mean: float, se: float | None, n: int, alpha: float = ALPHA) -> tuple[float, float] | None:
+    """mean +- t_{n-1, 1-alpha/2} * se: the interval of a mean over n independent units (windows) whose standard
+    error is `se`; None with fewer than 2 units or no standard error."""
+    if n < 2 or se is None or not math.isfinite(se):
+        return None
+    half = float(sps.t.ppf(1 - alpha / 2, n - 1)) * se
+    return mean - half, mean + half
+
+
+def paired_t(base: np.ndarray, other: np.ndarray, alpha: float = ALPHA) -> DiffTest:
+    """Paired t test (scipy.stats.ttest_rel, two-sided) of mean(other - base) and its t interval (level 1 - alpha).
+
+    For a handful of paired units, e.g. the windows of a KL-by-position measurement, each unit a mean over
+    hundreds of tokens (close to normal): the BCa bootstrap needs more units than that (3 windows allow 10
+    distinct resamples) and the Wilcoxon signed-rank test cannot reach p < 0.05 with fewer than 6. Differences
+    that are all equal are known exactly: p = 1 when they are 0, else 0 (as bca_difference does). Needs n >= 2."""
+    b, o = (np.asarray(x, dtype=np.float64) for x in (base, other))
+    if b.shape != o.shape or b.ndim != 1 or b.size < 2:
+        raise ValueError(f"paired arrays must be 1-D, aligned and hold >= 2 units, got {b.shape}, {o.shape}")
+    d = o - b
+    mean = float(d.mean())
+    if float(np.ptp(d)) == 0.0:
+        return DiffTest(mean, mean, 1.0 if mean == 0 else 0.0, 0.0)
+    se = float(d.std(ddof=1) / math.sqrt(d.size))
+    p = float(sps.ttest_rel(o, b).pvalue)
+    lo, hi = t_interval(mean, se, d.size, alpha) or (mean, mean)
+    return DiffTest(lo, hi, p, se)

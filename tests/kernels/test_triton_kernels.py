@@ -193,7 +193,8 @@ def test_split_count_does_not_change_result() -> None:
 def test_signature_matches_reference() -> None:
     ref = inspect.signature(quantized_attention_ref).parameters
     ker = inspect.signature(ta.quantized_attention_triton).parameters
-    ref_params = [(p.name, p.kind, p.default) for n, p in ref.items() if n != "compute_dtype"]
+    # reference-only: compute_dtype, and p_tile (the kernel's FP8 P tile is its BLOCK_N)
+    ref_params = [(p.name, p.kind, p.default) for n, p in ref.items() if n not in ("compute_dtype", "p_tile")]
     assert [(p.name, p.kind, p.default) for p in ker.values()] == ref_params
 
 
@@ -283,6 +284,8 @@ _AOT_VARIANTS = {
     "nvfp4-decode-split-sinks": (ta.FMT_NVFP4, 128, True, ("sinks",), 16, 64, 4, 2, "*u8"),
     "fp8-prefill-window-softcap-padding": (ta.FMT_FP8, 128, False, ("window", "softcap", "kpad"), 64, 64, 4, 2, "*fp8e4nv"),
     "fp16-auto-decode-fp16-dots": (ta.FMT_PLAIN, 64, True, (), 16, 64, 4, 2, "*fp16"),
+    # FP8 attention (vLLM's FA3 path): P rounded to e4m3 in the kernel (kvcal.kernels.triton_attention._round_e4m3)
+    "fp8-prefill-fp8-attention": (ta.FMT_FP8, 128, False, ("pfp8",), 64, 64, 4, 2, "*fp8e4nv"),
 }  # fmt: skip
 
 
@@ -310,6 +313,7 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
         FMT=fmt, BLOCK_SIZE=16 if fmt == ta.FMT_NVFP4 else 2, HEAD_DIM=d, D_PAD=d, CAUSAL=True,
         HAS_WINDOW="window" in flags, HAS_SOFTCAP="softcap" in flags, HAS_SINKS="sinks" in flags,
         HAS_KPAD="kpad" in flags, SPLIT=split, DOT_PREC="tf32x3", BLOCK_M=bm, BLOCK_N=bn,
+        FMT_V=fmt, BLOCK_SIZE_V=16 if fmt == ta.FMT_NVFP4 else 2, P_FP8="pfp8" in flags,
         DOT_KIND=ta.DOT_F16 if code_t == "*fp16" else ta.DOT_BF16,
     )  # fmt: skip
     q_t = "*fp16" if code_t == "*fp16" else "*bf16"

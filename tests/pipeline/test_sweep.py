@@ -48,6 +48,8 @@ def _mark(cell: sweep.Cell, cfg: sweep.SweepConfig, complete: bool = True, **ove
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
     }
+    if cell.kv_format not in ("auto", "bf16"):  # eval records the K/V input dtype of every quantized format
+        conf["kv_input_dtype"] = cfg.kv_input_dtype
     conf.update(override)
     (cell.path / "config.yaml").write_text(yaml.safe_dump(conf))
     if complete:

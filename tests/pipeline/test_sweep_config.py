@@ -82,6 +82,8 @@ def _written_by_eval(cell: sweep.Cell, cfg: sweep.SweepConfig, **override: objec
         skip_layers="" if cell.skip == "none" else cell.skip, limit=cfg.limit_for(cell.task),
         num_fewshot=cfg.num_fewshot, impl=cfg.impl, dtype=cfg.dtype, device=cfg.device,
         batch_size=cfg.batch_size, seed=cfg.seed, kl_seq_len=cfg.kl_seq_len,
+        kv_input_dtype=None if cell.kv_format in ("auto", "bf16") else cfg.kv_input_dtype,
+        scale_source="first-batch" if cell.scales_label == "first-batch" else None,
     )  # fmt: skip
     for key, value in override.items():
         setattr(rc, key, value)

@@ -1,0 +1,242 @@
+"""Long context through kvcal's quantized cache: prefill time and peak memory of one window, and decode speed.
+
+For each context length L and KV format (plus `auto`, the model's own attention over its own-dtype cache), one
+fresh process loads the model and
+  1. prefills one window of L tokens by chunked prefill (`--prefill-chunk`, as `kvcal eval --tasks kl` does):
+     one forward per chunk with the cache as past_key_values, each chunk's logits turned into float16 log-probs
+     and dropped (kl's per-chunk work), so peak memory holds the cache and ONE chunk's logits, never L x vocab;
+  2. runs `--decode-steps` greedy decode steps after it (one token each, reading the whole cache).
+A fresh process per cell makes its peak RSS (`ru_maxrss`) that cell's own; `rss_over_model` is the peak minus the
+RSS after loading the model. Times are process CPU time with `--threads` torch threads (default 1: wall time on a
+shared machine is meaningless; CPU time is what the work costs), or CUDA-synchronised wall time on a GPU. Rounds
+rotate the order of the formats so drift hits all alike; the median is reported, with each format's decode speed
+and prefill time as a ratio to `auto` at the same length.
+
+    OMP_NUM_THREADS=1 python bench/long_context.py --model smollm2 --lengths 512,2k,4k,8k -o bench/long_context.json
+    python bench/long_context.py --model gemma3-270m --lengths 2k,8k,32k --decode-steps 16
+    python bench/long_context.py --device cuda --impl triton --lengths 8k,32k --model gemma3-270m   # a GPU
+
+Goal (issue 14): decode of every format >= 0.9x `auto` on CPU at 512 tokens and within 1.5x (>= 0.67x) at 8k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
+
+
+def parse_length(text: str) -> int:
+    """'2k' -> 2048, '512' -> 512."""
+    t = text.strip().lower()
+    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _clock(device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+def _cache_bytes(cache: Any) -> int:
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes())
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def one_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure one (format, length) in this process (run by a subprocess of `main`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    from kvcal.evaluate.kl import _fp16_logprobs_blocked, forward_session
+    from kvcal.kernels.runtime import KVRuntime
+    from kvcal.models import resolve_model
+
+    torch.set_num_threads(spec["threads"])
+    device = spec["device"]
+    model_dir = resolve_model(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, spec["dtype"]))
+    model = model.to(device).eval()
+    rss_model = _rss()
+    fmt, length, chunk = spec["kv_format"], spec["length"], spec["chunk"]
+    rt = KVRuntime(model, fmt, impl=spec["impl"])
+    cache = DynamicCache(config=model.config) if fmt == "auto" else rt.new_cache()
+    ids = torch.randint(
+        100, model.config.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0)
+    )
+    ids = ids.to(device)
+    step = forward_session(model, cache)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    t0 = _clock(device)
+    for s in range(0, length, chunk):
+        logits = step(ids[:, s : s + chunk])[0]  # [c, V]
+        lp16 = _fp16_logprobs_blocked(logits)  # kl's per-chunk work
+        nxt = logits[-1:].argmax(-1)[None]  # [1, 1]
+        del logits, lp16
+    prefill_s = _clock(device) - t0
+    rss_prefill = _rss()
+    gpu_prefill = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
+    t0 = _clock(device)
+    for _ in range(spec["decode_steps"]):
+        nxt = step(nxt)[0, -1:].argmax(-1)[None]
+    decode_s = _clock(device) - t0
+    return {
+        "kv_format": fmt,
+        "length": length,
+        "prefill_s": prefill_s,
+        "decode_ms_per_step": 1e3 * decode_s / max(1, spec["decode_steps"]),
+        "decode_tokens_per_s": spec["decode_steps"] / decode_s if decode_s > 0 else None,
+        "peak_rss_bytes": rss_prefill,
+        "rss_over_model_bytes": rss_prefill - rss_model,
+        "peak_gpu_bytes": gpu_prefill,
+        "cache_bytes": _cache_bytes(cache),
+        "impl": getattr(rt, "impl", "transformers"),
+    }
+
+
+def _run_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True, check=False
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"cell {spec} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _summarise(cells: list[dict[str, Any]], lengths: list[int], formats: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for length in lengths:
+        by_fmt = {}
+        for fmt in ["auto", *formats]:
+            mine = [c for c in cells if c["length"] == length and c["kv_format"] == fmt]
+            by_fmt[fmt] = {
+                "prefill_s": statistics.median(c["prefill_s"] for c in mine),
+                "decode_ms_per_step": statistics.median(c["decode_ms_per_step"] for c in mine),
+                "peak_rss_bytes": max(c["peak_rss_bytes"] for c in mine),
+                "rss_over_model_bytes": max(c["rss_over_model_bytes"] for c in mine),
+                "cache_bytes": mine[0]["cache_bytes"],
+                "impl": mine[0]["impl"],
+                "rounds": len(mine),
+            }
+        auto = by_fmt["auto"]
+        for fmt, r in by_fmt.items():
+            r["decode_speed_vs_auto"] = auto["decode_ms_per_step"] / r["decode_ms_per_step"]
+            r["prefill_time_vs_auto"] = r["prefill_s"] / auto["prefill_s"]
+            rows.append({"length": length, "kv_format": fmt, **r})
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]], title: str) -> None:
+    print(f"\n{title}")
+    head = (
+        f"{'length':>7s} {'format':10s} {'prefill s':>9s} {'x auto':>6s} {'decode ms':>9s} {'speed/auto':>10s} "
+        f"{'cache MiB':>9s} {'RSS GiB':>7s} {'+RSS MiB':>8s}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['length']:7d} {r['kv_format']:10s} {r['prefill_s']:9.2f} {r['prefill_time_vs_auto']:6.2f} "
+            f"{r['decode_ms_per_step']:9.1f} {r['decode_speed_vs_auto']:10.2f} {r['cache_bytes'] / 2**20:9.1f} "
+            f"{r['peak_rss_bytes'] / 2**30:7.2f} {r['rss_over_model_bytes'] / 2**20:8.0f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one cell, print its JSON
+    ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | HF folder | .gguf")
+    ap.add_argument("--lengths", default="2k,4k,8k", help="context lengths, e.g. 512,2k,4k,8k (k = 1024)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="KV formats besides auto")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--impl", default="auto", help="kvcal attention: auto (triton on CUDA) | torch | triton")
+    ap.add_argument("-o", "--output", default=None, help="JSON file for the figures")
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_cell(json.loads(args.one))))
+        return 0
+
+    lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
+    formats = [f.strip() for f in args.formats.split(",") if f.strip() and f.strip() != "auto"]
+    configs = ["auto", *formats]
+    cells = []
+    for r in range(args.rounds):
+        for length in lengths:
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            for fmt in order:
+                spec = dict(
+                    model=args.model, kv_format=fmt, length=length, chunk=args.prefill_chunk,
+                    decode_steps=args.decode_steps, threads=args.threads, dtype=args.dtype, device=args.device,
+                    impl=args.impl,
+                )  # fmt: skip
+                cell = _run_cell(spec)
+                cells.append(cell)
+                print(
+                    f"round {r + 1}: L={length} {fmt:10s} prefill {cell['prefill_s']:.2f} s, decode "
+                    f"{cell['decode_ms_per_step']:.1f} ms/step, peak RSS {cell['peak_rss_bytes'] / 2**30:.2f} GiB",
+                    file=sys.stderr,
+                )
+    rows = _summarise(cells, lengths, formats)
+    clock = (
+        "CUDA wall time" if args.device.startswith("cuda") else f"process CPU time, {args.threads} thread(s)"
+    )
+    _print_table(
+        rows,
+        f"{args.model}, {args.dtype} on {args.device}, prefill chunk {args.prefill_chunk}, {args.decode_steps} "
+        f"decode steps, median of {args.rounds} round(s), {clock}",
+    )
+    out = {
+        "benchmark": "long_context",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "prefill_chunk": args.prefill_chunk,
+        "decode_steps": args.decode_steps,
+        "threads": args.threads,
+        "platform": platform.platform(),
+        "rows": rows,
+        "cells": cells,
+    }
+    if args.output:
+        from kvcal.io import atomic_write_json
+
+        atomic_write_json(args.output, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

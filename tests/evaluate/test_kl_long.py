@@ -1,0 +1,206 @@
+"""Long kl windows: chunked prefill through the quantized cache, the baseline in lockstep, and `kl_by_position`.
+
+A window longer than --prefill-chunk runs chunk by chunk, each chunk one forward that attends to the (quantized)
+K/V of every earlier chunk; the result must not depend on the chunk size beyond float rounding, and with one chunk
+it is the single-pass result. The position buckets of results.json must add up to the window totals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from kvcal.evaluate.kl import (
+    cached_stats,
+    lm_sides,
+    lockstep_stats,
+    make_windows,
+    position_buckets,
+    run_kl,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+Invoke = Callable[[list[str]], tuple[int, str, str]]
+CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "one two three four five six seven eight nine ten",
+    "a quick brown fox jumps over the lazy dog near the river bank",
+]
+
+
+def _lm(model_dir: Path, kv_format: str) -> Any:
+    from kvcal.evaluate.adapter import KvcalLM
+
+    return KvcalLM(pretrained=str(model_dir), kv_format=kv_format, dtype="float32", device="cpu")
+
+
+def _run(lm: Any, cache: Path, *, seq_len: int, chunk: int, limit: int) -> tuple[dict[str, Any], list[dict]]:
+    quant_session, baseline = lm_sides(lm, "auto")
+    return run_kl(
+        lm.model,
+        lm.tokenizer,
+        quant_session=quant_session,
+        baseline=baseline,
+        baseline_desc={"kv_format": "bf16", "attention": "kvcal", "test": "kl_long"},
+        evaluated_desc={"kv_format": lm.kv_format},
+        model_dir=lm.model_dir,
+        data_dir=None,
+        limit=limit,
+        seq_len=seq_len,
+        prefill_chunk=chunk,
+        cache_dir=cache,
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_lm_dir: Callable[..., Path]) -> Path:
+    # sliding layers of window 6: chunks cross the window, so trimming happens between chunks too
+    return tiny_lm_dir("gemma3", CORPUS, k_gain=8.0)
+
+
+@pytest.fixture(scope="module")
+def long_llama(tiny_lm_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 1200 positions (RoPE has no learned positions): windows that reach a third bucket."""
+    path = tmp_path_factory.mktemp("long-llama") / "llama"
+    shutil.copytree(tiny_lm_dir("llama", CORPUS, k_gain=8.0), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1200
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_one_chunk_is_the_single_pass(gemma: Path, tmp_path: Path) -> None:
+    """Lockstep with one chunk covering the window == the disk-cached single pass, per position."""
+    from kvcal.evaluate.kl import EMBEDDED_TEXT
+
+    lm = _lm(gemma, "fp8_e4m3")
+    quant_session, baseline = lm_sides(lm, "auto")
+    windows, _ = make_windows(lm.tokenizer, EMBEDDED_TEXT, 48, 1, None)
+    ids = torch.tensor(windows[:1])
+    single = cached_stats(quant_session, baseline, ids, "k" * 64, tmp_path)
+    one_chunk = lockstep_stats(quant_session, baseline, ids, 48)
+    for a, b in zip(single, one_chunk, strict=True):
+        assert a.shape == (47,)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(single[0].mean()) > 0  # not vacuous: the fp8 cache moves the distributions
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_format"), [("gemma", "fp8_e4m3"), ("gemma", "nvfp4"), ("llama", "auto")]
+)
+def test_chunk_size_does_not_change_kl(
+    arch: str, kv_format: str, gemma: Path, long_llama: Path, tmp_path: Path
+) -> None:
+    """Chunks of 1, 7, 64 tokens and the whole window: the same KL, top-1 and NLL within float rounding. 'auto'
+    swaps the attention implementation for the baseline at every chunk (its cache survives the swaps)."""
+    lm = _lm(gemma if arch == "gemma" else long_llama, kv_format)
+    seq = 72
+    single, single_samples = _run(lm, tmp_path / "c", seq_len=seq, chunk=seq, limit=1)
+    assert single["kl_by_position"]["prefill_chunk"] == seq and "prefill_chunk" not in single["configs"]["kl"]
+    for chunk in (1, 7, 64):
+        res, samples = _run(lm, tmp_path / "c", seq_len=seq, chunk=chunk, limit=1)
+        assert (
+            res["configs"]["kl"]["prefill_chunk"] == chunk
+            and res["configs"]["kl"]["baseline_cache_hits"] == 0
+        )
+        assert res["kl_by_position"]["prefill_chunk"] == chunk
+        for s, c in zip(single_samples, samples, strict=True):
+            assert c["n_tokens"] == s["n_tokens"] == seq - 1
+            assert c["kl"] == pytest.approx(s["kl"], rel=1e-3, abs=1e-7)
+            assert c["nll"] == pytest.approx(s["nll"], rel=1e-5)
+            assert c["top1_agree"] == pytest.approx(s["top1_agree"], abs=1.5 / (seq - 1))
+    if kv_format != "auto":  # quantization moved something (auto's KL is the attention implementations')
+        assert single["results"]["kl"]["kl,none"] > 1e-5
+
+
+def test_buckets_add_up_to_the_window_totals(long_llama: Path, tmp_path: Path) -> None:
+    lm = _lm(long_llama, "fp8_e4m3")
+    res, samples = _run(lm, tmp_path / "c", seq_len=1100, chunk=400, limit=2)
+    byp = res["kl_by_position"]
+    assert (byp["seq_len"], byp["prefill_chunk"], byp["n_windows"]) == (1100, 400, 2)
+    assert [(b["lo"], b["hi"]) for b in byp["buckets"]] == [(1, 512), (513, 1024), (1025, 1099)]
+    assert [b["n_tokens"] for b in byp["buckets"]] == [1024, 1024, 150]
+    tokens = sum(s["n_tokens"] for s in samples)
+    assert tokens == sum(b["n_tokens"] for b in byp["buckets"])
+    totals = res["results"]["kl"]
+    for metric, total in (
+        ("kl", totals["kl,none"]),
+        ("top1_agree", totals["top1_agree,none"]),
+        ("nll", math.log(totals["ppl,none"])),
+    ):
+        assert sum(b[metric] * b["n_tokens"] for b in byp["buckets"]) == pytest.approx(
+            total * tokens, rel=1e-5
+        )
+        for b in byp["buckets"]:
+            per_window = b["per_window"][metric]
+            assert len(per_window) == 2 and b[metric] == pytest.approx(sum(per_window) / 2)
+            assert b[f"{metric}_stderr"] == pytest.approx(abs(per_window[0] - per_window[1]) / 2)
+    # per window too: the bucket means weighted by their sizes are the window's sample record
+    for w, s in enumerate(samples):
+        kl_sum = sum(b["per_window"]["kl"][w] * b["n_tokens"] / 2 for b in byp["buckets"])
+        assert kl_sum == pytest.approx(s["kl"] * s["n_tokens"], rel=1e-5)
+    # one window: no spread to measure
+    one, _ = _run(lm, tmp_path / "c", seq_len=1100, chunk=400, limit=1)
+    assert all(b["kl_stderr"] is None for b in one["kl_by_position"]["buckets"])
+
+
+def test_position_buckets() -> None:
+    assert position_buckets(1) == [(1, 1)]
+    assert position_buckets(511) == [(1, 511)]
+    assert position_buckets(512) == [(1, 512)]
+    assert position_buckets(513) == [(1, 512), (513, 513)]
+    assert position_buckets(32767) == [
+        (1, 512), (513, 1024), (1025, 2048), (2049, 4096), (4097, 8192), (8193, 16384), (16385, 32767),
+    ]  # fmt: skip
+
+
+# ---- through kvcal eval --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCAL_CACHE", str(tmp_path_factory.mktemp("kvcal_cache")))
+        yield
+
+
+@pytest.mark.usefixtures("fresh_cache")
+def test_eval_records_chunk_only_when_windows_are_chunked(gemma: Path, tmp_path: Path) -> None:
+    from kvcal.evaluate.run import EvalConfig, run_eval
+
+    def run(name: str, **kw: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        out = run_eval(EvalConfig(model=str(gemma), kv_format="fp8_e4m3", tasks=["kl"], limit=2,
+                                  output=str(tmp_path / name), **kw))  # fmt: skip
+        results = json.loads((out / "results.json").read_text())
+        part = json.loads((out / "tasks" / "kl.json").read_text())
+        return yaml.safe_load((out / "config.yaml").read_text()), results, part
+
+    cfg, results, part = run("short", kl_seq_len=32)
+    assert "prefill_chunk" not in cfg  # a window that fits one chunk: the run's identity is today's
+    assert results["kl_by_position"] == part["kl_by_position"]
+    assert results["kl_by_position"]["prefill_chunk"] == 32 and results["kl_by_position"]["n_windows"] == 2
+    cfg, results, _ = run("chunked", kl_seq_len=32, prefill_chunk=8)
+    assert cfg["prefill_chunk"] == 8 and results["kl_by_position"]["prefill_chunk"] == 8
+    assert results["configs"]["kl"]["prefill_chunk"] == 8
+
+
+def test_bad_chunk_and_windows_the_text_cannot_fill(invoke: Invoke, gemma: Path, tmp_path: Path) -> None:
+    def refused(*extra: str) -> str:
+        code, _out, err = invoke(["eval", str(gemma), "--kv-format", "fp8_e4m3", "--tasks", "kl",
+                                  "-o", str(tmp_path / "run"), *extra])  # fmt: skip
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), err
+        return lines[0]
+
+    assert "--prefill-chunk" in refused("--prefill-chunk", "0") and not (tmp_path / "run").exists()
+    assert "at least 1" in refused("--prefill-chunk", "-5")
+    assert "256 positions" in refused("--kl-seq-len", "257", "--prefill-chunk", "64")

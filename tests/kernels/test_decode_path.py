@@ -1,0 +1,102 @@
+"""The torch path's decode-step dequantization: FP8 by table lookup, and only the tokens written since the last
+read (`reference.incremental`). Both must give exactly `kvcal.formats.dequantize`'s values, step after step,
+whatever the format, scale, sliding window, padding or batch re-indexing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcal import formats
+from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
+from kvcal.kernels.reference import _MEMO, dequantize_fast
+
+FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "mxfp4"]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, NaN equal to NaN."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "scale",
+    [None, torch.tensor(0.37), torch.tensor([0.37]), torch.tensor([0.5, 2.0**-20, 3.0]), torch.tensor(1e38)],
+)
+def test_fp8_table_is_bit_identical(fmt: str, scale: torch.Tensor | None) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 7, 32, generator=g) * torch.logspace(-8, 3, 32)
+    x[0, 1, 2, :4] = torch.tensor([math.nan, 0.0, -0.0, 1e30])
+    q = formats.quantize(x, fmt, scale=scale)
+    ref = formats.dequantize(q, fmt)
+    assert _same(dequantize_fast(q, fmt), ref)
+    if scale is not None and float(scale.reshape(-1)[0]) == 1e38:
+        assert torch.isinf(q.codes.float() * 1e38).any() and ref.abs().max() == torch.finfo(torch.float32).max
+
+
+def test_nvfp4_saturation_still_clamps() -> None:
+    codes = torch.full((1, 2, 5, 16), 0x17, dtype=torch.uint8)  # E2M1 codes 7 (6.0) and 1 (0.5)
+    bs = torch.full((1, 2, 5, 2), 448.0).to(torch.float8_e4m3fn)
+    # 6 * 448 * 1e36 > float32 max
+    q = formats.QTensor(codes=codes, block_scales=bs, scale=torch.tensor(1e36))
+    assert _same(dequantize_fast(q, "nvfp4"), formats.dequantize(q, "nvfp4"))
+    assert dequantize_fast(q, "nvfp4").abs().max() == torch.finfo(torch.float32).max
+
+
+def _plans(fmt: str, window: int | None, **kw: object) -> list[LayerPlan]:
+    return [LayerPlan(index=0, fmt=formats.get_format(fmt), window=window, **kw)]  # type: ignore[arg-type]
+
+
+def _decode(cache: QuantizedKVCache, fmt: str, steps: list[int], mask: torch.Tensor | None = None) -> int:
+    """Write chunks of `steps` tokens into layer 0 and check every read against formats.dequantize; returns how
+    many reads found the previous read's values (the incremental path)."""
+    g = torch.Generator().manual_seed(11)
+    reused = 0
+    for n in steps:
+        k = torch.randn(2, 2, n, 32, generator=g) * 4
+        v = torch.randn(2, 2, n, 32, generator=g)
+        if mask is not None:
+            cache.set_attention_mask(mask[:, : cache.layers[0].cumulative_length + n])
+        kph, _ = cache.update(k, v, 0)
+        read = kph.kvcal_read
+        prefix = getattr(read.k, "_kvcal_prefix", None)
+        reused += prefix is not None
+        for q in (read.k, read.v):
+            assert _same(dequantize_fast(q, fmt), formats.dequantize(q, fmt))
+            assert _same(dequantize_fast(q, fmt), formats.dequantize(q, fmt))  # the memo: same values again
+    return reused
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("window", [None, 6])
+def test_incremental_reads_are_bit_identical(fmt: str, window: int | None) -> None:
+    cache = QuantizedKVCache(_plans(fmt, window))
+    reused = _decode(cache, fmt, [5, 1, 1, 3, 1, 1, 1])
+    if window is None:
+        assert reused == 6  # every read after the first extended the previous one
+    assert cache.layers[0].kept == (13 if window is None else 6)
+
+
+def test_per_sequence_global_and_padding() -> None:
+    """nvfp4 per-sequence globals fixed at a sequence's first real token (left padding): a read whose scale
+    changed recomputes everything, and still equals formats.dequantize."""
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0  # row 1: five padding positions, then real tokens
+    cache = QuantizedKVCache(_plans("nvfp4", None, nvfp4_global="per_sequence"))
+    _decode(cache, "nvfp4", [3, 2, 1, 1, 1], mask)
+
+
+def test_batch_reindex_and_crop_drop_the_memo() -> None:
+    cache = QuantizedKVCache(_plans("fp8_e4m3", None))
+    _decode(cache, "fp8_e4m3", [4, 1])
+    layer = cache.layers[0]
+    assert hasattr(layer.k, _MEMO)
+    layer.batch_select_indices(torch.tensor([1, 0]))
+    assert not hasattr(layer.k, _MEMO)
+    layer.crop(-1)
+    assert not hasattr(layer.k, _MEMO)
+    _decode(cache, "fp8_e4m3", [1, 1])  # still exact after re-indexing and cropping
