@@ -112,16 +112,16 @@ def batches(samples: Sequence[torch.Tensor], batch_size: int) -> list[list[int]]
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _attention_fn(module: torch.nn.Module, impl: str) -> Callable[..., Any]:
+def attention_fn(module: torch.nn.Module, impl: str, purpose: str) -> Callable[..., Any]:
     """The attention function a module runs under implementation `impl`: a registered one (sdpa, ...) or the
-    modeling file's own `eager_attention_forward`."""
+    modeling file's own `eager_attention_forward`. `purpose` completes the error ("cannot {purpose} of ...")."""
     if impl in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[impl]
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
         raise KvcalError(
-            f"cannot batch calibration of {type(module).__name__}: its attention implementation '{impl}' is "
-            "neither registered with transformers nor the modeling file's eager_attention_forward; use --batch-size 1"
+            f"cannot {purpose} of {type(module).__name__}: its attention implementation '{impl}' is neither "
+            "registered with transformers nor the modeling file's eager_attention_forward"
         )
     return fn
 
@@ -145,7 +145,7 @@ def per_row_attention(model: Any, lengths: list[int]) -> Iterator[None]:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         # query: [B, H_q, T, D]; key, value: [B, H_kv, T, D]; mask: [B, 1, T, T] or None (causal)
-        fn = _attention_fn(module, original)
+        fn = attention_fn(module, original, "batch calibration (use --batch-size 1)")
         t = query.shape[2]
         outs = []
         for b, n in enumerate(lengths):

@@ -20,7 +20,6 @@ CUDA backends take no prob_scale (only ROCm paths read `prob_scale`, from Quark 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvcal.calibrate.hooks import ProgressFn, _StopForward, check_finite, forward_observed
+from kvcal.calibrate.hooks import ProgressFn, _StopForward, attention_fn, check_finite, forward_observed
 from kvcal.errors import KvcalError
 
 OBSERVE_ATTN = "kvcal_observe_query"
@@ -57,18 +56,6 @@ class QueryAmax:
         return [torch.clamp(a / FP8_E4M3_MAX, min=tiny).reshape(1) for a in self.amax]
 
 
-def _original_attention(module: torch.nn.Module, impl: str) -> Callable[..., Any]:
-    if impl in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[impl]
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        raise KvcalError(
-            f"cannot observe the queries of {type(module).__name__}: its attention implementation '{impl}' is "
-            "neither registered with transformers nor the modeling file's eager_attention_forward"
-        )
-    return fn
-
-
 def observe_queries(
     model: Any,
     samples: Sequence[torch.Tensor],
@@ -85,7 +72,7 @@ def observe_queries(
         sink(int(module.layer_idx), query)  # query: [B, H_q, T, D], post-RoPE
         if int(module.layer_idx) == last:
             raise _StopForward  # nothing after the last layer's query is needed
-        return _original_attention(module, original)(module, query, *args, **kwargs)
+        return attention_fn(module, original, "observe the queries")(module, query, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS.register(OBSERVE_ATTN, observing)
     ALL_MASK_ATTENTION_FUNCTIONS.register(OBSERVE_ATTN, ALL_MASK_ATTENTION_FUNCTIONS[original])
