@@ -200,8 +200,9 @@ _TABLE: tuple[tuple, ...] = (
     ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, ("nvfp4_4over6", None, None),
      "nvfp4 storage; per block the E4M3 scale of max/6 or max/4, whichever reconstructs with less squared error "
      "(vLLM's 4-over-6 scale search)"),
-    ("fp4_e2m1", ("kvfp4",), "e2m1", 16, False, E2M1_MAX, (None, "fp4_e2m1", None),
-     "E2M1, 16-element blocks, UE8M0 power-of-two scale (SGLang's quantizer: ties away from zero)"),
+    ("fp4_e2m1", ("kvfp4", "fp4_mx_block16"), "e2m1", 16, False, E2M1_MAX, (None, "fp4_e2m1", None),
+     "E2M1, 16-element blocks, UE8M0 power-of-two scale (SGLang's quantizer: ties away from zero; SGLang now also "
+     "calls it fp4_mx_block16)"),
     ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (None, None, None),
      "E2M1, 32-element blocks, E8M0 shared exponent (OCP MX v1.0)"),
 )

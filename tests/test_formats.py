@@ -489,7 +489,10 @@ def test_mxfp4_scales_follow_the_ocp_rule() -> None:
 
 
 def _sglang_oracle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang KVFP4QuantizeUtil.batched_quantize on [B, M, N], transcribed step by step (float32, eager)."""
+    """SGLang KVFP4QuantizeUtil.batched_quantize on [B, M, N], transcribed step by step (float32, eager). The same
+    steps are today's FP4MXBlock16KVQuantizeUtil.batched_quantize (`--kv-cache-dtype fp4_mx_block16`;
+    python/sglang/srt/layers/quantization/kvfp4_tensor.py @ 0dae407b3cee5c310cdeeae348b6d42c025788b2, where
+    BlockFP4KVQuantizeUtil is an alias of it), so kvcal's alias fp4_mx_block16 names fp4_e2m1."""
     b, m, n = x.shape
     reshaped = x.view(b, m * n // 16, 16)
     block_max = reshaped.abs().max(dim=-1, keepdim=True).values
@@ -521,6 +524,12 @@ def test_fp4_e2m1_matches_sglang_bit_for_bit() -> None:
     assert torch.equal(q.codes, _minus_zero_to_plus(packed))  # ... kvcal +0 (8 is its NaN marker): else equal
     assert torch.equal(q.block_scales.reshape(sf.shape), sf)
     assert sf.view(8, 4, 8)[1, 1, 1].item() == 127 - 33
+
+
+def test_sglang_fp4_mx_block16_is_fp4_e2m1() -> None:
+    assert get_format("fp4_mx_block16") is get_format("fp4_e2m1")
+    x = _rand(2, 3, 64, seed=4)
+    assert torch.equal(quantize(x, "fp4_mx_block16").codes, quantize(x, "fp4_e2m1").codes)
 
 
 def test_fp4_e2m1_bf16_input_is_computed_in_float32() -> None:
