@@ -403,6 +403,22 @@ def _write_lm_eval_task(
 
 
 @pytest.fixture(scope="session")
+def gemma_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma-3-270M's KV geometry: 18 layers (5 sliding of window 512, then 1 full, three times), 1 KV head,
+    head_dim 256."""
+    from transformers import Gemma3TextConfig
+
+    from kvcal.models import FULL, SLIDING
+
+    d = tmp_path_factory.mktemp("gemma-like")
+    Gemma3TextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=256, num_hidden_layers=18,
+        intermediate_size=64, vocab_size=128, sliding_window=512, layer_types=([SLIDING] * 5 + [FULL]) * 3,
+    ).save_pretrained(d)  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="session")
 def lm_eval_task() -> Callable[..., None]:
     """(task_dir, name, output_type, docs, metrics, **extra keys) -> writes task_dir/name.jsonl (the docs) and
     task_dir/name.yaml, a local lm-eval task over them that `--include_path task_dir` loads as `name`. The doc

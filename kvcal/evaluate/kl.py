@@ -183,16 +183,17 @@ part of the town's history they are still making.
 # ---- windows ------------------------------------------------------------------------------------------------
 
 
-def kl_text(data_dir: str | os.PathLike[str] | None) -> tuple[str, str]:
-    """(text, source label): WikiText-2 test from --data-dir, else the embedded text."""
+def kl_text(data_dir: str | os.PathLike[str] | None, task: str = "kl") -> tuple[str, str]:
+    """(text, source label): WikiText-2 test from --data-dir, else the embedded text. `task` names the task that
+    reads it in errors (kl, or passkey's filler)."""
     if data_dir is None:
         return EMBEDDED_TEXT, "embedded"
     path = Path(data_dir) / KL_TEXT_FILE
     if not path.is_file():
         raise UsageError(
-            f"task 'kl' needs '{path}', which is missing from --data-dir; lay the folder out like ../shared/data"
+            f"task '{task}' needs '{path}', which is missing from --data-dir; lay the folder out like ../shared/data"
         )
-    return read_text_file(path, "task 'kl'"), "wikitext2-test"
+    return read_text_file(path, f"task '{task}'"), "wikitext2-test"
 
 
 def bos_rule(tokenizer: Any) -> dict[str, Any]:

@@ -40,11 +40,10 @@ import os
 import random
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.tasks import KL_TEXT_FILE, PASSKEY_TASKS, read_text_file
+from kvcal.evaluate.tasks import PASSKEY_TASKS
 
 PASSKEY_TASK, PASSKEY_MC_TASK = PASSKEY_TASKS
 PASSKEY_VERSION = 1
@@ -126,18 +125,10 @@ def check_positions(lengths: list[int], max_positions: int | None, gen_toks: int
 
 
 def filler_text(data_dir: str | os.PathLike[str] | None) -> tuple[str, str]:
-    """(text, source label): WikiText-2 test from --data-dir, else kvcal's embedded text."""
-    if data_dir is None:
-        from kvcal.evaluate.kl import EMBEDDED_TEXT
+    """(text, source label): WikiText-2 test from --data-dir, else kvcal's embedded text — kl's text."""
+    from kvcal.evaluate.kl import kl_text  # lazy: kl imports torch
 
-        return EMBEDDED_TEXT, "embedded"
-    path = Path(data_dir) / KL_TEXT_FILE
-    if not path.is_file():
-        raise UsageError(
-            f"task 'passkey' needs '{path}', which is missing from --data-dir; lay the folder out like "
-            "../shared/data"
-        )
-    return read_text_file(path, "task 'passkey'"), "wikitext2-test"
+    return kl_text(data_dir, task="passkey")
 
 
 @dataclass(frozen=True)

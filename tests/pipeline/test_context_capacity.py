@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 from kvcal.errors import UsageError
-from kvcal.models import FULL, SLIDING
 from kvcal.pipeline import release
 from kvcal.pipeline.release_config import parse_release_config
 from kvcal.pipeline.sweep import config_dict, parse_sweep_config, recorded_context
@@ -30,18 +29,6 @@ SLIDING_IDX = [i for i in range(18) if i % 6 != 5]
 NVFP4_SKIP_AT_32K = 3.0
 NVFP4_SKIP_IN_FULL = 18 * 1024 / (15 * 1024 + 3 * 288)
 SWEEP = {"model": "m", "tasks": ["kl"], "formats": ["nvfp4"]}
-
-
-@pytest.fixture(scope="module")
-def gemma_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import Gemma3TextConfig
-
-    d = tmp_path_factory.mktemp("gemma-like")
-    Gemma3TextConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=256, num_hidden_layers=18,
-        intermediate_size=64, vocab_size=128, sliding_window=512, layer_types=([SLIDING] * 5 + [FULL]) * 3,
-    ).save_pretrained(d)  # fmt: skip
-    return d
 
 
 def _run(root: Path, name: str, fmt: str, model: str, skip: list[int]) -> Path:

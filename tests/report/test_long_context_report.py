@@ -19,7 +19,6 @@ from scipy import stats as sps
 from statsmodels.stats.multitest import multipletests
 
 from kvcal.errors import UsageError
-from kvcal.models import FULL, SLIDING
 from kvcal.report import compare as cmpmod
 from kvcal.report import html as html_report
 from kvcal.report import longcontext as lc
@@ -216,20 +215,6 @@ def test_passkey_by_cell_table_heatmap_and_context(tmp_path: Path, write_run) ->
 
 
 # ---- context-aware capacity -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gemma_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma-3-270M's KV geometry: 18 layers (5 sliding of window 512, then 1 full, three times), 1 KV head,
-    head_dim 256."""
-    from transformers import Gemma3TextConfig
-
-    d = tmp_path_factory.mktemp("gemma-like")
-    Gemma3TextConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=256, num_hidden_layers=18,
-        intermediate_size=64, vocab_size=128, sliding_window=512, layer_types=([SLIDING] * 5 + [FULL]) * 3,
-    ).save_pretrained(d)  # fmt: skip
-    return d
 
 
 SLIDING_IDX = [i for i in range(18) if i % 6 != 5]
