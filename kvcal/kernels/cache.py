@@ -146,9 +146,8 @@ class NonFiniteCount:
     """NaN/Inf elements of the real K/V tokens each layer was asked to store, accumulated on the device."""
 
     num_layers: int
-    counts: torch.Tensor | None = field(default=None, repr=False)  # int64 [num_layers, 2] (K, V)
-    # under a device map each layer counts on its own device: one tensor per device, summed by take()
-    elsewhere: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    # int64 [num_layers, 2] (K, V) per device: under a device map each layer counts on its own device
+    counts: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def add(self, layer: int, which: int, x: torch.Tensor, valid: torch.Tensor | None) -> None:
         """x: [B, H_kv, T, D]; valid: [B, T] bool or None (all real). `which`: 0 = K, 1 = V."""
@@ -158,19 +157,15 @@ class NonFiniteCount:
         bad = ~finite
         if valid is not None:
             bad = bad & valid[:, None, :, None]
-        if self.counts is None or self.counts.device != x.device:
-            if self.counts is not None:
-                self.elsewhere[self.counts.device] = self.counts
-            self.counts = self.elsewhere.pop(x.device, None)
-            if self.counts is None:
-                self.counts = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=x.device)
-        self.counts[layer, which] += bad.sum()
+        if x.device not in self.counts:
+            self.counts[x.device] = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=x.device)
+        self.counts[x.device][layer, which] += bad.sum()
 
     def take(self) -> dict[str, Any]:
         """{'per_layer': [{'layer', 'k', 'v'}] (layers with a non-finite element only), 'total'} and reset."""
-        parts = [t.cpu() for t in [self.counts, *self.elsewhere.values()] if t is not None]
+        parts = [t.cpu() for t in self.counts.values()]
         c = [[0, 0]] * self.num_layers if not parts else torch.stack(parts).sum(0).tolist()
-        self.counts, self.elsewhere = None, {}
+        self.counts = {}
         per_layer = [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(c) if k or v]
         return {"per_layer": per_layer, "total": sum(k + v for k, v in c)}
 
