@@ -4,7 +4,8 @@
                                         [--num-samples 32] [--seq-len 512] [--batch-size 8] [--repeats 2] [--trap]
 
 Each run is a fresh child process (same model, data, seed, FP8-E4M3 per-tensor minmax / static_minmax): kvcal
-native at --batch-size, kvcal native at batch 1 (the scales must be bit-identical) and llm-compressor's oneshot;
+native at --batch-size, kvcal native at batch 1 (the scales must be bit-identical), llm-compressor's oneshot, and a
+"floor" process (imports, load, and only the matmuls the K/V depend on: the least any engine can take here);
 runs are interleaved (rotating order per repeat) so machine load hits all alike; per run: wall time of the whole
 child (imports + load + data + calibration), the calibration pass alone, and the child's peak RSS
 (getrusage ru_maxrss) and CPU time (user + sys: the fairer number on a shared machine). `--trap` adds
@@ -27,6 +28,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
+
+
+def floor_child(args: argparse.Namespace) -> None:
+    """The least any engine can take here to see these K/V in one process: its imports (torch, transformers and the
+    model's modeling code, which both engines need), the model and tokenizer load, and the matrix multiplies the
+    K/V of every layer depend on (every Linear of layers 0..L-2 and the last layer's q/k/v projections, at each
+    sample's length) at this CPU's own GEMM speed. Nothing else (attention, norms, observers, the LM head) counted."""
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers  # noqa: F401
+    from transformers.masking_utils import create_causal_mask  # noqa: F401  (every decoder's forward imports it)
+
+    from kvcal.calibrate.data import load_texts, samples_for_model
+    from kvcal.models import load_model
+
+    t_imports = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    lm = load_model(args.model)
+    __import__(type(lm.model).__module__)
+    t_load = time.perf_counter() - t1
+    data = samples_for_model(load_texts(args.dataset), lm, args.num_samples, args.seq_len, 0)
+    layers = lm.model.model.layers
+    linears = [m for layer in layers[:-1] for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    last = layers[-1].self_attn
+    linears += [last.q_proj, last.k_proj, last.v_proj]
+    lengths = [int(s.numel()) for s in data.samples]
+    flops = sum(2 * n * m.in_features * m.out_features for n in lengths for m in linears)
+    dims = {m.in_features for m in linears}
+    inputs = {(n, d): torch.randn(n, d, dtype=linears[0].weight.dtype) for n in set(lengths) for d in dims}
+    with torch.no_grad():
+        for m in linears[:8]:  # warm-up
+            torch.nn.functional.linear(inputs[lengths[0], m.in_features], m.weight)
+        t2 = time.perf_counter()
+        for n in lengths:
+            for m in linears:
+                torch.nn.functional.linear(inputs[n, m.in_features], m.weight, m.bias)
+        t_gemm = time.perf_counter() - t2
+    print("BENCH_FLOOR " + json.dumps({
+        "imports_s": t_imports, "load_s": t_load, "gemm_s": t_gemm, "gemm_gflops": flops / t_gemm / 1e9,
+        "floor_s": t_imports + t_load + t_gemm, "num_tokens": sum(lengths), "linears": len(linears),
+    }), flush=True)  # fmt: skip
 
 
 def child(args: argparse.Namespace) -> None:
@@ -96,11 +140,12 @@ def run_child(
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     outer = time.perf_counter() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
+    tag = "BENCH_FLOOR " if engine == "floor" else "BENCH_RESULT "
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(tag)]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stderr[-3000:])
         raise SystemExit(f"child run ({engine}) failed with exit code {proc.returncode}")
-    result = json.loads(lines[-1][len("BENCH_RESULT ") :])
+    result = json.loads(lines[-1][len(tag) :])
     result["process_wall_s"] = outer
     return result
 
@@ -125,15 +170,22 @@ def main() -> None:
     args = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if args.child:
-        child(args)
+        floor_child(args) if args.engine == "floor" else child(args)
         return
 
     runs: list[dict] = []
-    kinds = [("native", args.batch_size), ("llmcompressor", 1), ("native", 1)]
+    floors: list[dict] = []
+    kinds = [("native", args.batch_size), ("llmcompressor", 1), ("native", 1), ("floor", 1)]
     for rep in range(args.repeats):
-        for engine, bs in kinds[rep % 3 :] + kinds[: rep % 3]:
+        for engine, bs in kinds[rep % 4 :] + kinds[: rep % 4]:
             r = run_child(args, engine, batch_size=bs)
             r["repeat"] = rep
+            if engine == "floor":
+                floors.append(r)
+                print(f"  run {rep} floor          imports {r['imports_s']:5.1f} s  load {r['load_s']:5.1f} s  "
+                      f"K/V matmuls {r['gemm_s']:5.1f} s ({r['gemm_gflops']:.0f} GFLOP/s)  "
+                      f"floor {r['floor_s']:5.1f} s", flush=True)  # fmt: skip
+                continue
             runs.append(r)
             print(f"  run {rep} {engine:14s} batch {bs:2d} wall {r['process_wall_s']:7.1f} s  calibration {r['calibrate_s']:7.1f} s  "
                   f"CPU {r['cpu_s']:7.1f} s  peak RSS {r['peak_rss_mib']:7.0f} MiB", flush=True)  # fmt: skip
@@ -184,6 +236,9 @@ def main() -> None:
         "speedup_calibration": llmc["calibrate_s_median"] / native["calibrate_s_median"],
         "speedup_cpu": llmc["cpu_s_median"] / native["cpu_s_median"],
         "scale_max_rel_diff": rel,
+        # the least any engine can take here (imports + load + the K/V's matmuls at this CPU's GEMM speed)
+        "floor": {k: statistics.median(f[k] for f in floors) for k in floors[0] if k != "repeat"},
+        "floor_vs_llmcompressor": statistics.median(f["floor_s"] for f in floors) / llmc["wall_s_median"],
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
@@ -230,6 +285,10 @@ def main() -> None:
         d = report["llmcompressor_default_minmax"]
         print(f"llm-compressor default observer: scales {d['scale_over_true_amax_min']:.2f}-"
               f"{d['scale_over_true_amax_max']:.2f}x of the true amax/448")  # fmt: skip
+    f = report["floor"]
+    print(f"floor (imports {f['imports_s']:.1f} s + load {f['load_s']:.1f} s + the K/V's matmuls {f['gemm_s']:.1f} s at "
+          f"{f['gemm_gflops']:.0f} GFLOP/s) = {f['floor_s']:.1f} s = {report['floor_vs_llmcompressor']:.2f}x "
+          f"llm-compressor's wall: no engine computing these K/V in one process here can go below it")  # fmt: skip
     print(f"wrote {OUT / 'calibrate.json'}")
 
 

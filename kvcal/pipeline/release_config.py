@@ -28,8 +28,9 @@ ship and how to decide. Sections (every key optional unless marked; unknown keys
       candidates: []                    #   further configurations gated with the shipped one:
                                         #   {kv_format, scales: calibrated | uncalibrated, skip_layers}
       limit: null                       #   samples per task (a mapping task: n gives each its own)
-      kl_seq_len: null                  #   + num_fewshot, data_dir, include_path, max_gen_toks,
-      dtype: float32                    #     dtype, device, impl, batch_size, seed (as in a sweep YAML)
+      kl_seq_len: null                  #   + prefill_chunk, passkey_lengths, passkey_depths, num_fewshot,
+      dtype: float32                    #     data_dir, include_path, max_gen_toks, dtype, device, impl,
+                                        #     batch_size, seed (as in a sweep YAML)
     gate:
       max_drop: null                    #   null: kvcal's defaults per metric; a number (every gated metric), or
                                         #   {default: 0.02, kl: 0.05, gsm8k/exact_match: 0.03}

@@ -32,6 +32,8 @@ from typing import Any
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN
+from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
 from kvcal.evaluate.run import (
     FIRST_BATCH,
     EvalConfig,
@@ -41,7 +43,7 @@ from kvcal.evaluate.run import (
     skip_tag,
     slug,
 )
-from kvcal.evaluate.tasks import parse_task_list
+from kvcal.evaluate.tasks import PASSKEY_TASKS, parse_task_list
 from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, get_format, kv_pair, parse_kv_format, parse_kv_input_dtype
 from kvcal.io import atomic_write_json, atomic_write_text
 from kvcal.models import load_model, resolve_dtype, resolve_model, sha256_file
@@ -105,6 +107,20 @@ def _tokens(value: Any, key: str, base: Path | None) -> int:
     if n < 1:
         raise UsageError(f"sweep config: '{key}' must be a positive number of tokens (e.g. 8192), got {n}")
     return n
+
+
+def _passkey_spec(parse: Callable[[str], list[Any]]) -> Parser:
+    """A passkey list ('1k,2k,4k' or a YAML list [1k, 2k]) checked by `parse` now, kept as kvcal eval's text."""
+
+    def read(value: Any, key: str, base: Path | None) -> str:
+        text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+        try:
+            parse(text)
+        except UsageError as exc:
+            raise UsageError("sweep config: " + str(exc).replace(f"--{key.replace('_', '-')}", key)) from None
+        return text
+
+    return read
 
 
 def _path(value: Any, key: str, base: Path | None) -> str | None:
@@ -245,7 +261,10 @@ class EvalSettings:
     batch_size: int = _key(_int, 1)
     seed: int = _key(_int, 0)
     kl_seq_len: int | None = _key(_int, None)
+    prefill_chunk: int | None = _key(_tokens, None)  # kl windows longer than this: chunked prefill
     max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
+    passkey_lengths: str | None = _key(_passkey_spec(parse_lengths), None)  # e.g. [1k, 2k, 4k]
+    passkey_depths: str | None = _key(_passkey_spec(parse_depths), None)  # e.g. [0, 0.5, 1]
     # K/V rounded to this dtype before quantization (kvcal eval --kv-input-dtype): the engine's serving dtype
     kv_input_dtype: str = _key(_kv_input_dtype, DEFAULT_KV_INPUT_DTYPE)
 
@@ -569,6 +588,21 @@ def _read_run_config(conf: Path) -> RunConfig | None:
         return None
 
 
+def _long_context_recorded(cfg: SweepConfig, task: str) -> dict[str, Any]:
+    """What `kvcal eval` records of kl's window / chunk and passkey's lengths / depths for this task (a run made
+    with other ones measured something else)."""
+    if task == "kl":
+        seq_len = cfg.kl_seq_len or DEFAULT_SEQ_LEN
+        chunk = cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK
+        return {"kl_seq_len": seq_len, "prefill_chunk": chunk if seq_len > chunk else None}
+    if task in PASSKEY_TASKS:
+        return {
+            "passkey_lengths": parse_lengths(cfg.passkey_lengths or DEFAULT_LENGTHS),
+            "passkey_depths": parse_depths(cfg.passkey_depths or DEFAULT_DEPTHS),
+        }
+    return {}
+
+
 def _run_differences(have: RunConfig, cell: Cell, cfg: SweepConfig) -> list[str]:
     """What differs between a run directory's recorded configuration and what the sweep would run there."""
     want: dict[str, Any] = {
@@ -583,6 +617,7 @@ def _run_differences(have: RunConfig, cell: Cell, cfg: SweepConfig) -> list[str]
     }
     if cfg.dtype == "auto":  # recorded as what the checkpoint resolved to: any dtype is that one
         del want["dtype"]
+    want.update(_long_context_recorded(cfg, cell.task))
     diffs = [f"{k}: {getattr(have, k)!r} there, {v!r} here" for k, v in want.items() if getattr(have, k) != v]
     if have.tasks and have.tasks != [cell.task]:
         diffs.append(f"tasks: {have.tasks!r} there, {[cell.task]!r} here")
@@ -753,6 +788,7 @@ def _eval_config(cfg: SweepConfig, cell: Cell, gpqa_password: str | None) -> Eva
         max_gen_toks=cfg.max_gen_toks,
         kv_input_dtype=cfg.kv_input_dtype,
     )
-    if cfg.kl_seq_len is not None:
-        ec.kl_seq_len = cfg.kl_seq_len
+    for name in ("kl_seq_len", "prefill_chunk", "passkey_lengths", "passkey_depths"):
+        if getattr(cfg, name) is not None:  # unset: kvcal eval's own default
+            setattr(ec, name, getattr(cfg, name))
     return ec

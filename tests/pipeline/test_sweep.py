@@ -47,6 +47,7 @@ def _mark(cell: sweep.Cell, cfg: sweep.SweepConfig, complete: bool = True, **ove
         "impl": cfg.impl,
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
+        "kl_seq_len": (cfg.kl_seq_len or 256) if cell.task == "kl" else None,
     }
     if cell.kv_format not in ("auto", "bf16"):  # eval records the K/V input dtype of every quantized format
         conf["kv_input_dtype"] = cfg.kv_input_dtype

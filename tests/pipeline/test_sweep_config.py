@@ -122,3 +122,33 @@ def test_cells_match_what_eval_records(tmp_path: Path) -> None:
     # a sweep asking for the checkpoint's own dtype matches whatever it resolved to
     auto = dataclasses.replace(cfg, dtype="auto")
     assert sweep.plan_sweep(auto, root).n_done == sweep.plan_sweep(cfg, root).n_done
+
+
+def test_long_context_settings_reach_eval_and_decide_a_match(tmp_path: Path) -> None:
+    """prefill_chunk and the passkey lengths / depths are sweep (and release `evaluate:`) keys: checked when the YAML
+    is read, handed to each cell's `kvcal eval`, and a run made with another window, chunk or passkey grid is not
+    taken for a cell."""
+    long = {"model": "/models/m", "tasks": ["kl", "passkey_mc"], "formats": ["fp8"], "scales": ["uncalibrated"],
+            "kl_seq_len": 4096, "prefill_chunk": 1024, "passkey_lengths": ["1k", "2k"], "passkey_depths": "0,1"}  # fmt: skip
+    cfg = sweep.parse_sweep_config(long)
+    assert cfg.passkey_lengths == "1k,2k" and cfg.passkey_depths == "0,1" and cfg.prefill_chunk == 1024
+    written = tmp_path / "sweep.yaml"
+    written.write_text(yaml.safe_dump(sweep.config_dict(cfg), sort_keys=False))
+    assert sweep.load_sweep_config(written) == cfg
+    plan = sweep.plan_sweep(cfg, tmp_path / "runs")
+    kl = next(c for c in plan.cells if c.task == "kl" and not c.is_baseline)
+    pk = next(c for c in plan.cells if c.task == "passkey_mc" and not c.is_baseline)
+    ec = sweep._eval_config(cfg, pk, None)
+    assert (ec.kl_seq_len, ec.prefill_chunk, ec.passkey_lengths, ec.passkey_depths) == (4096, 1024, "1k,2k", "0,1")
+    _written_by_eval(kl, cfg, prefill_chunk=1024)
+    _written_by_eval(pk, cfg, kl_seq_len=None, passkey_lengths=[1024, 2048], passkey_depths=[0.0, 1.0])
+    assert sweep.plan_sweep(cfg, tmp_path / "runs").n_done == 2
+    _written_by_eval(kl, cfg, prefill_chunk=2048)
+    _written_by_eval(pk, cfg, kl_seq_len=None, passkey_lengths=[1024], passkey_depths=[0.0, 1.0])
+    states = {c.task: c for c in sweep.plan_sweep(cfg, tmp_path / "runs").cells if not c.is_baseline}
+    assert "prefill_chunk: 2048 there, 1024 here" in states["kl"].detail
+    assert "passkey_lengths: [1024] there, [1024, 2048] here" in states["passkey_mc"].detail
+    with pytest.raises(UsageError, match=r"sweep config: passkey_lengths: '1\.5' is not a whole number of tokens"):
+        sweep.parse_sweep_config(dict(long, passkey_lengths="1k,1.5"))
+    with pytest.raises(UsageError, match="sweep config: 'prefill_chunk' must be a positive number of tokens"):
+        sweep.parse_sweep_config(dict(long, prefill_chunk=0))

@@ -24,7 +24,7 @@ def _record(cell: sweep.Cell, cfg: sweep.SweepConfig, **fields: object) -> None:
         model=cfg.model, model_dir="/x", kv_format=cell.kv_format, tasks=[cell.task],
         scales_path=str(cal.path) if cal else None, scales={"granularity": cal.granularity} if cal else None,
         limit=cfg.limit_for(cell.task), impl=cfg.impl, dtype=cfg.dtype, device=cfg.device,
-        batch_size=cfg.batch_size, seed=cfg.seed, **fields,
+        batch_size=cfg.batch_size, seed=cfg.seed, kl_seq_len=256 if cell.task == "kl" else None, **fields,
     )  # fmt: skip
     cell.path.mkdir(parents=True, exist_ok=True)
     (cell.path / CONFIG).write_text(yaml.safe_dump(rc.to_dict()))
