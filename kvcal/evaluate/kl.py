@@ -349,6 +349,10 @@ def lm_sides(lm: Any, impl: str) -> tuple[SessionFactory, Baseline]:
         def beside() -> Iterator[SessionFactory]:
             yield lambda: forward_session(model, QuantizedKVCache(plans))
 
+        # `-f bf16` evaluates the baseline itself: the same forwards, bit for bit (chunked windows run it once)
+        beside.same_as_evaluated = all(  # type: ignore[attr-defined]
+            p.side_format(w).name == bf16.name for p in rt.plans for w in ("k", "v")
+        )
         return quant_session, beside
 
     @contextmanager
@@ -623,15 +627,21 @@ def lockstep_stats(
     predicts nothing, so the chunks cover tokens 0..T-2."""
     n_pred = ids.shape[1] - 1
     quant = quant_session()
+    same = getattr(baseline, "same_as_evaluated", False)  # the evaluated side IS the baseline (lm_sides)
     base: ChunkForward | None = None
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for s in range(0, n_pred, chunk):
         piece = ids[:, s : min(n_pred, s + chunk)]  # [1, c]
-        with baseline() as new_session:
-            base = base or new_session()
-            base_lp16 = _fp16_logprobs_blocked(base(piece)[0])  # [c, V]
-        parts.append(token_stats(base_lp16, quant(piece)[0], ids[0, s + 1 : s + 1 + piece.shape[1]]))
-        del base_lp16
+        if same:
+            q_logits = quant(piece)[0]  # [c, V]
+            base_lp16 = _fp16_logprobs_blocked(q_logits)
+        else:
+            with baseline() as new_session:
+                base = base or new_session()
+                base_lp16 = _fp16_logprobs_blocked(base(piece)[0])  # [c, V]
+            q_logits = quant(piece)[0]
+        parts.append(token_stats(base_lp16, q_logits, ids[0, s + 1 : s + 1 + piece.shape[1]]))
+        del base_lp16, q_logits
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
 

@@ -204,3 +204,34 @@ def test_bad_chunk_and_windows_the_text_cannot_fill(invoke: Invoke, gemma: Path,
     assert "--prefill-chunk" in refused("--prefill-chunk", "0") and not (tmp_path / "run").exists()
     assert "at least 1" in refused("--prefill-chunk", "-5")
     assert "256 positions" in refused("--kl-seq-len", "257", "--prefill-chunk", "64")
+
+
+def test_bf16_evaluates_the_baseline_in_one_pass(gemma: Path) -> None:
+    """`-f bf16` is the baseline itself: chunked windows run its forwards once, and the statistics equal the
+    two-sided lockstep bit for bit (KL ~0 from the fp16-stored baseline only; top-1 agreement exactly 1)."""
+    from kvcal.evaluate.kl import EMBEDDED_TEXT
+
+    lm = _lm(gemma, "bf16")
+    quant_session, baseline = lm_sides(lm, "auto")
+    assert getattr(baseline, "same_as_evaluated", False)
+    ids = torch.tensor(make_windows(lm.tokenizer, EMBEDDED_TEXT, 40, 1, None)[0][:1])
+    calls = {"n": 0}
+
+    def counted() -> object:
+        forward = quant_session()
+
+        def run(piece: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            return forward(piece)
+
+        return run
+
+    once = lockstep_stats(counted, baseline, ids, 8)
+    assert calls["n"] == 5  # 39 predicting tokens in chunks of 8, evaluated side only
+    baseline.same_as_evaluated = False  # the general path: a second cache of BF16 plans beside it
+    twice = lockstep_stats(quant_session, baseline, ids, 8)
+    for a, b in zip(once, twice, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(once[1], torch.ones(39))
+    assert not getattr(lm_sides(_lm(gemma, "fp8_e4m3"), "auto")[1], "same_as_evaluated", False)
+
