@@ -9,12 +9,18 @@ fresh process loads the model and
 A fresh process per cell makes its peak RSS (`ru_maxrss`) that cell's own; `rss_over_model` is the peak minus the
 RSS after loading the model. Times are process CPU time with `--threads` torch threads (default 1: wall time on a
 shared machine is meaningless; CPU time is what the work costs), or CUDA-synchronised wall time on a GPU. Rounds
-rotate the order of the formats so drift hits all alike; the median is reported, with each format's decode speed
-and prefill time as a ratio to `auto` at the same length.
+rotate the order of the formats so drift hits all alike; the median over rounds is reported, with each format's
+decode speed and prefill time as a ratio to `auto` at the same length. Decode is reported two ways: the median
+step ("decode ms", "speed/auto": robust to bursts of load from other jobs) and the mean step ("mean ms",
+"mean s/a": includes the occasional step that moves a cache buffer to a larger one).
 
     OMP_NUM_THREADS=1 python bench/long_context.py --model smollm2 --lengths 512,2k,4k,8k -o bench/long_context.json
     python bench/long_context.py --model gemma3-270m --lengths 2k,8k,32k --decode-steps 16
     python bench/long_context.py --device cuda --impl triton --lengths 8k,32k --model gemma3-270m   # a GPU
+    # before/after a change, side by side in one run (cells interleaved, so load on the machine hits both alike):
+    python bench/long_context.py --lengths 512 --code before=/tmp/kvcal-before --code after=.
+`--code LABEL=DIR` (repeatable) runs each cell with DIR's kvcal package (PYTHONPATH=DIR; a checkout or an
+exported tree, e.g. `git archive HEAD | tar -x -C DIR`); ratios are against `auto` of the same code.
 
 Goal (issue 14): decode of every format >= 0.9x `auto` on CPU at 512 tokens and within 1.5x (>= 0.67x) at 8k.
 """
@@ -35,7 +41,17 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
+# every KV format kvcal has (kvcal.formats.FORMATS, auto aside; auto is always measured as the reference)
+FORMATS = (
+    "bf16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8_per_token_head",
+    "nvfp4",
+    "nvfp4_4over6",
+    "fp4_e2m1",
+    "mxfp4",
+)
 
 
 def parse_length(text: str) -> int:
@@ -103,15 +119,18 @@ def one_cell(spec: dict[str, Any]) -> dict[str, Any]:
     prefill_s = _clock(device) - t0
     rss_prefill = _rss()
     gpu_prefill = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
-    t0 = _clock(device)
+    step_s = []  # each decode step's time: the median resists bursts of load from other jobs on the machine
     for _ in range(spec["decode_steps"]):
+        t0 = _clock(device)
         nxt = step(nxt)[0, -1:].argmax(-1)[None]
-    decode_s = _clock(device) - t0
+        step_s.append(_clock(device) - t0)
+    decode_s = sum(step_s)
     return {
         "kv_format": fmt,
         "length": length,
         "prefill_s": prefill_s,
         "decode_ms_per_step": 1e3 * decode_s / max(1, spec["decode_steps"]),
+        "decode_ms_median_step": 1e3 * statistics.median(step_s) if step_s else None,
         "decode_tokens_per_s": spec["decode_steps"] / decode_s if decode_s > 0 else None,
         "peak_rss_bytes": rss_prefill,
         "rss_over_model_bytes": rss_prefill - rss_model,
@@ -121,9 +140,18 @@ def one_cell(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run_cell(spec: dict[str, Any]) -> dict[str, Any]:
+def _run_cell(spec: dict[str, Any], code_dir: str | None = None) -> dict[str, Any]:
+    env = dict(os.environ)
+    if code_dir is not None:  # this code's kvcal first on the path
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(code_dir), *filter(None, [env.get("PYTHONPATH")])]
+        )
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True, check=False
+        [sys.executable, __file__, "--one", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -131,15 +159,18 @@ def _run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def _summarise(cells: list[dict[str, Any]], lengths: list[int], formats: list[str]) -> list[dict[str, Any]]:
+def _summarise(
+    cells: list[dict[str, Any]], lengths: list[int], formats: list[str], codes: list[str]
+) -> list[dict[str, Any]]:
     rows = []
-    for length in lengths:
+    for length, code in ((n, c) for n in lengths for c in codes):
         by_fmt = {}
         for fmt in ["auto", *formats]:
-            mine = [c for c in cells if c["length"] == length and c["kv_format"] == fmt]
+            mine = [c for c in cells if c["length"] == length and c["kv_format"] == fmt and c["code"] == code]
             by_fmt[fmt] = {
                 "prefill_s": statistics.median(c["prefill_s"] for c in mine),
                 "decode_ms_per_step": statistics.median(c["decode_ms_per_step"] for c in mine),
+                "decode_ms_median_step": statistics.median(c["decode_ms_median_step"] for c in mine),
                 "peak_rss_bytes": max(c["peak_rss_bytes"] for c in mine),
                 "rss_over_model_bytes": max(c["rss_over_model_bytes"] for c in mine),
                 "cache_bytes": mine[0]["cache_bytes"],
@@ -148,23 +179,25 @@ def _summarise(cells: list[dict[str, Any]], lengths: list[int], formats: list[st
             }
         auto = by_fmt["auto"]
         for fmt, r in by_fmt.items():
-            r["decode_speed_vs_auto"] = auto["decode_ms_per_step"] / r["decode_ms_per_step"]
+            r["decode_speed_vs_auto"] = auto["decode_ms_median_step"] / r["decode_ms_median_step"]
+            r["decode_mean_speed_vs_auto"] = auto["decode_ms_per_step"] / r["decode_ms_per_step"]
             r["prefill_time_vs_auto"] = r["prefill_s"] / auto["prefill_s"]
-            rows.append({"length": length, "kv_format": fmt, **r})
+            rows.append({"length": length, "code": code, "kv_format": fmt, **r})
     return rows
 
 
 def _print_table(rows: list[dict[str, Any]], title: str) -> None:
     print(f"\n{title}")
     head = (
-        f"{'length':>7s} {'format':10s} {'prefill s':>9s} {'x auto':>6s} {'decode ms':>9s} {'speed/auto':>10s} "
-        f"{'cache MiB':>9s} {'RSS GiB':>7s} {'+RSS MiB':>8s}"
+        f"{'length':>7s} {'code':8s} {'format':20s} {'prefill s':>9s} {'x auto':>6s} {'decode ms':>9s} "
+        f"{'speed/auto':>10s} {'mean ms':>8s} {'mean s/a':>8s} {'cache MiB':>9s} {'RSS GiB':>7s} {'+RSS MiB':>8s}"
     )
     print(head)
     for r in rows:
         print(
-            f"{r['length']:7d} {r['kv_format']:10s} {r['prefill_s']:9.2f} {r['prefill_time_vs_auto']:6.2f} "
-            f"{r['decode_ms_per_step']:9.1f} {r['decode_speed_vs_auto']:10.2f} {r['cache_bytes'] / 2**20:9.1f} "
+            f"{r['length']:7d} {r['code']:8s} {r['kv_format']:20s} {r['prefill_s']:9.2f} "
+            f"{r['prefill_time_vs_auto']:6.2f} {r['decode_ms_median_step']:9.1f} {r['decode_speed_vs_auto']:10.2f} "
+            f"{r['decode_ms_per_step']:8.1f} {r['decode_mean_speed_vs_auto']:8.2f} {r['cache_bytes'] / 2**20:9.1f} "
             f"{r['peak_rss_bytes'] / 2**30:7.2f} {r['rss_over_model_bytes'] / 2**20:8.0f}"
         )
 
@@ -182,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--impl", default="auto", help="kvcal attention: auto (triton on CUDA) | torch | triton")
+    ap.add_argument(
+        "--code",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="measure DIR's kvcal as LABEL (repeatable; before/after side by side); default: this checkout",
+    )
     ap.add_argument("-o", "--output", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     if args.one:
@@ -191,24 +231,27 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     formats = [f.strip() for f in args.formats.split(",") if f.strip() and f.strip() != "auto"]
     configs = ["auto", *formats]
+    codes = dict(c.split("=", 1) for c in args.code) if args.code else {"this": None}
+    if any("=" not in c for c in args.code):
+        raise SystemExit("--code takes LABEL=DIR")
     cells = []
     for r in range(args.rounds):
         for length in lengths:
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
-            for fmt in order:
+            for fmt, code in ((f, c) for f in order for c in codes):
                 spec = dict(
                     model=args.model, kv_format=fmt, length=length, chunk=args.prefill_chunk,
                     decode_steps=args.decode_steps, threads=args.threads, dtype=args.dtype, device=args.device,
                     impl=args.impl,
                 )  # fmt: skip
-                cell = _run_cell(spec)
+                cell = {"code": code, **_run_cell(spec, codes[code])}
                 cells.append(cell)
                 print(
-                    f"round {r + 1}: L={length} {fmt:10s} prefill {cell['prefill_s']:.2f} s, decode "
+                    f"round {r + 1}: L={length} {code} {fmt:10s} prefill {cell['prefill_s']:.2f} s, decode "
                     f"{cell['decode_ms_per_step']:.1f} ms/step, peak RSS {cell['peak_rss_bytes'] / 2**30:.2f} GiB",
                     file=sys.stderr,
                 )
-    rows = _summarise(cells, lengths, formats)
+    rows = _summarise(cells, lengths, formats, list(codes))
     clock = (
         "CUDA wall time" if args.device.startswith("cuda") else f"process CPU time, {args.threads} thread(s)"
     )
@@ -227,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_chunk": args.prefill_chunk,
         "decode_steps": args.decode_steps,
         "threads": args.threads,
+        "code": codes,
         "platform": platform.platform(),
         "rows": rows,
         "cells": cells,

@@ -114,6 +114,7 @@ __all__ = [
     "parse_kv_input_dtype",
     "parse_kv_format",
     "quantize",
+    "quantize_kv",
     "unpack_fp4",
 ]
 
@@ -136,11 +137,28 @@ E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _CONST_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
+# Tensors below this many elements take the small-tensor paths (fewest torch ops: a decode step quantizes one
+# token per K/V per layer, where each op's fixed overhead, not the arithmetic, is the cost); larger ones the paths
+# that are fastest per element. Both give the same bits (tests/test_formats_fast.py).
+_SMALL = 1 << 16
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A shared fp32 0-d tensor of `value` per device (the default scale): the same tensor at every write, so what
+    is cached on a scale tensor (its validation, the FP8 decode table) is computed once. Never modify it."""
+    key = (f"scalar:{value!r}", torch.device(device))
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        t = _CONST_CACHE[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return t
+
+
 def _const(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
-    if key not in _CONST_CACHE:
-        _CONST_CACHE[key] = {"values": E2M1_VALUES}[name].to(device)
-    return _CONST_CACHE[key]
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        t = _CONST_CACHE[key] = ({"values": E2M1_VALUES} | _e2m1_tables())[name].to(device)
+    return t
 
 
 @dataclass(frozen=True, eq=False)
@@ -356,15 +374,49 @@ def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
     (+0, whatever its sign); NaN gets E2M1_NAN (8); +-Inf saturates to +-6."""
     if ties not in ("even", "away"):
         raise ValueError(f"ties must be 'even' or 'away', not {ties!r}")
+    if y.numel() <= _SMALL:
+        return _const(f"codes_{ties}", y.device).take(_e2m1_bucket(y, ties))
     a = y.abs().float()
     # magnitude code = number of midpoints below a. At a tie (a == midpoint i, between codes i and i+1) 'away' goes
     # up; 'even' goes up only to an even code, i.e. at the odd-indexed midpoints 0.75, 1.75, 3.5.
-    # (Seven elementwise compares: torch.bucketize is orders of magnitude slower on CPU.)
+    # (Seven elementwise compares: torch.bucketize is ~2x slower on a large CPU tensor; small ones take
+    # `_e2m1_bucket`, one op instead of ~20 — a decode step quantizes one token, where per-op overhead dominates.)
     mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
     for i, b in enumerate(E2M1_MIDPOINTS):
         mag += (a >= b) if (ties == "away" or i % 2 == 1) else (a > b)
     sign = ((y < 0) & (mag > 0)).to(torch.uint8) << 3
     return torch.where(torch.isnan(y), E2M1_NAN, sign | mag).to(torch.uint8)
+
+
+def _e2m1_bucket(y: torch.Tensor, ties: str) -> torch.Tensor:
+    """int64 bucket of each element of y (any shape) on the signed E2M1 grid: 0 = -6, ..., 6 = -0.5, 7 = zero,
+    8 = 0.5, ..., 14 = 6, 15 = NaN — one torch.bucketize (count of boundaries strictly below y) over the 14
+    signed midpoints, each moved one float32 ulp down where a tie there goes to the larger value (so `b < y`
+    holds at the tie), and one where for NaN. Same codes as e2m1_encode's compares (tests/test_formats_fast.py)."""
+    idx = torch.bucketize(y.float().contiguous(), _const(f"bounds_{ties}", y.device))
+    return torch.where(torch.isnan(y), 15, idx)
+
+
+def _e2m1_tables() -> dict[str, torch.Tensor]:
+    """The constant tensors of the small-tensor E2M1 path (`_e2m1_bucket`): boundaries per tie rule and the code of
+    every bucket."""
+    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32)
+    down = torch.nextafter(mids, torch.tensor(-float("inf")))  # one ulp below: a tie at this midpoint goes up
+    tables = {}
+    for ties in ("even", "away"):
+        up = torch.tensor([ties == "away" or i % 2 == 1 for i in range(len(mids))])  # tie goes to larger |y|
+        pos = torch.where(up, down, mids)  # y > b counts: at a tie y == mids[i], up needs b < y
+        # negative side, ascending: -mids[i] reversed; a tie going to larger |y| (more negative) must NOT count
+        neg = torch.where(up, -mids, torch.nextafter(-mids, torch.tensor(-float("inf")))).flip(0)
+        tables[f"bounds_{ties}"] = torch.cat([neg, pos])  # [14]
+        # bucket -> code: 0..6 are -6..-0.5 (sign bit | magnitude 7..1), 7 zero (+0), 8..14 0.5..6, 15 NaN
+        tables[f"codes_{ties}"] = torch.tensor(
+            [8 | (7 - k) for k in range(7)] + [0] + list(range(1, 8)) + [E2M1_NAN], dtype=torch.uint8
+        )
+    tables["bucket_values"] = E2M1_VALUES[tables["codes_even"].long()]  # bucket -> value (+0 for zero, NaN)
+    # nvfp4_4over6's two candidate denominators, as float32 reciprocals (1/4, 1/6)
+    tables["recip_4_6"] = torch.tensor([1.0 / 4.0, 1.0 / 6.0], dtype=torch.float32)
+    return tables
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -377,7 +429,13 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     if codes.shape[-1] % 2:
         raise UsageError(f"FP4 packing needs an even last dimension, got {codes.shape[-1]}")
     c = codes.to(torch.uint8)
-    return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+    return _pack(c & 0x0F)
+
+
+def _pack(c: torch.Tensor) -> torch.Tensor:
+    """pack_fp4 of uint8 codes already in 0..15 (what e2m1_encode returns): no masking; `* 16` is `<< 4` here
+    (no carry) and ~4x cheaper on a small CPU tensor (torch's << wraps its scalar in a tensor first)."""
+    return c[..., 0::2] | (c[..., 1::2] * 16)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -411,8 +469,7 @@ def _as_f32(x: torch.Tensor) -> torch.Tensor:
 
 def finite_abs(x: torch.Tensor) -> torch.Tensor:
     """|x| with NaN and +-Inf replaced by 0: what every scale is computed from (see the module docstring)."""
-    a = x.abs()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    return x.abs().nan_to_num_(nan=0.0, posinf=0.0)  # |x| has no -inf
 
 
 def _static_scale(
@@ -421,10 +478,10 @@ def _static_scale(
     """A user scale as fp32 0-d, [H_kv] or [B, 1, 1, 1]; validated finite and positive (on CPU, to avoid a
     device sync)."""
     if scale is None:
-        return None if default is None else torch.tensor(default, dtype=torch.float32, device=x.device)
+        return None if default is None else _scalar(default, x.device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if s.numel() == 1:
-        s = s.reshape(())
+        s = s if s.dim() == 0 else s.reshape(())  # the same 0-d tensor at every write (see below)
     elif s.dim() == 4 and x.dim() == 4 and s.shape[0] == x.shape[0] and s.shape[1:] == (1, 1, 1):
         pass  # one scale per sequence
     elif s.dim() != 1 or x.dim() < 3 or x.shape[1] != s.numel():
@@ -432,8 +489,12 @@ def _static_scale(
             f"a scale of shape {tuple(s.shape)} does not fit K/V of shape {tuple(x.shape)}: it must be one "
             "number, [H_kv] (per KV head) or [B, 1, 1, 1] (per sequence) for x [B, H_kv, T, D]"
         )
-    if s.device.type == "cpu" and not bool(torch.isfinite(s).all() and (s > 0).all()):
-        raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
+    if s.device.type == "cpu" and getattr(s, "_kvcal_checked", None) != s._version:
+        if not bool(torch.isfinite(s).all() and (s > 0).all()):
+            raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
+        # a cache passes the same scale tensor at every write: check it once (its version counter guards
+        # against in-place changes)
+        s._kvcal_checked = s._version  # type: ignore[attr-defined]
     return s
 
 
@@ -468,8 +529,8 @@ def nvfp4_dynamic_global(x: torch.Tensor, valid: torch.Tensor | None = None) -> 
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
-def _quantize_fp8(xf: torch.Tensor, f: KVFormat, scale: float | torch.Tensor | None) -> QTensor:
-    s = _static_scale(scale, xf, 1.0)
+def _quantize_fp8(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
+    """s: the validated scale (`_static_scale`)."""
     dtype = torch.float8_e4m3fn if f.element == "e4m3" else torch.float8_e5m2
     m = f.max_value
     # clamp first: torch's float8 casts do not all saturate (e5m2 overflows to inf); clamp keeps NaN, and the
@@ -480,9 +541,10 @@ def _quantize_fp8(xf: torch.Tensor, f: KVFormat, scale: float | torch.Tensor | N
 
 def _quantize_int8(xf: torch.Tensor) -> QTensor:
     s = finite_abs(xf).amax(dim=-1, keepdim=True) / INT8_MAX  # [..., 1]
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round(xf / safe).clamp(-INT8_MAX, INT8_MAX)  # torch.round = half to even; +-Inf -> +-127
-    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
+    ok = s > 0
+    # torch.round = half to even; +-Inf -> +-127
+    codes = torch.round(xf / torch.where(ok, s, 1.0)).clamp_(-INT8_MAX, INT8_MAX)
+    codes = torch.where(ok, codes, 0.0)
     codes = torch.where(torch.isnan(xf), float(INT8_NAN), codes).to(torch.int8)
     return QTensor(codes=codes, block_scales=s)
 
@@ -491,69 +553,80 @@ def _divide_blocks(xb: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
     """xb [..., nb, bs] / eff [..., nb, 1] in element units; a block of scale 0 (all finite values zero) gives 0,
     except NaN, which stays NaN."""
     ok = eff > 0
-    y = xb / torch.where(ok, eff, torch.ones_like(eff))
-    return torch.where(ok, y, torch.where(torch.isnan(xb), xb, torch.zeros_like(xb)))
+    y = xb / torch.where(ok, eff, 1.0)
+    return torch.where(ok, y, torch.where(torch.isnan(xb), xb, 0.0))
 
 
-def _quantize_nvfp4(xf: torch.Tensor, scale: float | torch.Tensor | None) -> QTensor:
+def _quantize_nvfp4(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
+    """g: the validated global scale (`_static_scale`), None = dynamic."""
     xb = _blocks(xf, 16)  # [..., D/16, 16]
     bmax = finite_abs(xb).amax(dim=-1)  # [..., D/16]
-    g = _static_scale(scale, xf, None)
     if g is None:
         g = nvfp4_dynamic_global(xf)
     gb = _bcast(g, xf.dim())
     bs = (bmax / (E2M1_MAX * gb)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # [..., D/16]
     y = _divide_blocks(xb, (bs.float() * gb).unsqueeze(-1))
     codes = e2m1_encode(y, ties="even")
-    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
+    return QTensor(codes=_pack(codes.flatten(-2)), block_scales=bs, scale=g)
 
 
 def _nvfp4_candidate(
-    bmax: torch.Tensor, sf_scale: torch.Tensor, denominator: float
+    bmax: torch.Tensor, sf_scale: torch.Tensor, reciprocal: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's `nvfp4_candidate_scale`: (E4M3 block scale [..., nb], element multiplier [..., nb]) of a block with
-    maximum `bmax` mapped to `denominator` (6 or 4). sf_scale = 1 / global scale, broadcastable to bmax."""
-    sf = (
-        (sf_scale * (bmax * (1.0 / denominator))).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    )  # satfinite
+    """vLLM's `nvfp4_candidate_scale`: (E4M3 block scale, element multiplier) of a block with maximum `bmax`
+    [..., nb] mapped to the denominators n (6 or 4) whose float32 reciprocals 1/n are `reciprocal`, broadcast
+    against bmax (a [2, 1, ...] tensor computes both candidates at once: [2, ..., nb]). sf_scale = 1 / global
+    scale, broadcastable to bmax. (bmax * (1/n) in float32 is what `bmax * (1.0 / n)` with a Python float
+    computes: torch applies a scalar in the tensor's dtype.)"""
+    sf = (sf_scale * (bmax * reciprocal)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # satfinite
     sfv = sf.float()
-    inv = torch.where(sfv != 0, 1.0 / (sfv * (1.0 / sf_scale)), torch.zeros_like(sfv))
+    inv = torch.where(sfv != 0, 1.0 / (sfv * (1.0 / sf_scale)), 0.0)
     return sf, inv
+
+
+def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """e2m1_decode(e2m1_encode(y, 'even')): the E2M1 value y rounds to (NaN for NaN); one lookup by bucket for a
+    small tensor."""
+    if y.numel() <= _SMALL:
+        return _const("bucket_values", y.device).take(_e2m1_bucket(y, "even"))
+    return e2m1_decode(e2m1_encode(y, ties="even"))
 
 
 def _nvfp4_sq_error(xb: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
     """vLLM's `nvfp4_reconstruction_error` per block [..., nb]: sum of (e2m1_rne(x * mult) / mult - x)**2 (a block
     of multiplier 0 stores zeros), summed in the kernel's order: pairs (2i, 2i+1), then i = 0..7 in sequence.
-    xb: [..., nb, 16] finite; mult: [..., nb]."""
+    xb: [..., nb, 16] finite; mult: [..., nb] (or [2, ..., nb]: both candidates, xb broadcast)."""
     m = mult.unsqueeze(-1)
-    deq = torch.where(m != 0, 1.0 / m, torch.zeros_like(m))
-    q = e2m1_decode(e2m1_encode(xb * m, ties="even"))
-    d = q * deq - xb
+    deq = torch.where(m != 0, 1.0 / m, 0.0)
+    d = _e2m1_round(xb * m) * deq - xb
     sq = d * d
     pair = sq[..., 0::2] + sq[..., 1::2]  # [..., nb, 8]
-    err = pair[..., 0]
-    for i in range(1, pair.shape[-1]):
-        err = err + pair[..., i]
+    first, *rest = pair.unbind(-1)
+    err = first
+    for p in rest:  # in sequence, as the kernel adds them (a torch.sum would reorder)
+        err = err + p
     return err
 
 
-def _quantize_nvfp4_4over6(xf: torch.Tensor, scale: float | torch.Tensor | None) -> QTensor:
+def _quantize_nvfp4_4over6(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
+    """g: the validated global scale (`_static_scale`), None = dynamic."""
     # vLLM csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu `cvt_warp_fp16_to_fp4_4over6` (see the docstring)
     xb = _blocks(xf, 16)  # [..., D/16, 16]
-    fin = torch.where(torch.isfinite(xb), xb, torch.zeros_like(xb))  # the choice never depends on NaN/Inf
+    fin = xb.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # the choice never depends on NaN/Inf
     bmax = fin.abs().amax(dim=-1)  # [..., D/16]
-    g = _static_scale(scale, xf, None)
     if g is None:
         g = nvfp4_dynamic_global(xf)
     sf_scale = 1.0 / _bcast(g, xf.dim())  # the kernel's SFScaleVal = 1 / k_scale
-    sf6, mult6 = _nvfp4_candidate(bmax, sf_scale, 6.0)
-    sf4, mult4 = _nvfp4_candidate(bmax, sf_scale, 4.0)
-    use4 = _nvfp4_sq_error(fin, mult4) < _nvfp4_sq_error(fin, mult6)  # ties keep max/6
-    bs = torch.where(use4, sf4.view(torch.uint8), sf6.view(torch.uint8)).view(torch.float8_e4m3fn)
-    mult = torch.where(use4, mult4, mult6).unsqueeze(-1)
-    y = torch.where(mult != 0, xb * mult, torch.where(torch.isnan(xb), xb, torch.zeros_like(xb)))
+    # both candidates in one pass, dim 0 = (max/4, max/6): [2, ..., D/16]
+    recip = _const("recip_4_6", xf.device).view((2,) + (1,) * bmax.dim())
+    sf, mult = _nvfp4_candidate(bmax, sf_scale, recip)
+    err = _nvfp4_sq_error(fin, mult)
+    use4 = err[0] < err[1]  # ties keep max/6
+    bs = torch.where(use4, sf[0].view(torch.uint8), sf[1].view(torch.uint8)).view(torch.float8_e4m3fn)
+    mult = torch.where(use4, mult[0], mult[1]).unsqueeze(-1)
+    y = torch.where(mult != 0, xb * mult, torch.where(torch.isnan(xb), xb, 0.0))
     codes = e2m1_encode(y, ties="even")
-    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=bs, scale=g)
+    return QTensor(codes=_pack(codes.flatten(-2)), block_scales=bs, scale=g)
 
 
 def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:
@@ -563,7 +636,7 @@ def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:
     scale_exp = torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))  # [..., D/16]
     y = xb / exp2_int(scale_exp).unsqueeze(-1)
     codes = e2m1_encode(y, ties="away")
-    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=(scale_exp + 127).to(torch.uint8))
+    return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(scale_exp + 127).to(torch.uint8))
 
 
 def _quantize_mxfp4(xf: torch.Tensor) -> QTensor:
@@ -575,7 +648,7 @@ def _quantize_mxfp4(xf: torch.Tensor) -> QTensor:
     shared = torch.where(bmax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp(-127, 127)
     y = xb / exp2_int(shared).unsqueeze(-1)
     codes = e2m1_encode(y, ties="even")
-    return QTensor(codes=pack_fp4(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
+    return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
 
 
 def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor | None = None) -> QTensor:
@@ -588,19 +661,73 @@ def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor |
     if f.element == "auto":
         return QTensor(codes=x)
     xf = _as_f32(x)
+    s = _static_scale(scale, xf, 1.0 if f.layout != "nvfp4" else None) if f.calibratable else None
+    return _quantize_f32(xf, f, s)
+
+
+def _quantize_f32(xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None) -> QTensor:
+    """quantize's body: xf float32, s the validated scale of a calibratable format (ignored by the others)."""
     if f.element == "bf16":
         return QTensor(codes=xf.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16))
     if f.element in ("e4m3", "e5m2"):
-        return _quantize_fp8(xf, f, scale)
+        return _quantize_fp8(xf, f, s)  # type: ignore[arg-type]
     if f.element == "int8":
         return _quantize_int8(xf)
     if f.name == "nvfp4":
-        return _quantize_nvfp4(xf, scale)
+        return _quantize_nvfp4(xf, s)
     if f.name == "nvfp4_4over6":
-        return _quantize_nvfp4_4over6(xf, scale)
+        return _quantize_nvfp4_4over6(xf, s)
     if f.name == "fp4_e2m1":
         return _quantize_fp4_e2m1(xf)
     return _quantize_mxfp4(xf)
+
+
+# Formats whose quantize_kv stacks K and V: those with the most torch ops per call (fp8 and bf16 have ~4, which
+# stacking would not reduce). Not fp4_e2m1: its log2 is vectorised on CPU, and an element in a vector's scalar tail
+# can get a log2 one ulp off the vectorised one, so its codes may depend on where the element sits in the tensor.
+_STACKED = frozenset({"int8_per_token_head", "nvfp4", "nvfp4_4over6", "mxfp4"})
+
+
+def quantize_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: str | KVFormat,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> tuple[QTensor, QTensor]:
+    """(quantize(k, fmt, k_scale), quantize(v, fmt, v_scale)), bit for bit, with half the torch ops where that pays:
+    small K and V (a decode step's token) of the same shape are stacked and quantized in one pass (every step of
+    every format is per element, per row or per block, so nothing mixes K with V; tests/test_formats_fast.py).
+    nvfp4's dynamic global (a scale of None) is per tensor, so it quantizes K and V apart."""
+    f = get_format(fmt)
+    if (
+        f.name not in _STACKED
+        or k.shape != v.shape
+        or k.dtype != v.dtype
+        or k.dim() != 4
+        or 2 * k.numel() > _SMALL
+        or (f.calibratable and (k_scale is None or v_scale is None))
+    ):
+        return quantize(k, f, k_scale), quantize(v, f, v_scale)
+    ks = _static_scale(k_scale, k, None) if f.calibratable else None
+    vs = _static_scale(v_scale, v, None) if f.calibratable else None
+    s = None if ks is None else _stack_scales(ks, vs)  # type: ignore[arg-type]
+    q = _quantize_f32(_as_f32(torch.stack([k, v])), f, s)  # [2, B, H_kv, T, D]
+    return tuple(  # type: ignore[return-value]
+        QTensor(
+            codes=q.codes[i], block_scales=None if q.block_scales is None else q.block_scales[i], scale=sc
+        )
+        for i, sc in ((0, ks), (1, vs))
+    )
+
+
+def _stack_scales(ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """Validated 0-d / [H_kv] / [B, 1, 1, 1] scales of K and V -> [2, 1|B, 1|H_kv, 1, 1], against [2, B, H, T, D]."""
+    k4 = ks if ks.dim() == 4 else ks.reshape(1, -1, 1, 1)
+    v4 = vs if vs.dim() == 4 else vs.reshape(1, -1, 1, 1)
+    if ks is vs:
+        return k4.unsqueeze(0).expand(2, *k4.shape)
+    return torch.stack(torch.broadcast_tensors(k4, v4))
 
 
 def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """`QuantizedKVCache`: a transformers Cache whose layers store K and V only as `kvcal.formats.QTensor` storage.
 
 What a layer holds: codes + scales of every token it keeps ([B, H_kv, T, D] logical layout), never a
-full-precision copy. Each write quantizes only the new tokens and concatenates codes (and block scales) along T,
-as an engine writes new slots of its paged cache; nothing already stored is re-quantized.
+full-precision copy. Each write quantizes only the new tokens and appends their codes (and block scales) along T
+into storage with spare room (`kvcal.kernels.buffer.TokenBuffer`: amortized O(1) per decode step, no copy of
+everything stored), as an engine writes new slots of its paged cache; nothing already stored is re-quantized.
 (The torch reference attention keeps, beside the stored codes, the float32 values it has already
-dequantized, so a decode step dequantizes only the new tokens: `reference.incremental`. That is the CPU
-path's workspace, not cache storage; the Triton path never fills it.)
+dequantized, so a decode step dequantizes only the new tokens: `reference.Workspace`, one per layer and K/V. That
+is the CPU path's workspace, not cache storage; the Triton path never fills it.)
 
 What `update` returns: transformers calls `past_key_values.update(k, v, layer_idx)` and passes the result straight
 to the attention function. We return two zero-stride placeholders of the right shape and dtype
@@ -58,7 +59,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
-from kvcal.kernels.reference import incremental
+from kvcal.kernels.buffer import TokenBuffer
+from kvcal.kernels.reference import Workspace, incremental
 
 # nvfp4 global scale when no scale file is given: name -> what it is (LayerPlan.nvfp4_global)
 NVFP4_GLOBALS: dict[str, str] = {
@@ -184,23 +186,40 @@ class KVRead:
     v_fmt: KVFormat | None = None  # V's format when a K/V pair differs
 
 
-def _cat(a: QTensor | None, b: QTensor) -> QTensor:
-    """Concatenate storage along T (dim -2 of codes and block scales); the static/global scale is shared. The
-    result is marked so the torch path dequantizes only the new tokens (`reference.incremental`)."""
-    if a is None:
-        return incremental(None, b)
-    bs = None if b.block_scales is None else torch.cat([a.block_scales, b.block_scales], dim=-2)
-    out = QTensor(codes=torch.cat([a.codes, b.codes], dim=-2), block_scales=bs, scale=b.scale)
-    return incremental(a, out)
+class _Side:
+    """One side's (K or V) stored tokens: codes and block scales in `TokenBuffer`s (appends amortized O(1), views
+    handed to the attention), and the torch path's workspace of their float32 values."""
 
+    __slots__ = ("block_scales", "codes", "workspace")
 
-def _slice_t(q: QTensor, start: int | None = None, stop: int | None = None, clone: bool = False) -> QTensor:
-    """Keep tokens [start:stop) (dim -2); a view unless `clone`."""
-    codes = q.codes[..., start:stop, :]
-    bs = None if q.block_scales is None else q.block_scales[..., start:stop, :]
-    if clone:
-        codes, bs = codes.clone(), None if bs is None else bs.clone()
-    return QTensor(codes=codes, block_scales=bs, scale=q.scale)
+    def __init__(self, q: QTensor | None = None) -> None:
+        """Empty, or holding q's tokens (after a batch re-index: q's tensors become the buffers)."""
+        self.codes = TokenBuffer(None if q is None else q.codes)
+        self.block_scales = TokenBuffer(None if q is None else q.block_scales)
+        self.workspace = Workspace()
+
+    def append(self, new: QTensor, first: int) -> QTensor:
+        """Store new's tokens after the kept ones; the QTensor of all of them (views), whose first token is at
+        absolute position `first`, marked for incremental dequantization. The static/global scale is the
+        new write's (the same for every write of a sequence, see QuantizedLayer._scale)."""
+        codes = self.codes.append(new.codes)
+        bs = None if new.block_scales is None else self.block_scales.append(new.block_scales)
+        return incremental(QTensor(codes=codes, block_scales=bs, scale=new.scale), self.workspace, first)
+
+    def view(self, scale: torch.Tensor | None) -> QTensor | None:
+        codes = self.codes.view()
+        if codes is None:
+            return None
+        return QTensor(codes=codes, block_scales=self.block_scales.view(), scale=scale)
+
+    def keep_last(self, n: int) -> None:
+        self.codes.keep_last(n)
+        self.block_scales.keep_last(n)
+
+    def drop_last(self, n: int) -> None:
+        self.codes.drop_last(n)
+        self.block_scales.drop_last(n)
+        self.workspace = Workspace()  # positions past the crop will be written again
 
 
 def _per_sequence(s: torch.Tensor | None) -> bool:
@@ -255,11 +274,13 @@ class QuantizedLayer(CacheLayerMixin):
         self.nonfinite = nonfinite
         self.is_sliding = plan.window is not None
         self.sliding_window = plan.window
-        self.k: QTensor | None = None  # stored keys, [B, H_kv, T_kept, D] logical
+        self.k: QTensor | None = None  # stored keys, [B, H_kv, T_kept, D] logical (views of self._sides)
         self.v: QTensor | None = None
+        self._sides = {"k": _Side(), "v": _Side()}
         self.cumulative_length = 0  # tokens written so far (positions 0..cumulative_length-1)
         self._scales: dict[str, torch.Tensor | None] = {"k": plan.k_scale, "v": plan.v_scale}
         self._fixed: torch.Tensor | None = None  # [B] bool: sequence has fixed its per-sequence global
+        self._one: torch.Tensor | None = None  # nvfp4's global 1.0 (policy "one")
 
     def __repr__(self) -> str:
         return f"QuantizedLayer({self.plan.index}, {self.plan.fmt.name}, window={self.plan.window})"
@@ -268,7 +289,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     @property
     def kept(self) -> int:
-        return 0 if self.k is None else int(self.k.codes.shape[-2])
+        return len(self._sides["k"].codes)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -289,7 +310,9 @@ class QuantizedLayer(CacheLayerMixin):
         if fmt.layout != "nvfp4" or (s is not None and not _per_sequence(s)):
             return s
         if self.plan.nvfp4_global == "one":
-            return torch.ones((), dtype=torch.float32, device=x.device)
+            if self._one is None or self._one.device != x.device:  # one tensor for every write (cheap checks)
+                self._one = torch.ones((), dtype=torch.float32, device=x.device)
+            return self._one
         new = formats.nvfp4_dynamic_global(x)  # [B, 1, 1, 1]
         real = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if valid is None else valid.any(-1)
         if s is None or self._fixed is None:
@@ -301,13 +324,27 @@ class QuantizedLayer(CacheLayerMixin):
             self._fixed = real if self._fixed is None else self._fixed | real
         return s
 
-    def _write(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> QTensor:
+    def _prepare(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor:
+        """New K or V [B, H_kv, T_new, D] as they are stored: in the K/V input dtype, padding zeroed (NaN/Inf of
+        the real tokens counted)."""
         if self.plan.kv_input_dtype is not None and x.dtype != self.plan.kv_input_dtype:
             x = x.to(self.plan.kv_input_dtype)  # as the engine holds them (an overflow becomes Inf, as there)
         if self.nonfinite is not None:
             self.nonfinite.add(self.plan.index, 0 if which == "k" else 1, x, valid)
-        x = without_padding(x, valid)
-        return formats.quantize(x, self.plan.side_format(which), scale=self._scale(x, which, valid))
+        return without_padding(x, valid)
+
+    def _write(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[QTensor, QTensor]:
+        """Quantize the new K and V (in one call when they share a format: `formats.quantize_kv`)."""
+        k = self._prepare(key_states, "k", valid)
+        k_scale = self._scale(k, "k", valid)
+        v = self._prepare(value_states, "v", valid)
+        v_scale = self._scale(v, "v", valid)
+        fk, fv = self.plan.side_format("k"), self.plan.side_format("v")
+        if fk is fv:
+            return formats.quantize_kv(k, v, fk, k_scale, v_scale)
+        return formats.quantize(k, fk, scale=k_scale), formats.quantize(v, fv, scale=v_scale)
 
     def update(
         self,
@@ -326,8 +363,10 @@ class QuantizedLayer(CacheLayerMixin):
         t_new = key_states.shape[-2]
         kept_before = self.kept
         q_start = self.cumulative_length
-        full_k = _cat(self.k, self._write(key_states, "k", valid))  # [B, H_kv, kept + T_new, D]
-        full_v = _cat(self.v, self._write(value_states, "v", valid))
+        k_start = q_start - kept_before  # absolute position of the first kept token
+        new_k, new_v = self._write(key_states, value_states, valid)
+        full_k = self._sides["k"].append(new_k, k_start)  # [B, H_kv, kept + T_new, D]: kept + new tokens
+        full_v = self._sides["v"].append(new_v, k_start)
         self.cumulative_length += t_new
         self._keep(full_k, full_v)
         read = KVRead(
@@ -335,7 +374,7 @@ class QuantizedLayer(CacheLayerMixin):
             v=full_v,
             fmt=self.plan.fmt,
             q_start=q_start,
-            k_start=q_start - kept_before,
+            k_start=k_start,
             layer=self.plan.index,
             window=self.plan.window,
             v_fmt=self.plan.v_fmt,
@@ -344,11 +383,13 @@ class QuantizedLayer(CacheLayerMixin):
         return _placeholder(key_states, tk, read), _placeholder(value_states, tk, read)
 
     def _keep(self, full_k: QTensor, full_v: QTensor) -> None:
-        """Store what this layer keeps after a write: all of it, or a sliding layer's window (copied out, so the
-        chunk's full buffer is freed after this forward)."""
+        """Keep all of it, or a sliding layer's window (the buffers drop the tokens before it, and are compacted
+        when a long chunk left them mostly empty)."""
         w = self.plan.window
         if w is not None and full_k.codes.shape[-2] > w:
-            self.k, self.v = _slice_t(full_k, -w, clone=True), _slice_t(full_v, -w, clone=True)
+            for side in self._sides.values():
+                side.keep_last(w)
+            self.k, self.v = self._sides["k"].view(full_k.scale), self._sides["v"].view(full_v.scale)
         else:
             self.k, self.v = full_k, full_v
 
@@ -378,6 +419,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.k = self.v = None
+        self._sides = {"k": _Side(), "v": _Side()}
         self.cumulative_length = 0
         self._scales = {"k": self.plan.k_scale, "v": self.plan.v_scale}
         self._fixed = None
@@ -395,6 +437,7 @@ class QuantizedLayer(CacheLayerMixin):
     def _select(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch re-indexing to everything stored per sequence."""
         self.k, self.v = _map_batch(self.k, fn), _map_batch(self.v, fn)
+        self._sides = {"k": _Side(self.k), "v": _Side(self.v)}  # the re-indexed tensors become the storage
         for which, s in self._scales.items():
             if _per_sequence(s):
                 self._scales[which] = fn(s)
@@ -413,7 +456,9 @@ class QuantizedLayer(CacheLayerMixin):
                 f"layer {self.plan.index} keeps only its {self.plan.window}-token window; it cannot be cropped"
             )
         n = min(n, self.kept)
-        self.k, self.v = _slice_t(self.k, None, self.kept - n), _slice_t(self.v, None, self.kept - n)
+        for side in self._sides.values():
+            side.drop_last(n)
+        self.k, self.v = self._sides["k"].view(self.k.scale), self._sides["v"].view(self.v.scale)
         self.cumulative_length -= n
 
 

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcal.errors import UsageError
+from kvcal.kernels.buffer import TokenBuffer
 
 # Lookup tables for fast FP4 dequantization, per device: byte -> (low-nibble value, high-nibble value), and
 # E8M0 byte -> 2**(byte - 127).
@@ -294,22 +295,35 @@ def _dequantize(q, f) -> torch.Tensor:
     return _saturate(y, eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(()))  # |E2M1| <= 6
 
 
-# Incremental dequantization of the cache's stored tokens (torch path). `QuantizedLayer` stores each write by
-# concatenating codes (`cache._cat`), and stored codes never change, so the float32 values of the tokens a read
-# shares with the previous read need not be computed again: `incremental(prev, out)` marks the cache's new
-# storage `out` with prev's memo, and `dequantize_fast(out)` computes only the new tokens, concatenates, and keeps
-# the result on `out` for the next step. Bit-identical (dequantization is elementwise). The memo is the torch
-# path's workspace, not cache storage: 4 bytes per element of what it has read (Triton reads codes, never
-# dequantizes, and never fills it); a batch re-index, crop or sliding-window trim makes a new QTensor without it.
-_MEMO = "_kvcal_dequantized"  # on a cache QTensor: (format name, scale, float32 values [B, H_kv, T, D])
-_PREFIX = "_kvcal_prefix"  # on a cache QTensor before its first read: the memo of its first tokens, or None
+# Incremental dequantization of the cache's stored tokens (torch path). `QuantizedLayer` appends each write's codes
+# to its storage, and stored codes never change, so the float32 values of the tokens a read shares with the previous
+# read need not be computed again. Each cache side (a layer's K or V) owns a `Workspace`: the float32 values of its
+# tokens by absolute position, in a `TokenBuffer` (appends amortized O(1), no torch.cat of everything per step).
+# `incremental(q, ws, first)` marks the QTensor a read gets (tokens first.. of the cache); `dequantize_fast(q)`
+# dequantizes only the tokens ws does not hold yet, appends them, and returns a view. Bit-identical
+# (dequantization is elementwise). The workspace is the torch path's, not cache storage: 4 bytes per element of
+# what it has read (Triton reads codes, never dequantizes, and never fills it); the cache gives a side a new one
+# when its stored tokens change other than by appending (crop, batch re-index, reset).
+_WS = "_kvcal_workspace"  # on a cache QTensor: (Workspace, absolute position of its first token)
 
 
-def incremental(prev, out):
-    """Mark `out` (QTensor: prev's tokens followed by new ones, or the first write when prev is None) for
-    incremental dequantization; returns out."""
-    setattr(out, _PREFIX, None if prev is None else getattr(prev, _MEMO, None))
-    return out
+class Workspace:
+    """The float32 values of one cache side's tokens first .. first + len(values) - 1, dequantized as `fmt` with
+    `scale` (see above)."""
+
+    __slots__ = ("first", "fmt", "scale", "values")
+
+    def __init__(self) -> None:
+        self.values = TokenBuffer()  # float32 [B, H_kv, capacity, D]
+        self.first = 0
+        self.fmt: str | None = None
+        self.scale: torch.Tensor | None = None
+
+
+def incremental(q, ws: Workspace, first: int):
+    """Mark the QTensor `q` (the cache side's tokens first .. first + T - 1) as read through `ws`; returns q."""
+    setattr(q, _WS, (ws, first))
+    return q
 
 
 def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -328,31 +342,29 @@ def dequantize_fast(q, fmt) -> torch.Tensor:
     """float32 values of a QTensor, bit-identical to `kvcal.formats.dequantize(q, fmt)` (a test checks it), but
     cheaper: FP8 and FP4 decoded through 256-entry lookup tables (FP8's scale and saturation folded into the
     table), the saturating clamp skipped where the scales show it cannot change anything, and for the cache's
-    own storage only the tokens written since the previous read (see `incremental`). The torch path reads the
+    own storage only the tokens its workspace does not hold yet (see `incremental`). The torch path reads the
     whole cache for every attention call, so this is its main cost. The result may be shared: do not modify it."""
     from kvcal import formats
 
     f = formats.get_format(fmt)
-    memo = getattr(q, _MEMO, None)
-    if memo is not None and memo[0] == f.name:
-        return memo[2]
-    if not hasattr(q, _PREFIX):
+    mark = getattr(q, _WS, None)
+    if mark is None:
         return _dequantize(q, f)
-    prefix = q.__dict__.pop(_PREFIX)
-    t = q.codes.shape[-2]
-    if (
-        prefix is not None
-        and prefix[0] == f.name
-        and _same_scale(prefix[1], q.scale)
-        and prefix[2].shape[:-2] == q.codes.shape[:-2]
-        and prefix[2].shape[-2] <= t
-    ):
-        n = prefix[2].shape[-2]
-        y = torch.cat([prefix[2], _dequantize(_tail(q, n), f)], dim=-2) if n < t else prefix[2]
-    else:
-        y = _dequantize(q, f)
-    setattr(q, _MEMO, (f.name, q.scale, y))
-    return y
+    ws, a0 = mark
+    a1 = a0 + q.codes.shape[-2]
+    vals = ws.values
+    held = vals.data is not None and vals.data.shape[:-2] == q.codes.shape[:-2] and ws.fmt == f.name
+    if not (held and ws.first <= a0 <= ws.first + len(vals) and _same_scale(ws.scale, q.scale)):
+        ws.values, ws.first, ws.fmt = TokenBuffer(), a0, f.name  # start over: nothing held is valid for q
+        vals = ws.values
+    ws.scale = q.scale  # equal values; the newest tensor makes the next `is` check succeed
+    if a0 > ws.first:  # a sliding layer's window moved on: drop the tokens before it
+        vals.keep_last(len(vals) - (a0 - ws.first))
+        ws.first = a0
+    have = ws.first + len(vals)
+    if have < a1:
+        return vals.append(_dequantize(_tail(q, have - a0), f))
+    return vals.data[..., vals.start : vals.start + (a1 - a0), :]  # a read of fewer tokens than held
 
 
 # FP8 attention (vLLM's FlashAttention-3 path with an fp8 KV cache; see `quantize_query` and `attention_p_fp8`).

@@ -1,5 +1,5 @@
 """The torch path's decode-step dequantization: FP8 by table lookup, and only the tokens written since the last
-read (`reference.incremental`). Both must give exactly `kvcal.formats.dequantize`'s values, step after step,
+read (`reference.incremental`: the cache side's `Workspace`). Both must give exactly `kvcal.formats.dequantize`'s values, step after step,
 whatever the format, scale, sliding window, padding or batch re-indexing.
 """
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from kvcal import formats
+from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
-from kvcal.kernels.reference import _MEMO, dequantize_fast
+from kvcal.kernels.reference import _WS, dequantize_fast
 
 FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "mxfp4"]
 
@@ -63,8 +64,9 @@ def _decode(cache: QuantizedKVCache, fmt: str, steps: list[int], mask: torch.Ten
             cache.set_attention_mask(mask[:, : cache.layers[0].cumulative_length + n])
         kph, _ = cache.update(k, v, 0)
         read = kph.kvcal_read
-        prefix = getattr(read.k, "_kvcal_prefix", None)
-        reused += prefix is not None
+        ws, first = getattr(read.k, _WS)
+        held = ws.first + len(ws.values)
+        reused += len(ws.values) > 0 and ws.first <= first < held  # the workspace holds this read's start
         for q in (read.k, read.v):
             assert _same(dequantize_fast(q, fmt), formats.dequantize(q, fmt))
             assert _same(dequantize_fast(q, fmt), formats.dequantize(q, fmt))  # the memo: same values again
@@ -94,9 +96,63 @@ def test_batch_reindex_and_crop_drop_the_memo() -> None:
     cache = QuantizedKVCache(_plans("fp8_e4m3", None))
     _decode(cache, "fp8_e4m3", [4, 1])
     layer = cache.layers[0]
-    assert hasattr(layer.k, _MEMO)
+    held = lambda: len(layer._sides["k"].workspace.values)  # noqa: E731
+    assert held() == 5
     layer.batch_select_indices(torch.tensor([1, 0]))
-    assert not hasattr(layer.k, _MEMO)
+    assert held() == 0
+    _decode(cache, "fp8_e4m3", [1])
+    assert held() == 6
     layer.crop(-1)
-    assert not hasattr(layer.k, _MEMO)
+    assert held() == 0
     _decode(cache, "fp8_e4m3", [1, 1])  # still exact after re-indexing and cropping
+
+
+def test_token_buffer_appends_in_place_and_grows_geometrically() -> None:
+    """Appends write into spare room (the buffer moves O(log T) times, not per step); every view equals the
+    concatenation of what was appended, and a view handed out earlier is unchanged by later appends."""
+    g = torch.Generator().manual_seed(5)
+    buf, parts, moves, ptr, views = TokenBuffer(), [], 0, None, []
+    for n in [7] + [1] * 120:
+        parts.append(torch.randint(0, 255, (2, 3, n, 16), generator=g, dtype=torch.uint8))
+        view = buf.append(parts[-1])
+        views.append((view, torch.cat(parts, dim=-2)))
+        moves += buf.data.data_ptr() != ptr
+        ptr = buf.data.data_ptr()
+    assert all(torch.equal(v, want) for v, want in views)
+    assert len(buf) == 127 and buf.capacity >= 127 and moves <= 10  # 7 -> 14 -> 21 -> ... (x1.5)
+    with pytest.raises(ValueError):
+        buf.append(torch.zeros(1, 3, 1, 16, dtype=torch.uint8))  # another batch: refused, not broadcast
+
+
+def test_token_buffer_window_stays_bounded() -> None:
+    """A sliding window (keep_last after each append) keeps a bounded buffer, also after a long chunk."""
+    buf = TokenBuffer()
+    buf.append(torch.arange(100.0).reshape(1, 1, 100, 1))
+    buf.keep_last(4)
+    assert buf.capacity <= 8 and buf.view().flatten().tolist() == [96.0, 97.0, 98.0, 99.0]
+    for i in range(100, 200):
+        buf.append(torch.tensor([[[[float(i)]]]]))
+        buf.keep_last(4)
+        assert buf.capacity <= 10 and buf.view().flatten().tolist() == [i - 3.0, i - 2.0, i - 1.0, float(i)]
+    buf.drop_last(1)
+    assert buf.view().flatten().tolist() == [196.0, 197.0, 198.0]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4", "int8_per_token_head"])
+def test_window_after_a_long_chunk_then_decode(fmt: str) -> None:
+    """A sliding layer given a chunk much longer than its window, then decode steps: every read exact, the kept
+    storage (codes and the workspace) bounded by the window, not the chunk."""
+    cache = QuantizedKVCache(_plans(fmt, 4))
+    _decode(cache, fmt, [40] + [1] * 12)
+    side = cache.layers[0]._sides["k"]
+    assert cache.layers[0].kept == 4 and side.codes.capacity <= 10 and side.workspace.values.capacity <= 10
+
+
+def test_crop_then_decode_rewrites_positions_exactly() -> None:
+    """crop then new tokens at the cropped positions: the reads see the new tokens, not the workspace's old
+    values of those positions."""
+    cache = QuantizedKVCache(_plans("fp8_e4m3", None))
+    _decode(cache, "fp8_e4m3", [6, 1, 1])
+    cache.layers[0].crop(-3)
+    assert cache.layers[0].kept == 5
+    _decode(cache, "fp8_e4m3", [1, 2, 1])

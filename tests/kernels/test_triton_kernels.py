@@ -353,3 +353,27 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     )
     assert compiled.asm.get("cubin")
     assert "mma" in compiled.asm["ptx"]  # the bf16 dots run on tensor cores
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4"])
+def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
+    """The cache hands the attention views of buffers with spare room (`kvcal.kernels.buffer`: non-contiguous
+    codes and block scales); the kernel reads them by their strides: the same output, bit for bit, as from
+    contiguous copies."""
+    from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
+
+    g = torch.Generator().manual_seed(4)
+    cache = QuantizedKVCache([LayerPlan(index=0, fmt=formats.get_format(fmt))])
+    for n in (9, 1, 1):
+        kph, _ = cache.update(torch.randn(2, 2, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g), 0)
+    read = kph.kvcal_read
+    assert not read.k.codes.is_contiguous()
+
+    def copy(q: formats.QTensor) -> formats.QTensor:
+        bs = None if q.block_scales is None else q.block_scales.contiguous()
+        return formats.QTensor(codes=q.codes.contiguous(), block_scales=bs, scale=q.scale)
+
+    q = torch.randn(2, 4, 1, 64, generator=g)
+    kw = dict(scaling=0.125, q_start=read.q_start, k_start=read.k_start)
+    out = ta.attention(q, read.k, read.v, fmt, **kw)
+    assert torch.equal(out, ta.attention(q, copy(read.k), copy(read.v), fmt, **kw))
