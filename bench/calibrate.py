@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/calibrate.py [--model smollm2] [--dataset ../shared/data/c4_calib]
                                         [--num-samples 32] [--seq-len 512] [--batch-size 8] [--repeats 2] [--trap]
+                                        [--device cuda]
 
 Each run is a fresh child process (same model, data, seed, FP8-E4M3 per-tensor minmax / static_minmax): kvcal
 native at --batch-size, kvcal native at batch 1 (the scales must be bit-identical), llm-compressor's oneshot, and a
@@ -47,7 +48,7 @@ def floor_child(args: argparse.Namespace) -> None:
 
     t_imports = time.perf_counter() - t0
     t1 = time.perf_counter()
-    lm = load_model(args.model)
+    lm = load_model(args.model, device=args.device)
     __import__(type(lm.model).__module__)
     t_load = time.perf_counter() - t1
     data = samples_for_model(load_texts(args.dataset), lm, args.num_samples, args.seq_len, 0)
@@ -58,14 +59,18 @@ def floor_child(args: argparse.Namespace) -> None:
     lengths = [int(s.numel()) for s in data.samples]
     flops = sum(2 * n * m.in_features * m.out_features for n in lengths for m in linears)
     dims = {m.in_features for m in linears}
-    inputs = {(n, d): torch.randn(n, d, dtype=linears[0].weight.dtype) for n in set(lengths) for d in dims}
+    w = linears[0].weight
+    inputs = {(n, d): torch.randn(n, d, dtype=w.dtype, device=w.device) for n in set(lengths) for d in dims}
+    sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         for m in linears[:8]:  # warm-up
             torch.nn.functional.linear(inputs[lengths[0], m.in_features], m.weight)
+        sync()
         t2 = time.perf_counter()
         for n in lengths:
             for m in linears:
                 torch.nn.functional.linear(inputs[n, m.in_features], m.weight, m.bias)
+        sync()
         t_gemm = time.perf_counter() - t2
     print("BENCH_FLOOR " + json.dumps({
         "imports_s": t_imports, "load_s": t_load, "gemm_s": t_gemm, "gemm_gflops": flops / t_gemm / 1e9,
@@ -93,6 +98,7 @@ def child(args: argparse.Namespace) -> None:
         engine=args.engine,
         output=out,
         llmc_observer=args.llmc_observer,
+        device=args.device,
         batch_size=args.batch_size if args.engine == "native" else 1,
     )
     wall = time.perf_counter() - t0
@@ -135,6 +141,7 @@ def run_child(
         "--batch-size", str(batch_size),
         "--model", args.model, "--dataset", str(args.dataset),
         "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--threads", str(args.threads),
+        "--device", args.device,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
@@ -158,6 +165,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="kvcal native: samples per forward")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (every process, the floor's matmuls too)")
     p.add_argument(
         "--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")), help="torch threads"
     )
