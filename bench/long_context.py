@@ -41,18 +41,6 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-# every KV format kvcal has (kvcal.formats.FORMATS, auto aside; auto is always measured as the reference)
-FORMATS = (
-    "bf16",
-    "fp8_e4m3",
-    "fp8_e5m2",
-    "int8_per_token_head",
-    "nvfp4",
-    "nvfp4_4over6",
-    "fp4_e2m1",
-    "mxfp4",
-)
-
 
 def parse_length(text: str) -> int:
     """'2k' -> 2048, '512' -> 512."""
@@ -207,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one cell, print its JSON
     ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | HF folder | .gguf")
     ap.add_argument("--lengths", default="2k,4k,8k", help="context lengths, e.g. 512,2k,4k,8k (k = 1024)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help="KV formats besides auto")
+    from kvcal.formats import FORMATS  # every KV format kvcal has; auto is always measured as the reference
+
+    default_formats = ",".join(n for n in FORMATS if n != "auto")
+    ap.add_argument("--formats", default=default_formats, help="KV formats besides auto")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=1)
