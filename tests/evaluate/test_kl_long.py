@@ -235,3 +235,26 @@ def test_bf16_evaluates_the_baseline_in_one_pass(gemma: Path) -> None:
     assert torch.equal(once[1], torch.ones(39))
     assert not getattr(lm_sides(_lm(gemma, "fp8_e4m3"), "auto")[1], "same_as_evaluated", False)
 
+
+
+def test_statistics_do_not_depend_on_the_row_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """token_stats works a block of rows at a time (_STATS_BUDGET elements) to keep its temporaries small; every
+    statistic is row-wise, so the block size changes nothing, bit for bit (inf logits and a tied argmax too)."""
+    import kvcal.evaluate.kl as kl
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 37, 1000
+    base = torch.randn(n, vocab, generator=g) * 4
+    quant = base + 0.3 * torch.randn(n, vocab, generator=g)
+    base[3, 7] = -math.inf
+    quant[5, :] = 1.0  # a tie: argmax picks the first
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    results = []
+    for budget in (1, vocab * 5, 1 << 24):
+        monkeypatch.setattr(kl, "_STATS_BUDGET", budget)
+        base_lp16 = kl._fp16_logprobs_blocked(base)
+        results.append((base_lp16, *kl.token_stats(base_lp16, quant, targets)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+    assert results[0][0].dtype == torch.float16 and results[0][1].shape == (n,)
