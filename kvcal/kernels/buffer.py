@@ -45,7 +45,7 @@ class TokenBuffer:
 
     def view(self) -> torch.Tensor | None:
         """The live tokens [..., len, C] (a view)."""
-        return None if self.data is None else self.data[..., self.start : self.end, :]
+        return None if self.data is None else self.data.narrow(-2, self.start, self.end - self.start)
 
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """Write new [..., n, C] after the live tokens; return the view of all live tokens (old + new)."""
@@ -55,9 +55,11 @@ class TokenBuffer:
             raise ValueError(f"appending {tuple(new.shape)} to stored tokens of shape {tuple(d.shape)}")
         if d is None or self.end + n > d.shape[-2] or d.dtype != new.dtype or d.device != new.device:
             self._move(len(self) + n, like=new)
-        self.data[..., self.end : self.end + n, :] = new  # type: ignore[index]
+        # narrow + copy_, not `data[..., a:b, :] = new`: Python indexing costs ~15 µs a call, and a decode step
+        # appends 4-8 times per layer
+        self.data.narrow(-2, self.end, n).copy_(new)  # type: ignore[union-attr]
         self.end += n
-        return self.data[..., self.start : self.end, :]  # type: ignore[index]
+        return self.data.narrow(-2, self.start, self.end - self.start)  # type: ignore[union-attr]
 
     def keep_last(self, n: int) -> None:
         """Drop all but the last n live tokens (a sliding window); compact a buffer left mostly empty."""

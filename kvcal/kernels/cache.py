@@ -49,6 +49,7 @@ K/V, into the runtime's `NonFiniteCount` (on the device, no synchronisation); ev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,10 +154,11 @@ class NonFiniteCount:
 
     def add(self, layer: int, which: int, x: torch.Tensor, valid: torch.Tensor | None) -> None:
         """x: [B, H_kv, T, D]; valid: [B, T] bool or None (all real). `which`: 0 = K, 1 = V."""
-        finite = torch.isfinite(x)
-        if x.device.type == "cpu" and bool(finite.all()):
-            return  # the usual case, one reduction (a CPU check costs no device synchronisation)
-        bad = ~finite
+        if x.device.type == "cpu" and math.isfinite(float(x.sum())):
+            # the usual case, two ops (a CPU check costs no device synchronisation): any NaN/Inf makes the sum
+            # non-finite; a sum that overflows only sends all-finite x to the exact count below
+            return
+        bad = ~torch.isfinite(x)
         if valid is not None:
             bad = bad & valid[:, None, :, None]
         if x.device not in self.counts:
@@ -234,10 +236,16 @@ def _map_batch(q: QTensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) ->
     return QTensor(codes=fn(q.codes), block_scales=bs, scale=scale)
 
 
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # 0-d zeros the placeholders expand
+
+
 def _placeholder(x: torch.Tensor, tk: int, read: KVRead) -> torch.Tensor:
     """A zero-stride [B, H_kv, Tk, D] tensor (no storage) carrying `read`."""
     b, h, _, d = x.shape
-    ph = torch.zeros((), dtype=x.dtype, device=x.device).expand(b, h, tk, d)
+    key = (x.dtype, x.device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=x.dtype, device=x.device)
+    ph = _ZEROS[key].expand(b, h, tk, d)
     ph.kvcal_read = read  # type: ignore[attr-defined]
     return ph
 

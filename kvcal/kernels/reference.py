@@ -218,7 +218,7 @@ def _fp8_values(c: torch.Tensor) -> torch.Tensor:
     """float32 values of FP8 codes (any shape), by table lookup: CPU torch converts FP8 element by element,
     several times slower than a gather."""
     lut = _lut(str(c.dtype).removeprefix("torch."), c.device)
-    return lut.index_select(0, c.view(torch.uint8).reshape(-1).int()).view(c.shape)
+    return lut.index_select(0, c.view(torch.uint8).int().reshape(-1)).view(c.shape)  # int first: c may be strided
 
 
 def _fp8_scaled(c: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -255,7 +255,22 @@ def _fp8_table(c: torch.Tensor, s: torch.Tensor, cache_on: torch.Tensor | None) 
     return table
 
 
-def _saturate(y: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+_F32_HALF = torch.finfo(torch.float32).max / 2
+
+
+def _scale_bound(scale: torch.Tensor, factor: float) -> float:
+    """max |scale| * factor as a Python float, kept on the scale tensor (a layer's static scale is the same tensor
+    at every read; its version counter guards against in-place changes), so a decode step reads no data for it."""
+    kept = getattr(scale, "_kvcal_bound", None)
+    if kept is not None and kept[0] == factor and kept[1] == scale._version:
+        return kept[2]
+    b = float(scale.float().abs().amax()) * factor if scale.numel() else 0.0
+    if not scale.is_inference():
+        scale._kvcal_bound = (factor, scale._version, b)  # type: ignore[attr-defined]
+    return b
+
+
+def _saturate(y: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
     """formats' saturating cast of y to float32's range; skipped (an identity) when `bound`, an upper bound of
     |y| computed from the scales, shows no element can be out of range."""
     fi = torch.finfo(torch.float32)
@@ -283,16 +298,24 @@ def _dequantize(q, f) -> torch.Tensor:
         y = c.float() * q.block_scales
         y = y.masked_fill_(c == formats.INT8_NAN, math.nan)
         return y.clamp_(fi.min, fi.max)
-    vals = _lut("fp4", c.device).index_select(0, c.reshape(-1).int())  # [N, 2] (code 8 -> NaN)
+    # .int() before flattening: codes read from the cache are a strided slice, and reshape would copy them first
+    vals = _lut("fp4", c.device).index_select(0, c.int().reshape(-1))  # [N, 2] (code 8 -> NaN)
     vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
     bs = q.block_scales
     if f.layout == "nvfp4":  # nvfp4, nvfp4_4over6: E4M3 block scales x the global scale
         bsf = _fp8_values(bs) if bs.element_size() == 1 and bs.is_floating_point() else bs.float()
-        eff = bsf * _bcast_scale(q.scale.float(), c.dim())
+        g = q.scale.float()
+        eff = bsf * _bcast_scale(g, c.dim())
+        # |E4M3| <= 448 bounds |eff| by 448 |g| without reading eff (a per-tensor / per-head global is the same
+        # tensor at every read, so its bound is computed once: `_scale_bound`)
+        bound = _scale_bound(q.scale, 448.0 * 6.0)
     else:
-        eff = _lut("e8m0", c.device).index_select(0, bs.reshape(-1).int()).view(bs.shape)
+        eff = _lut("e8m0", c.device).index_select(0, bs.int().reshape(-1)).view(bs.shape)
+        bound = None
     y = (vals * eff.unsqueeze(-1)).flatten(-2)
-    return _saturate(y, eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(()))  # |E2M1| <= 6
+    if bound is None or not bound < _F32_HALF:
+        bound = eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(())  # |E2M1| <= 6
+    return _saturate(y, bound)
 
 
 # Incremental dequantization of the cache's stored tokens (torch path). `QuantizedLayer` appends each write's codes

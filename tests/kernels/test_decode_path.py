@@ -48,6 +48,17 @@ def test_nvfp4_saturation_still_clamps() -> None:
     assert dequantize_fast(q, "nvfp4").abs().max() == torch.finfo(torch.float32).max
 
 
+def test_nvfp4_bound_kept_on_the_scale_follows_in_place_changes() -> None:
+    """The global scale's bound is remembered on the scale tensor; changing the tensor in place must not reuse it."""
+    codes = torch.full((1, 2, 5, 16), 0x17, dtype=torch.uint8)
+    bs = torch.full((1, 2, 5, 2), 448.0).to(torch.float8_e4m3fn)
+    g = torch.tensor(1.0)
+    q = formats.QTensor(codes=codes, block_scales=bs, scale=g)
+    assert _same(dequantize_fast(q, "nvfp4"), formats.dequantize(q, "nvfp4"))  # bound 2688 kept on g
+    g.fill_(1e36)
+    assert dequantize_fast(q, "nvfp4").abs().max() == torch.finfo(torch.float32).max
+
+
 def _plans(fmt: str, window: int | None, **kw: object) -> list[LayerPlan]:
     return [LayerPlan(index=0, fmt=formats.get_format(fmt), window=window, **kw)]  # type: ignore[arg-type]
 

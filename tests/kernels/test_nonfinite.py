@@ -109,3 +109,22 @@ def test_triton_reads_nan_markers_like_the_reference(fmt: str, monkeypatch: pyte
     assert torch.equal(torch.isnan(out), nan) and torch.equal(torch.isnan(ref), nan)
     err = (out[~nan] - ref[~nan]).abs().max().item()
     assert err <= 1e-5 * ref[~nan].abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_count_is_exact_when_a_finite_sum_overflows(dtype: torch.dtype) -> None:
+    """The CPU fast check sums the tensor: finite elements whose sum overflows must still count 0, and a single
+    NaN or Inf among them must count 1 (padding positions excluded)."""
+    from kvcal.kernels.cache import NonFiniteCount
+
+    big = torch.finfo(dtype).max
+    x = torch.full((1, 2, 3, 4), big, dtype=dtype)  # every element finite, the sum is +Inf
+    count = NonFiniteCount(num_layers=1)
+    count.add(0, 0, x, None)
+    assert count.take()["total"] == 0
+    x[0, 1, 2, 3] = float("nan")
+    x[0, 0, 0, 0] = -float("inf")
+    valid = torch.tensor([[True, True, True]])
+    count.add(0, 1, x, valid)
+    count.add(0, 1, x, torch.tensor([[False, True, True]]))  # the -Inf token is padding here
+    assert count.take() == {"per_layer": [{"layer": 0, "k": 0, "v": 3}], "total": 3}
