@@ -128,6 +128,64 @@ def one_cell(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def interleaved_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """`--interleave`: every format's decode steps in ONE process, alternating format at every step (the order
+    rotating each round), so a burst of load from other jobs hits all formats alike; speed vs auto is the median
+    over rounds of auto's step time / the format's in the same round (paired). Each format's cache is prefilled
+    first (chunked, as in one_cell); the model carries one KV configuration at a time, so each step re-installs
+    its format's (`KVRuntime`, outside the timed region)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    from kvcal.evaluate.kl import forward_session
+    from kvcal.kernels.runtime import KVRuntime
+    from kvcal.models import resolve_model
+
+    torch.set_num_threads(spec["threads"])
+    device = spec["device"]
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model(spec["model"])), dtype=getattr(torch, spec["dtype"])
+    )
+    model = model.to(device).eval()
+    fmts, length, chunk = spec["formats"], spec["length"], spec["chunk"]
+    ids = torch.randint(
+        100, model.config.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    steps, nxt = {}, {}
+    for fmt in fmts:
+        rt = KVRuntime(model, fmt, impl=spec["impl"])
+        cache = DynamicCache(config=model.config) if fmt == "auto" else rt.new_cache()
+        steps[fmt] = forward_session(model, cache)
+        for s in range(0, length, chunk):
+            logits = steps[fmt](ids[:, s : s + chunk])[0]
+        nxt[fmt] = logits[-1:].argmax(-1)[None]
+        del logits
+    times: dict[str, list[float]] = {f: [] for f in fmts}
+    for r in range(spec["decode_steps"]):
+        for fmt in fmts[r % len(fmts) :] + fmts[: r % len(fmts)]:
+            KVRuntime(model, fmt, impl=spec["impl"])  # this format's attention on the model
+            t0 = _clock(device)
+            nxt[fmt] = steps[fmt](nxt[fmt])[0, -1:].argmax(-1)[None]
+            times[fmt].append(_clock(device) - t0)
+    return {"length": length, "step_s": times}
+
+
+def _interleaved_rows(cell: dict[str, Any], code: str) -> list[dict[str, Any]]:
+    auto = cell["step_s"]["auto"]
+    rows = []
+    for fmt, ts in cell["step_s"].items():
+        paired = [a / t for a, t in zip(auto, ts, strict=True)]
+        rows.append({
+            "length": cell["length"], "code": code, "kv_format": fmt, "steps": len(ts),
+            "decode_ms_median_step": 1e3 * statistics.median(ts),
+            "decode_speed_vs_auto": statistics.median(paired),
+            "speed_q1": statistics.quantiles(paired, n=4)[0] if len(paired) > 1 else None,
+            "speed_q3": statistics.quantiles(paired, n=4)[2] if len(paired) > 1 else None,
+        })  # fmt: skip
+    return rows
+
+
 def _run_cell(spec: dict[str, Any], code_dir: str | None = None) -> dict[str, Any]:
     env = dict(os.environ)
     if code_dir is not None:  # this code's kvcal first on the path
@@ -213,10 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL=DIR",
         help="measure DIR's kvcal as LABEL (repeatable; before/after side by side); default: this checkout",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="decode only: all formats in one process, alternating at every step (paired speed vs auto)",
+    )
     ap.add_argument("-o", "--output", default=None, help="JSON file for the figures")
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(one_cell(json.loads(args.one))))
+        spec = json.loads(args.one)
+        print(json.dumps(interleaved_cell(spec) if "formats" in spec else one_cell(spec)))
         return 0
 
     lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
@@ -225,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     codes = dict(c.split("=", 1) for c in args.code) if args.code else {"this": None}
     if any("=" not in c for c in args.code):
         raise SystemExit("--code takes LABEL=DIR")
+    if args.interleave:
+        return _main_interleaved(args, lengths, configs, codes)
     cells = []
     for r in range(args.rounds):
         for length in lengths:
@@ -270,6 +336,46 @@ def main(argv: list[str] | None = None) -> int:
         from kvcal.io import atomic_write_json
 
         atomic_write_json(args.output, out)
+    return 0
+
+
+def _main_interleaved(
+    args: argparse.Namespace, lengths: list[int], configs: list[str], codes: dict[str, str | None]
+) -> int:
+    rows, cells = [], []
+    for length in lengths:
+        for code in codes:
+            spec = dict(
+                model=args.model, formats=configs, length=length, chunk=args.prefill_chunk,
+                decode_steps=args.decode_steps, threads=args.threads, dtype=args.dtype, device=args.device,
+                impl=args.impl,
+            )  # fmt: skip
+            cell = _run_cell(spec, codes[code])
+            cells.append({"code": code, **cell})
+            rows += _interleaved_rows(cell, code)
+    clock = (
+        "CUDA wall time" if args.device.startswith("cuda") else f"process CPU time, {args.threads} thread(s)"
+    )
+    print(
+        f"\n{args.model}, {args.dtype} on {args.device}, decode steps interleaved across formats "
+        f"({args.decode_steps} rounds), {clock}; speed/auto = median over rounds of auto's step / the format's "
+        "(q1-q3 of those ratios)"
+    )
+    print(f"{'length':>7s} {'code':8s} {'format':20s} {'decode ms':>9s} {'speed/auto':>10s} {'q1-q3':>11s}")
+    for r in rows:
+        q = f"{r['speed_q1']:.2f}-{r['speed_q3']:.2f}" if r["speed_q1"] is not None else ""
+        print(
+            f"{r['length']:7d} {r['code']:8s} {r['kv_format']:20s} {r['decode_ms_median_step']:9.1f} "
+            f"{r['decode_speed_vs_auto']:10.2f} {q:>11s}"
+        )
+    if args.output:
+        from kvcal.io import atomic_write_json
+
+        atomic_write_json(args.output, {
+            "benchmark": "long_context_interleaved", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv[1:], "model": args.model, "dtype": args.dtype, "device": args.device,
+            "threads": args.threads, "code": codes, "platform": platform.platform(), "rows": rows, "cells": cells,
+        })  # fmt: skip
     return 0
 
 

@@ -66,6 +66,8 @@ class RunConfig:
     # kl's chunked-prefill chunk, only when the windows are chunked (kl_seq_len > prefill_chunk); written only
     # when set, so every other run keeps its identity hash.
     prefill_chunk: int | None = None
+    # kl's `--kl-subsample` (positions 0, N, 2N, ... scored), only when N > 1; written only when set
+    kl_subsample: int | None = None
     max_gen_toks: int | None = None
     # nvfp4 without a scale file: "one" | "per_sequence" (kvcal.kernels.cache.NVFP4_GLOBALS); None otherwise.
     # Written only when set, so runs of every other configuration keep their identity hash.
@@ -95,8 +97,9 @@ class RunConfig:
         for key in ("kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths"):
             if d[key] is None:
                 del d[key]
-        if d["prefill_chunk"] is None:
-            del d["prefill_chunk"]
+        for key in ("prefill_chunk", "kl_subsample"):
+            if d[key] is None:
+                del d[key]
         d.update(self.extra)
         return d
 

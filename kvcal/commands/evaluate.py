@@ -94,6 +94,14 @@ PrefillChunkOpt = Annotated[
         "per forward.",
     ),
 ]
+KlSubsampleOpt = Annotated[
+    int,
+    typer.Option(
+        "--kl-subsample",
+        help="kl scores every Nth position of a window (N a power of two up to 512; every token still fills the "
+        "cache): the LM head and statistics cost 1/N at long windows.",
+    ),
+]
 MaxGenToksOpt = Annotated[
     int | None, typer.Option("--max-gen-toks", help="Cap generated tokens (lm-eval's aime25 asks for 32768).")
 ]
@@ -166,6 +174,7 @@ def eval_cmd(
     seed: EvalSeedOpt = _DEFAULT["seed"],
     kl_seq_len: KlSeqLenOpt = _DEFAULT["kl_seq_len"],
     prefill_chunk: PrefillChunkOpt = _DEFAULT["prefill_chunk"],
+    kl_subsample: KlSubsampleOpt = _DEFAULT["kl_subsample"],
     max_gen_toks: MaxGenToksOpt = _DEFAULT["max_gen_toks"],
     trust_remote_code: TrustRemoteCodeOpt = _DEFAULT["trust_remote_code"],
     nvfp4_global: Nvfp4GlobalOpt = _DEFAULT["nvfp4_global"],

@@ -28,6 +28,13 @@ a 32k-token window of Gemma 3's 262k vocabulary would be 17 GB of float16 log-pr
 window's baseline is cached on disk (it is recomputed with every run); windows that fit one chunk keep the disk
 cache above, bit for bit.
 
+Subsampled positions (`--kl-subsample N`, N a power of two up to 512): every token still runs through both
+sides (the cache holds them all), but only positions 0, N, 2N, ... of a window are scored: the model computes
+logits for those rows only (transformers' `logits_to_keep` as indices), so the LM head and the statistics cost 1/N.
+At long windows of a large vocabulary these dominate (Gemma 3's 262k-entry head is ~60% of a 2048-token chunk's
+FLOPs, the statistics as much again on CPU). Each bucket below starts at a multiple of N, so none is empty; every
+mean is over the scored positions and `n_tokens` counts them.
+
 By position: every run also reports KL, top-1 agreement and NLL averaged in position buckets (`kl_by_position`:
 1-512, 513-1024, 1025-2048, ... over the 1-based position of the predicting token), with standard errors over
 windows, so damage that grows with context shows.
@@ -55,6 +62,7 @@ from kvcal.io import atomic_write_with
 KL_VERSION = 2
 DEFAULT_SEQ_LEN = 256
 DEFAULT_PREFILL_CHUNK = 2048
+MAX_SUBSAMPLE = 512  # = FIRST_BUCKET: every position bucket keeps its first position
 FIRST_BUCKET = 512  # kl_by_position: [1, 512], then powers of two [513, 1024], [1025, 2048], ...
 # Logit rows per step of the per-token statistics: ~2**20 elements (4 MiB float32) whatever the vocabulary.
 # Small on purpose: glibc serves allocations over 32 MiB by a fresh mmap each time, so 64 MiB blocks paid page
@@ -64,7 +72,7 @@ _STATS_BUDGET = 1 << 20
 
 # One side of the comparison over one window: chunk ids [1, c] in order -> logits [1, c, V]; the session's cache
 # keeps the K/V of every earlier chunk. A SessionFactory opens a fresh session (a fresh cache).
-ChunkForward = Callable[[torch.Tensor], torch.Tensor]
+ChunkForward = Callable[..., torch.Tensor]  # (ids [1, c], keep=None) -> logits [1, c | len(keep), V]
 SessionFactory = Callable[[], ChunkForward]
 # baseline(): a context manager that makes the BF16-cache configuration runnable on the model and yields its
 # SessionFactory; on exit the evaluated configuration is in place again (a session survives exit and re-entry).
@@ -309,11 +317,13 @@ def baseline_logits_again(baseline: Baseline, ids: torch.Tensor) -> torch.Tensor
 
 def forward_session(model: Any, cache: Any) -> ChunkForward:
     """A session over one window: each call runs one forward of the next chunk with `cache` as past_key_values
-    (the chunk attends to everything the cache holds, then appends its own K/V)."""
+    (the chunk attends to everything the cache holds, then appends its own K/V). `keep`: indices into the chunk
+    of the rows whose logits are wanted (transformers' `logits_to_keep`); None = all."""
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:  # [1, c] -> [1, c, V]
+    def forward(ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:  # [1, c] -> [1, c|k, V]
         with torch.no_grad():
-            return model(ids, past_key_values=cache, use_cache=True).logits
+            extra = {} if keep is None else {"logits_to_keep": keep}
+            return model(ids, past_key_values=cache, use_cache=True, **extra).logits
 
     return forward
 
@@ -402,6 +412,8 @@ def token_stats(
     [n] next-token ids -> three float32 [n] tensors. Row blocks keep the float32 temporaries near 4 MiB."""
     kls, agrees, nlls = [], [], []
     n = base_lp16.shape[0]
+    if n == 0:  # a chunk with no scored position (--kl-subsample longer than the chunk)
+        return torch.zeros(0), torch.zeros(0), torch.zeros(0)
     targets = targets.to(device=quant_logits.device, dtype=torch.long)
     blocks = _row_blocks(n, base_lp16.shape[-1])
     for r0 in blocks:
@@ -447,15 +459,37 @@ def position_buckets(n_pred: int) -> list[tuple[int, int]]:
     return edges
 
 
+def scored_positions(n_pred: int, subsample: int) -> torch.Tensor:
+    """0-based positions (of the predicting token) a window scores: 0, N, 2N, ... below n_pred. [n_scored]"""
+    return torch.arange(0, n_pred, subsample)
+
+
+def check_kl_subsample(n: int) -> int:
+    if n < 1 or n > MAX_SUBSAMPLE or n & (n - 1):
+        raise UsageError(
+            f"--kl-subsample must be a power of two from 1 to {MAX_SUBSAMPLE} (so every position bucket keeps its "
+            f"first position), got {n}"
+        )
+    return n
+
+
 def window_buckets(
-    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edges: list[tuple[int, int]]
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edges: list[tuple[int, int]], subsample: int = 1
 ) -> dict[str, list[float]]:
-    """One window's bucket means {metric: [one per bucket]} from its per-position (kl, top1, nll) [T-1]."""
+    """One window's bucket means {metric: [one per bucket]} from its per-position (kl, top1, nll) at the scored
+    positions (`scored_positions`: all T-1 when subsample is 1)."""
     out: dict[str, list[float]] = {m: [] for m in _BUCKET_METRICS}
+    # scored row r is position r * subsample (0-based): bucket [lo, hi] (1-based) holds rows ceil((lo-1)/N) ..
+    rows = [(-(-(lo - 1) // subsample), (hi - 1) // subsample + 1) for lo, hi in edges]
     for name, values in zip(_BUCKET_METRICS, stats, strict=True):
         v = values.double()
-        out[name] = [float(v[lo - 1 : hi].mean()) for lo, hi in edges]
+        out[name] = [float(v[r0:r1].mean()) for r0, r1 in rows]
     return out
+
+
+def bucket_tokens(edges: list[tuple[int, int]], subsample: int = 1) -> list[int]:
+    """Scored positions per bucket of one window."""
+    return [(hi - 1) // subsample + 1 - (-(-(lo - 1) // subsample)) for lo, hi in edges]
 
 
 def _stderr(values: list[float]) -> float | None:
@@ -467,13 +501,16 @@ def _stderr(values: list[float]) -> float | None:
 
 
 def by_position(
-    per_window: list[dict[str, list[float]]], edges: list[tuple[int, int]], seq_len: int, chunk: int
+    per_window: list[dict[str, list[float]]],
+    edges: list[tuple[int, int]],
+    seq_len: int,
+    chunk: int,
+    subsample: int = 1,
 ) -> dict[str, Any]:
     """results.json's `kl_by_position` (docs/run-directory.md): per bucket the token-weighted mean over windows
     (every window has the same positions) and the standard error over windows."""
     buckets = []
-    for b, (lo, hi) in enumerate(edges):
-        n = hi - lo + 1
+    for b, ((lo, hi), n) in enumerate(zip(edges, bucket_tokens(edges, subsample), strict=True)):
         entry: dict[str, Any] = {"lo": lo, "hi": hi, "n_tokens": n * len(per_window)}
         for m in _BUCKET_METRICS:
             vals = [w[m][b] for w in per_window]
@@ -481,7 +518,10 @@ def by_position(
             entry[f"{m}_stderr"] = _stderr(vals)
         entry["per_window"] = {m: [w[m][b] for w in per_window] for m in _BUCKET_METRICS}
         buckets.append(entry)
-    return {"seq_len": seq_len, "prefill_chunk": chunk, "n_windows": len(per_window), "buckets": buckets}
+    out = {"seq_len": seq_len, "prefill_chunk": chunk, "n_windows": len(per_window), "buckets": buckets}
+    if subsample > 1:
+        out["subsample"] = subsample
+    return out
 
 
 # ---- the task -----------------------------------------------------------------------------------------------
@@ -527,6 +567,7 @@ def run_kl(
     limit: int | None,
     seq_len: int = DEFAULT_SEQ_LEN,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    subsample: int = 1,
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
     dist: parallel.Dist | None = None,
@@ -538,8 +579,10 @@ def run_kl(
     `baseline_desc` / `evaluated_desc` describe the two sides (the baseline's is part of the cache key).
     Returns (an lm-eval-shaped results dict for task 'kl' with `kl_by_position`, per-window sample records).
     With `dist` (several processes) each rank runs windows rank, rank + N, ... and rank 0 returns the whole
-    task (windows back in order, so the results equal one process's); the other ranks return (None, [])."""
+    task (windows back in order, so the results equal one process's); the other ranks return (None, []).
+    `subsample`: score positions 0, N, 2N, ... only (module docstring)."""
     check_prefill_chunk(prefill_chunk)
+    check_kl_subsample(subsample)
     root = cache_dir or cache_root()
     text, source = kl_text(data_dir)
     bos = bos_rule(tokenizer)
@@ -553,7 +596,7 @@ def run_kl(
         hits = 0
 
         def stats_of(i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return lockstep_stats(quant_session, baseline, ids, prefill_chunk)
+            return lockstep_stats(quant_session, baseline, ids, prefill_chunk, subsample)
 
     else:
         fingerprint = model_fingerprint(model_dir)
@@ -563,7 +606,7 @@ def run_kl(
         hits = len(mine) - len(missing)
 
         def stats_of(i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return cached_stats(quant_session, baseline, ids, keys[i], root)
+            return cached_stats(quant_session, baseline, ids, keys[i], root, subsample)
 
     edges = position_buckets(seq_len - 1)
     samples: list[dict[str, Any]] = []
@@ -571,7 +614,7 @@ def run_kl(
     for n, i in enumerate(mine):
         stats = stats_of(i, torch.tensor([windows[i]], dtype=torch.long, device=device))  # ids [1, T]
         samples.append({"doc_id": i, **window_totals(*stats)})
-        per_window.append(window_buckets(stats, edges))
+        per_window.append(window_buckets(stats, edges, subsample))
         parallel.fault_point("kl-window", dist)
         if progress is not None:
             progress(n + 1, len(mine))
@@ -589,11 +632,15 @@ def run_kl(
         "evaluated": evaluated_desc,
         "baseline_cache_hits": hits,
     }
+    if subsample > 1:
+        task_config["subsample"] = subsample
     if chunked:
         task_config["prefill_chunk"] = prefill_chunk
         task_config["baseline_cache"] = "none: chunked windows run the baseline in lockstep"
     results = _kl_results(aggregate(samples), task_config, total, len(windows))
-    results["kl_by_position"] = by_position(per_window, edges, seq_len, min(seq_len, prefill_chunk))
+    results["kl_by_position"] = by_position(
+        per_window, edges, seq_len, min(seq_len, prefill_chunk), subsample
+    )
     return results, samples
 
 
@@ -612,22 +659,34 @@ def _gather_windows(
 
 
 def cached_stats(
-    quant_session: SessionFactory, baseline: Baseline, ids: torch.Tensor, key: str, root: Path
+    quant_session: SessionFactory,
+    baseline: Baseline,
+    ids: torch.Tensor,
+    key: str,
+    root: Path,
+    subsample: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position statistics [T-1] of a window that fits one chunk: one quantized forward over ids [1, T],
-    against the disk-cached baseline."""
+    """Per-position statistics [T-1] (or at the scored positions) of a window that fits one chunk: one quantized
+    forward over ids [1, T], against the disk-cached baseline (all T positions: the cache key knows no subsample)."""
+    n_pred = ids.shape[1] - 1
     with torch.no_grad():
-        quant_logits = quant_session()(ids)[0].detach().cpu()  # [T, V]
+        if subsample == 1:
+            quant_logits = quant_session()(ids)[0, :-1].detach().cpu()  # [T-1, V]
+        else:
+            pos = scored_positions(n_pred, subsample)
+            quant_logits = quant_session()(ids, pos.to(ids.device))[0].detach().cpu()  # [n_scored, V]
     base_lp16 = load_baseline(key, root, lambda: baseline_logits_again(baseline, ids))  # [T, V]
-    return token_stats(base_lp16[:-1], quant_logits[:-1], ids[0, 1:].cpu())
+    if subsample == 1:
+        return token_stats(base_lp16[:-1], quant_logits, ids[0, 1:].cpu())
+    return token_stats(base_lp16[pos], quant_logits, ids[0, 1:].cpu()[pos])
 
 
 def lockstep_stats(
-    quant_session: SessionFactory, baseline: Baseline, ids: torch.Tensor, chunk: int
+    quant_session: SessionFactory, baseline: Baseline, ids: torch.Tensor, chunk: int, subsample: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position statistics [T-1] of a window by chunked prefill: both sides get the same chunks in order,
-    each through its own cache; only one chunk's logits per side exist at a time. The window's last token
-    predicts nothing, so the chunks cover tokens 0..T-2."""
+    """Per-position statistics [T-1] (or at the scored positions, `subsample`) of a window by chunked prefill:
+    both sides get the same chunks in order, each through its own cache; only one chunk's logits per side exist
+    at a time. The window's last token predicts nothing, so the chunks cover tokens 0..T-2."""
     n_pred = ids.shape[1] - 1
     quant = quant_session()
     same = getattr(baseline, "same_as_evaluated", False)  # the evaluated side IS the baseline (lm_sides)
@@ -635,15 +694,20 @@ def lockstep_stats(
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for s in range(0, n_pred, chunk):
         piece = ids[:, s : min(n_pred, s + chunk)]  # [1, c]
+        # rows scored in this chunk: None = all c; else chunk-local indices of positions 0, N, 2N, ...
+        first = -s % subsample
+        keep = None if subsample == 1 else torch.arange(first, max(first, piece.shape[1]), subsample)
+        args = (piece,) if keep is None else (piece, keep.to(ids.device))
         if same:
-            q_logits = quant(piece)[0]  # [c, V]
+            q_logits = quant(*args)[0]  # [c | k, V]
             base_lp16 = _fp16_logprobs_blocked(q_logits)
         else:
             with baseline() as new_session:
                 base = base or new_session()
-                base_lp16 = _fp16_logprobs_blocked(base(piece)[0])  # [c, V]
-            q_logits = quant(piece)[0]
-        parts.append(token_stats(base_lp16, q_logits, ids[0, s + 1 : s + 1 + piece.shape[1]]))
+                base_lp16 = _fp16_logprobs_blocked(base(*args)[0])  # [c | k, V]
+            q_logits = quant(*args)[0]
+        targets = ids[0, s + 1 : s + 1 + piece.shape[1]]
+        parts.append(token_stats(base_lp16, q_logits, targets if keep is None else targets[args[1]]))
         del base_lp16, q_logits
     return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 

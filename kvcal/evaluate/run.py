@@ -24,7 +24,7 @@ from typing import Any
 from kvcal import __version__, models, parallel
 from kvcal.capacity import run_capacity
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN
+from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
 from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS
 from kvcal.evaluate.runstore import RunStore
 from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, resolve_tasks, task_manager_for
@@ -60,6 +60,7 @@ class EvalConfig:
     seed: int = 0
     kl_seq_len: int = DEFAULT_SEQ_LEN
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # kl windows longer than this run by chunked prefill
+    kl_subsample: int = 1  # kl scores positions 0, N, 2N, ... of each window (a power of two up to 512)
     max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
     nvfp4_global: str = "one"  # nvfp4 without --scales: "one" (vLLM: global 1.0) or "per_sequence"
@@ -157,6 +158,7 @@ def _check_numbers(config: EvalConfig) -> None:
         raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
     if config.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
+    check_kl_subsample(config.kl_subsample)
 
 
 def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
@@ -299,6 +301,7 @@ def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, mod
         passkey_lengths=_passkey_recorded(config, plan)[0],
         passkey_depths=_passkey_recorded(config, plan)[1],
         prefill_chunk=_recorded_chunk(config, plan),
+        kl_subsample=config.kl_subsample if plan.has_kl and config.kl_subsample > 1 else None,
         max_gen_toks=config.max_gen_toks,
         nvfp4_global=config.nvfp4_global if _any_nvfp4(fmt) and not config.scales else None,
         attention=None if config.attention == "kv" else config.attention,
@@ -758,6 +761,7 @@ def _run_kl_task(
         limit=config.limit,
         seq_len=config.kl_seq_len,
         prefill_chunk=config.prefill_chunk,
+        subsample=config.kl_subsample,
         dist=dist,
     )
 

@@ -28,7 +28,7 @@ ship and how to decide. Sections (every key optional unless marked; unknown keys
       candidates: []                    #   further configurations gated with the shipped one:
                                         #   {kv_format, scales: calibrated | uncalibrated, skip_layers}
       limit: null                       #   samples per task (a mapping task: n gives each its own)
-      kl_seq_len: null                  #   + prefill_chunk, passkey_lengths, passkey_depths, num_fewshot,
+      kl_seq_len: null                  #   + prefill_chunk, kl_subsample, passkey_lengths, passkey_depths, num_fewshot,
       dtype: float32                    #     data_dir, include_path, max_gen_toks, dtype, device, impl,
                                         #     batch_size, seed (as in a sweep YAML)
     gate:

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN
+from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
 from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
 from kvcal.evaluate.run import (
     FIRST_BATCH,
@@ -107,6 +107,14 @@ def _tokens(value: Any, key: str, base: Path | None) -> int:
     if n < 1:
         raise UsageError(f"sweep config: '{key}' must be a positive number of tokens (e.g. 8192), got {n}")
     return n
+
+
+def _subsample(value: Any, key: str, base: Path | None) -> int:
+    n = _int(value, key, base)
+    try:
+        return check_kl_subsample(n)
+    except UsageError as exc:
+        raise UsageError(f"sweep config: '{key}': {exc}") from None
 
 
 def _passkey_spec(parse: Callable[[str], list[Any]]) -> Parser:
@@ -262,6 +270,9 @@ class EvalSettings:
     seed: int = _key(_int, 0)
     kl_seq_len: int | None = _key(_int, None)
     prefill_chunk: int | None = _key(_tokens, None)  # kl windows longer than this: chunked prefill
+    kl_subsample: int | None = _key(
+        _subsample, None
+    )  # kl scores positions 0, N, 2N, ... (kvcal eval --kl-subsample)
     max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     passkey_lengths: str | None = _key(_passkey_spec(parse_lengths), None)  # e.g. [1k, 2k, 4k]
     passkey_depths: str | None = _key(_passkey_spec(parse_depths), None)  # e.g. [0, 0.5, 1]
@@ -594,7 +605,12 @@ def _long_context_recorded(cfg: SweepConfig, task: str) -> dict[str, Any]:
     if task == "kl":
         seq_len = cfg.kl_seq_len or DEFAULT_SEQ_LEN
         chunk = cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK
-        return {"kl_seq_len": seq_len, "prefill_chunk": chunk if seq_len > chunk else None}
+        sub = cfg.kl_subsample or 1
+        return {
+            "kl_seq_len": seq_len,
+            "prefill_chunk": chunk if seq_len > chunk else None,
+            "kl_subsample": sub if sub > 1 else None,
+        }
     if task in PASSKEY_TASKS:
         return {
             "passkey_lengths": parse_lengths(cfg.passkey_lengths or DEFAULT_LENGTHS),
@@ -788,7 +804,7 @@ def _eval_config(cfg: SweepConfig, cell: Cell, gpqa_password: str | None) -> Eva
         max_gen_toks=cfg.max_gen_toks,
         kv_input_dtype=cfg.kv_input_dtype,
     )
-    for name in ("kl_seq_len", "prefill_chunk", "passkey_lengths", "passkey_depths"):
+    for name in ("kl_seq_len", "prefill_chunk", "kl_subsample", "passkey_lengths", "passkey_depths"):
         if getattr(cfg, name) is not None:  # unset: kvcal eval's own default
             setattr(ec, name, getattr(cfg, name))
     return ec

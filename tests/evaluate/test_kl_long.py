@@ -43,7 +43,9 @@ def _lm(model_dir: Path, kv_format: str) -> Any:
     return KvcalLM(pretrained=str(model_dir), kv_format=kv_format, dtype="float32", device="cpu")
 
 
-def _run(lm: Any, cache: Path, *, seq_len: int, chunk: int, limit: int) -> tuple[dict[str, Any], list[dict]]:
+def _run(
+    lm: Any, cache: Path, *, seq_len: int, chunk: int, limit: int, subsample: int = 1
+) -> tuple[dict[str, Any], list[dict]]:
     quant_session, baseline = lm_sides(lm, "auto")
     return run_kl(
         lm.model,
@@ -57,6 +59,7 @@ def _run(lm: Any, cache: Path, *, seq_len: int, chunk: int, limit: int) -> tuple
         limit=limit,
         seq_len=seq_len,
         prefill_chunk=chunk,
+        subsample=subsample,
         cache_dir=cache,
     )
 
@@ -236,7 +239,6 @@ def test_bf16_evaluates_the_baseline_in_one_pass(gemma: Path) -> None:
     assert not getattr(lm_sides(_lm(gemma, "fp8_e4m3"), "auto")[1], "same_as_evaluated", False)
 
 
-
 def test_statistics_do_not_depend_on_the_row_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """token_stats works a block of rows at a time (_STATS_BUDGET elements) to keep its temporaries small; every
     statistic is row-wise, so the block size changes nothing, bit for bit (inf logits and a tied argmax too)."""
@@ -258,3 +260,70 @@ def test_statistics_do_not_depend_on_the_row_block(monkeypatch: pytest.MonkeyPat
         for a, b in zip(results[0], other, strict=True):
             assert torch.equal(a, b)
     assert results[0][0].dtype == torch.float16 and results[0][1].shape == (n,)
+
+
+@pytest.mark.parametrize(("seq", "chunk"), [(72, 72), (72, 7), (72, 5)])
+def test_subsample_scores_every_nth_position_of_the_full_run(
+    gemma: Path, tmp_path: Path, seq: int, chunk: int
+) -> None:
+    """--kl-subsample N: the statistics at positions 0, N, 2N, ... equal the full run's there (the LM head of
+    fewer rows, float rounding apart), single pass and chunked (chunks of 7 and 5 start off the grid of N = 4);
+    buckets count the scored positions; the task config records N."""
+    from kvcal.evaluate.kl import EMBEDDED_TEXT, scored_positions
+
+    lm = _lm(gemma, "nvfp4")
+    quant_session, baseline = lm_sides(lm, "auto")
+    windows, _ = make_windows(lm.tokenizer, EMBEDDED_TEXT, seq, 1, None)
+    ids = torch.tensor(windows[:1])
+    if chunk == seq:
+        full = cached_stats(quant_session, baseline, ids, "s" * 64, tmp_path)
+        sub = cached_stats(quant_session, baseline, ids, "s" * 64, tmp_path, subsample=4)
+    else:
+        full = lockstep_stats(quant_session, baseline, ids, chunk)
+        sub = lockstep_stats(quant_session, baseline, ids, chunk, subsample=4)
+    pos = scored_positions(seq - 1, 4)
+    assert pos.tolist() == list(range(0, seq - 1, 4))
+    for a, b in zip(full, sub, strict=True):
+        assert b.shape == (len(pos),)
+        torch.testing.assert_close(a[pos], b, rtol=1e-4, atol=1e-6)
+    assert float(sub[0].mean()) > 0
+
+    res, samples = _run(lm, tmp_path / "c", seq_len=seq, chunk=chunk, limit=1, subsample=4)
+    assert res["configs"]["kl"]["subsample"] == 4 and res["kl_by_position"]["subsample"] == 4
+    assert samples[0]["n_tokens"] == len(pos) == sum(b["n_tokens"] for b in res["kl_by_position"]["buckets"])
+
+
+def test_subsample_buckets_match_positions() -> None:
+    from kvcal.evaluate.kl import bucket_tokens, position_buckets, scored_positions, window_buckets
+
+    n_pred = 1100
+    edges = position_buckets(n_pred)
+    pos = scored_positions(n_pred, 8)  # 0-based; bucket [lo, hi] is 1-based
+    kl = pos.double() + 0.5
+    stats = (kl, torch.zeros_like(kl), torch.zeros_like(kl))
+    means = window_buckets(stats, edges, 8)["kl"]
+    for (lo, hi), n, m in zip(edges, bucket_tokens(edges, 8), means, strict=True):
+        inside = kl[(pos + 1 >= lo) & (pos + 1 <= hi)]
+        assert n == inside.numel() > 0 and m == pytest.approx(float(inside.mean()))
+    assert bucket_tokens(edges, 1) == [hi - lo + 1 for lo, hi in edges]
+
+
+@pytest.mark.parametrize("bad", [0, 3, 1024])
+def test_bad_subsample(invoke: Invoke, gemma: Path, tmp_path: Path, bad: int) -> None:
+    code, _, err = invoke(
+        [
+            "eval",
+            str(gemma),
+            "-f",
+            "fp8_e4m3",
+            "--tasks",
+            "kl",
+            "--kl-subsample",
+            str(bad),
+            "-o",
+            str(tmp_path / "r"),
+        ]
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--kl-subsample must be a power of two from 1 to 512" in lines[0]
+    assert lines[0].startswith("Error: ") and not (tmp_path / "r").exists()

@@ -152,3 +152,24 @@ def test_long_context_settings_reach_eval_and_decide_a_match(tmp_path: Path) -> 
         sweep.parse_sweep_config(dict(long, passkey_lengths="1k,1.5"))
     with pytest.raises(UsageError, match="sweep config: 'prefill_chunk' must be a positive number of tokens"):
         sweep.parse_sweep_config(dict(long, prefill_chunk=0))
+
+
+def test_kl_subsample_is_a_sweep_key(tmp_path: Path) -> None:
+    """kl_subsample: checked when the YAML is read, handed to each cell's `kvcal eval`, and a kl run scored at
+    other positions is not taken for a cell."""
+    base = {"model": "/models/m", "tasks": ["kl"], "formats": ["fp8"], "scales": ["uncalibrated"],
+            "kl_seq_len": 8192, "kl_subsample": 8}  # fmt: skip
+    cfg = sweep.parse_sweep_config(base)
+    assert cfg.kl_subsample == 8
+    written = tmp_path / "sweep.yaml"
+    written.write_text(yaml.safe_dump(sweep.config_dict(cfg), sort_keys=False))
+    assert sweep.load_sweep_config(written) == cfg
+    kl = next(c for c in sweep.plan_sweep(cfg, tmp_path / "runs").cells if c.task == "kl" and not c.is_baseline)
+    assert sweep._eval_config(cfg, kl, None).kl_subsample == 8
+    _written_by_eval(kl, cfg, prefill_chunk=2048, kl_subsample=8)
+    assert sweep.plan_sweep(cfg, tmp_path / "runs").n_done == 1
+    _written_by_eval(kl, cfg, prefill_chunk=2048)  # every position scored
+    cell = next(c for c in sweep.plan_sweep(cfg, tmp_path / "runs").cells if c.task == "kl" and not c.is_baseline)
+    assert "kl_subsample: None there, 8 here" in cell.detail
+    with pytest.raises(UsageError, match="sweep config: 'kl_subsample': --kl-subsample must be a power of two"):
+        sweep.parse_sweep_config(dict(base, kl_subsample=6))
