@@ -81,6 +81,7 @@ class PositionCurve:
     n_windows: int
     buckets: list[Bucket]
     growth: Growth = field(default_factory=lambda: Growth(ONE_BUCKET, 0))
+    subsample: int = 1  # kl's --kl-subsample: positions 0, N, 2N, ... scored
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,6 +166,7 @@ def position_curve(label: str, runs: Iterable[Run], warn: Warn) -> PositionCurve
             None if chunk is None else int(chunk),
             n_windows,
             buckets,
+            subsample=int(_num(raw.get("subsample")) or 1),
         )
     return None
 

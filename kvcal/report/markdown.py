@@ -215,12 +215,13 @@ def position_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 
 def position_intro(cmp: Comparison) -> str:
-    windows = sorted({(c.seq_len, c.prefill_chunk, c.n_windows) for c in cmp.positions}, key=str)
+    windows = sorted({(c.seq_len, c.prefill_chunk, c.n_windows, c.subsample) for c in cmp.positions}, key=str)
     what = "; ".join(
         f"Windows of {seq if seq is not None else '?'} tokens"
         + (f" (prefill chunk {chunk})" if chunk is not None and chunk != seq else "")
         + f", {n} window{'s' if n != 1 else ''}"
-        for seq, chunk, n in windows
+        + (f", every {sub}th position scored (--kl-subsample {sub})" if sub > 1 else "")
+        for seq, chunk, n, sub in windows
     )
     return (
         f"{what}. KL (nats) of each position bucket, mean over its tokens [{1 - cmp.alpha:.0%} t interval over "

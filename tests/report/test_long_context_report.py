@@ -147,6 +147,17 @@ def test_one_window_says_the_test_needs_two(tmp_path: Path, write_run, kl_record
     assert "[" not in row  # no interval from one window
 
 
+def test_subsampled_runs_say_which_positions_were_scored(tmp_path: Path, write_run, kl_records) -> None:  # noqa: ANN001
+    for name, fmt, pw in (("m__bf16", "bf16", [[0.0, 0.0]] * 4), ("m__fp8", "fp8_e4m3", [[0.01, 0.02]] * 4)):
+        d = _kl_run(write_run, kl_records, tmp_path, name, fmt, pw)
+        res = json.loads((d / RESULTS).read_text())
+        res["kl_by_position"]["subsample"] = 8
+        (d / RESULTS).write_text(json.dumps(res))
+    c = cmpmod.compare_runs([tmp_path], n_boot=N_BOOT)
+    assert {p.subsample for p in c.positions} == {8}
+    assert "2 windows, every 8th position scored (--kl-subsample 8)" in render_markdown(c)
+
+
 def test_runs_without_long_context_keys_keep_their_report(tmp_path: Path, write_run, kl_records) -> None:  # noqa: ANN001
     recs = kl_records(np.full(12, 0.01), np.ones(12))
     write_run(tmp_path, "m__bf16", "bf16", {"kl": recs})
