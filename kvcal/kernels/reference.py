@@ -256,6 +256,10 @@ def _fp8_table(c: torch.Tensor, s: torch.Tensor, cache_on: torch.Tensor | None) 
 
 
 _F32_HALF = torch.finfo(torch.float32).max / 2
+# Elements below which FP8 codes are cast (`.float()`, exact) rather than looked up: the table wins on a large tensor
+# (CPU torch converts FP8 element by element), the cast on a decode step's token (fewer ops)
+_FEW = 1 << 12
+_ONE = torch.ones(())
 
 
 def _scale_bound(scale: torch.Tensor, factor: float) -> float:
@@ -289,6 +293,11 @@ def _dequantize(q, f) -> torch.Tensor:
         return c if c.dtype == torch.float32 else c.float()  # exact: no overflow possible
     fi = torch.finfo(torch.float32)
     if f.element in ("e4m3", "e5m2"):
+        if c.numel() <= _FEW and (q.scale is None or _scale_bound(q.scale, f.max_value) < _F32_HALF):
+            # a decode step's new token: the cast is exact and the product the table's, and the scale shows no
+            # product can overflow (so no clamp): two ops instead of the table's five
+            s = _ONE if q.scale is None else _bcast_scale(q.scale.float(), c.dim())
+            return c.float() * s
         y = _fp8_scaled(c, q.scale)
         if y is not None:
             return y
@@ -303,7 +312,8 @@ def _dequantize(q, f) -> torch.Tensor:
     vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
     bs = q.block_scales
     if f.layout == "nvfp4":  # nvfp4, nvfp4_4over6: E4M3 block scales x the global scale
-        bsf = _fp8_values(bs) if bs.element_size() == 1 and bs.is_floating_point() else bs.float()
+        fp8_bs = bs.element_size() == 1 and bs.is_floating_point()
+        bsf = _fp8_values(bs) if fp8_bs and bs.numel() > _FEW else bs.float()  # exact either way
         g = q.scale.float()
         eff = bsf * _bcast_scale(g, c.dim())
         # |E4M3| <= 448 bounds |eff| by 448 |g| without reading eff (a per-tensor / per-head global is the same

@@ -28,9 +28,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     "scale",
     [None, torch.tensor(0.37), torch.tensor([0.37]), torch.tensor([0.5, 2.0**-20, 3.0]), torch.tensor(1e38)],
 )
-def test_fp8_table_is_bit_identical(fmt: str, scale: torch.Tensor | None) -> None:
+@pytest.mark.parametrize("tokens", [7, 100])  # a few elements are cast, many looked up (reference._FEW)
+def test_fp8_table_is_bit_identical(fmt: str, scale: torch.Tensor | None, tokens: int) -> None:
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 3, 7, 32, generator=g) * torch.logspace(-8, 3, 32)
+    x = torch.randn(2, 3, tokens, 32, generator=g) * torch.logspace(-8, 3, 32)
     x[0, 1, 2, :4] = torch.tensor([math.nan, 0.0, -0.0, 1e30])
     q = formats.quantize(x, fmt, scale=scale)
     ref = formats.dequantize(q, fmt)
