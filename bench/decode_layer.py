@@ -4,8 +4,8 @@ Two measurements, side by side in one process (process CPU time, 1 torch thread 
   isolated  one attention layer's `Cache.update` + attention function for a 1-token query over a cache of
             `--length` tokens, the same layer repeated (`--reps` calls, median; formats rotated over `--rounds`):
             what the kvcal code costs when everything it touches is hot in the CPU caches;
-  in-model  real decode steps of the whole model, formats alternating at every step (as
-            `bench/long_context.py --interleave`), with a timer around every `Cache.update`: the cache write's
+  in-model  real decode steps of the whole model, formats alternating at every step
+            (`bench/long_context.py`'s `interleaved_steps`, as its `--interleave`), with a timer around every `Cache.update`: the cache write's
             share of a step when the model's weights stream through the caches between layers.
 
     OMP_NUM_THREADS=1 python bench/decode_layer.py --model smollm2 --length 512 -o bench/out/decode_layer.json
@@ -60,11 +60,10 @@ def _isolated(model: Any, fmt: str, length: int, reps: int, layer: int) -> float
 def _in_model(model: Any, fmts: list[str], length: int, steps: int) -> dict[str, dict[str, float]]:
     """Median ms per decode step and of its `Cache.update` calls, formats alternating at every step."""
     import torch
+    from long_context import interleaved_steps  # bench/ is on sys.path when this file runs as a script
     from transformers.cache_utils import DynamicCache
 
-    from kvcal.evaluate.kl import forward_session
     from kvcal.kernels.cache import QuantizedKVCache
-    from kvcal.kernels.runtime import KVRuntime
 
     spent = [0.0]
 
@@ -84,24 +83,13 @@ def _in_model(model: Any, fmts: list[str], length: int, steps: int) -> dict[str,
         ids = torch.randint(
             100, model.config.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0)
         )
-        step, nxt = {}, {}
-        for fmt in fmts:
-            rt = KVRuntime(model, fmt, impl="torch")
-            step[fmt] = forward_session(
-                model, DynamicCache(config=model.config) if fmt == "auto" else rt.new_cache()
-            )
-            nxt[fmt] = step[fmt](ids)[0, -1:].argmax(-1)[None]
-        rec: dict[str, dict[str, list[float]]] = {f: {"step": [], "update": []} for f in fmts}
-        for r in range(steps):
-            for fmt in fmts[r % len(fmts) :] + fmts[: r % len(fmts)]:
-                KVRuntime(model, fmt, impl="torch")
-                spent[0] = 0.0
-                t0 = time.process_time()
-                nxt[fmt] = step[fmt](nxt[fmt])[0, -1:].argmax(-1)[None]
-                rec[fmt]["step"].append(time.process_time() - t0)
-                rec[fmt]["update"].append(spent[0])
+        # the prefill in one forward; the update time of each step is the change of the running total
+        times, updates = interleaved_steps(
+            model, fmts, ids, length, steps, "torch", "cpu", probe=lambda: spent[0]
+        )
     finally:
         DynamicCache.update, QuantizedKVCache.update = originals  # type: ignore[method-assign]
+    rec = {f: {"step": times[f], "update": updates[f]} for f in fmts}
     return {f: {k: 1e3 * statistics.median(v) for k, v in r.items()} for f, r in rec.items()}
 
 

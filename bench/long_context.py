@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -136,10 +137,7 @@ def interleaved_cell(spec: dict[str, Any]) -> dict[str, Any]:
     its format's (`KVRuntime`, outside the timed region)."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.cache_utils import DynamicCache
 
-    from kvcal.evaluate.kl import forward_session
-    from kvcal.kernels.runtime import KVRuntime
     from kvcal.models import resolve_model
 
     torch.set_num_threads(spec["threads"])
@@ -148,27 +146,55 @@ def interleaved_cell(spec: dict[str, Any]) -> dict[str, Any]:
         str(resolve_model(spec["model"])), dtype=getattr(torch, spec["dtype"])
     )
     model = model.to(device).eval()
-    fmts, length, chunk = spec["formats"], spec["length"], spec["chunk"]
+    fmts, length = spec["formats"], spec["length"]
     ids = torch.randint(
         100, model.config.vocab_size - 100, (1, length), generator=torch.Generator().manual_seed(0)
     ).to(device)
-    steps, nxt = {}, {}
+    times, _ = interleaved_steps(model, fmts, ids, spec["chunk"], spec["decode_steps"], spec["impl"], device)
+    return {"length": length, "step_s": times}
+
+
+def interleaved_steps(
+    model: Any,
+    fmts: list[str],
+    ids: Any,
+    chunk: int,
+    steps: int,
+    impl: str,
+    device: str,
+    probe: Callable[[], float] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Prefill one cache per format with ids [1, L] (chunked), then `steps` rounds of one greedy decode step per
+    format, the order rotating each round and each step's format re-installed (`KVRuntime`) outside the timed
+    region. Returns ({format: seconds per step}, {format: change of probe() over each step}; empty without probe:
+    e.g. a running total of time spent inside Cache.update)."""
+    from transformers.cache_utils import DynamicCache
+
+    from kvcal.evaluate.kl import forward_session
+    from kvcal.kernels.runtime import KVRuntime
+
+    step, nxt = {}, {}
     for fmt in fmts:
-        rt = KVRuntime(model, fmt, impl=spec["impl"])
-        cache = DynamicCache(config=model.config) if fmt == "auto" else rt.new_cache()
-        steps[fmt] = forward_session(model, cache)
-        for s in range(0, length, chunk):
-            logits = steps[fmt](ids[:, s : s + chunk])[0]
+        rt = KVRuntime(model, fmt, impl=impl)
+        step[fmt] = forward_session(
+            model, DynamicCache(config=model.config) if fmt == "auto" else rt.new_cache()
+        )
+        for s in range(0, ids.shape[1], chunk):
+            logits = step[fmt](ids[:, s : s + chunk])[0]
         nxt[fmt] = logits[-1:].argmax(-1)[None]
         del logits
     times: dict[str, list[float]] = {f: [] for f in fmts}
-    for r in range(spec["decode_steps"]):
+    probed: dict[str, list[float]] = {f: [] for f in fmts} if probe is not None else {}
+    for r in range(steps):
         for fmt in fmts[r % len(fmts) :] + fmts[: r % len(fmts)]:
-            KVRuntime(model, fmt, impl=spec["impl"])  # this format's attention on the model
+            KVRuntime(model, fmt, impl=impl)  # this format's attention on the model
+            p0 = probe() if probe is not None else 0.0
             t0 = _clock(device)
-            nxt[fmt] = steps[fmt](nxt[fmt])[0, -1:].argmax(-1)[None]
+            nxt[fmt] = step[fmt](nxt[fmt])[0, -1:].argmax(-1)[None]
             times[fmt].append(_clock(device) - t0)
-    return {"length": length, "step_s": times}
+            if probe is not None:
+                probed[fmt].append(probe() - p0)
+    return times, probed
 
 
 def _interleaved_rows(cell: dict[str, Any], code: str) -> list[dict[str, Any]]:

@@ -94,10 +94,10 @@ class RunConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         if d["nvfp4_global"] is None:
             del d["nvfp4_global"]
-        for key in ("kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths"):
-            if d[key] is None:
-                del d[key]
-        for key in ("prefill_chunk", "kl_subsample"):
+        for key in (
+            "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
+            "kl_subsample",
+        ):  # fmt: skip
             if d[key] is None:
                 del d[key]
         d.update(self.extra)

@@ -479,17 +479,22 @@ def window_buckets(
     """One window's bucket means {metric: [one per bucket]} from its per-position (kl, top1, nll) at the scored
     positions (`scored_positions`: all T-1 when subsample is 1)."""
     out: dict[str, list[float]] = {m: [] for m in _BUCKET_METRICS}
-    # scored row r is position r * subsample (0-based): bucket [lo, hi] (1-based) holds rows ceil((lo-1)/N) ..
-    rows = [(-(-(lo - 1) // subsample), (hi - 1) // subsample + 1) for lo, hi in edges]
+    rows = _bucket_rows(edges, subsample)
     for name, values in zip(_BUCKET_METRICS, stats, strict=True):
         v = values.double()
         out[name] = [float(v[r0:r1].mean()) for r0, r1 in rows]
     return out
 
 
+def _bucket_rows(edges: list[tuple[int, int]], subsample: int) -> list[tuple[int, int]]:
+    """[r0, r1) of the scored rows in each bucket: scored row r is 0-based position r * subsample, so bucket
+    [lo, hi] (1-based) holds rows ceil((lo - 1) / N) .. floor((hi - 1) / N)."""
+    return [(-(-(lo - 1) // subsample), (hi - 1) // subsample + 1) for lo, hi in edges]
+
+
 def bucket_tokens(edges: list[tuple[int, int]], subsample: int = 1) -> list[int]:
     """Scored positions per bucket of one window."""
-    return [(hi - 1) // subsample + 1 - (-(-(lo - 1) // subsample)) for lo, hi in edges]
+    return [r1 - r0 for r0, r1 in _bucket_rows(edges, subsample)]
 
 
 def _stderr(values: list[float]) -> float | None:

@@ -50,12 +50,16 @@ unrounded P. Sinks, softcap, masks and empty rows as above.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from kvcal.errors import UsageError
 from kvcal.kernels.buffer import TokenBuffer
+
+T = TypeVar("T")
 
 # Lookup tables for fast FP4 dequantization, per device: byte -> (low-nibble value, high-nibble value), and
 # E8M0 byte -> 2**(byte - 127).
@@ -218,7 +222,8 @@ def _fp8_values(c: torch.Tensor) -> torch.Tensor:
     """float32 values of FP8 codes (any shape), by table lookup: CPU torch converts FP8 element by element,
     several times slower than a gather."""
     lut = _lut(str(c.dtype).removeprefix("torch."), c.device)
-    return lut.index_select(0, c.view(torch.uint8).int().reshape(-1)).view(c.shape)  # int first: c may be strided
+    # int first: c may be a strided slice of the cache, which reshape would copy
+    return lut.index_select(0, c.view(torch.uint8).int().reshape(-1)).view(c.shape)
 
 
 def _fp8_scaled(c: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -246,13 +251,26 @@ def _fp8_table(c: torch.Tensor, s: torch.Tensor, cache_on: torch.Tensor | None) 
         if key not in _LUTS:
             _LUTS[key] = _fp8_table(c, s, cache_on=s)
         return _LUTS[key]
-    kept = getattr(cache_on, "_kvcal_fp8_table", None)
-    if kept is not None and kept[0] == name and kept[1] == cache_on._version and kept[2].device == c.device:
-        return kept[2]
     fi = torch.finfo(torch.float32)
-    table = (_lut(name, c.device)[None, :] * s.reshape(-1, 1)).clamp_(fi.min, fi.max).reshape(-1)
-    cache_on._kvcal_fp8_table = (name, cache_on._version, table)  # type: ignore[attr-defined]
-    return table
+    return _kept_on(
+        cache_on,
+        "_kvcal_fp8_table",
+        (name, c.device),
+        lambda: (_lut(name, c.device)[None, :] * s.reshape(-1, 1)).clamp_(fi.min, fi.max).reshape(-1),
+    )
+
+
+def _kept_on(t: torch.Tensor, attr: str, key: object, compute: Callable[[], T]) -> T:
+    """compute(), remembered on the tensor t (attribute `attr`) for `key` until t changes in place: a layer's
+    static scale is the same tensor at every read, and its version counter moves with any in-place change.
+    Inference tensors have no version counter: computed every time."""
+    kept = getattr(t, attr, None)
+    if kept is not None and kept[0] == key and kept[1] == t._version:
+        return kept[2]
+    value = compute()
+    if not t.is_inference():
+        setattr(t, attr, (key, t._version, value))
+    return value
 
 
 _F32_HALF = torch.finfo(torch.float32).max / 2
@@ -263,15 +281,14 @@ _ONE = torch.ones(())
 
 
 def _scale_bound(scale: torch.Tensor, factor: float) -> float:
-    """max |scale| * factor as a Python float, kept on the scale tensor (a layer's static scale is the same tensor
-    at every read; its version counter guards against in-place changes), so a decode step reads no data for it."""
-    kept = getattr(scale, "_kvcal_bound", None)
-    if kept is not None and kept[0] == factor and kept[1] == scale._version:
-        return kept[2]
-    b = float(scale.float().abs().amax()) * factor if scale.numel() else 0.0
-    if not scale.is_inference():
-        scale._kvcal_bound = (factor, scale._version, b)  # type: ignore[attr-defined]
-    return b
+    """max |scale| * factor as a Python float, kept on the scale tensor (`_kept_on`), so a decode step reads no
+    data for it."""
+    return _kept_on(
+        scale,
+        "_kvcal_bound",
+        factor,
+        lambda: float(scale.float().abs().amax()) * factor if scale.numel() else 0.0,
+    )
 
 
 def _saturate(y: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
@@ -279,7 +296,7 @@ def _saturate(y: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
     |y| computed from the scales, shows no element can be out of range."""
     fi = torch.finfo(torch.float32)
     b = float(bound)
-    if math.isfinite(b) and b < fi.max / 2:
+    if math.isfinite(b) and b < _F32_HALF:
         return y
     return y.clamp_(fi.min, fi.max)
 

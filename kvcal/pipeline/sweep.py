@@ -270,9 +270,8 @@ class EvalSettings:
     seed: int = _key(_int, 0)
     kl_seq_len: int | None = _key(_int, None)
     prefill_chunk: int | None = _key(_tokens, None)  # kl windows longer than this: chunked prefill
-    kl_subsample: int | None = _key(
-        _subsample, None
-    )  # kl scores positions 0, N, 2N, ... (kvcal eval --kl-subsample)
+    # kl scores positions 0, N, 2N, ... (kvcal eval --kl-subsample)
+    kl_subsample: int | None = _key(_subsample, None)
     max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     passkey_lengths: str | None = _key(_passkey_spec(parse_lengths), None)  # e.g. [1k, 2k, 4k]
     passkey_depths: str | None = _key(_passkey_spec(parse_depths), None)  # e.g. [0, 0.5, 1]
