@@ -54,28 +54,42 @@ class TokenBuffer:
         if d is not None and (d.shape[:-2] != new.shape[:-2] or d.shape[-1] != new.shape[-1]):
             raise ValueError(f"appending {tuple(new.shape)} to stored tokens of shape {tuple(d.shape)}")
         if d is None or self.end + n > d.shape[-2] or d.dtype != new.dtype or d.device != new.device:
-            self._move(len(self) + n, like=new)
+            self._move(len(self) + n, new.shape[:-2], new.shape[-1], new.dtype, new.device)
         # narrow + copy_, not `data[..., a:b, :] = new`: Python indexing costs ~15 µs a call, and a decode step
         # appends 4-8 times per layer
         self.data.narrow(-2, self.end, n).copy_(new)  # type: ignore[union-attr]
         self.end += n
         return self.data.narrow(-2, self.start, self.end - self.start)  # type: ignore[union-attr]
 
+    def reserve(
+        self, n: int, lead: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Make room for n tokens after the live ones in a [*lead, capacity, width] buffer of dtype (a writer
+        that fills `data[..., end:end + n, :]` itself, then advances `end`: kvcal.kernels.cpu_write)."""
+        d = self.data
+        if d is not None and (d.shape[:-2] != lead or d.shape[-1] != width):
+            raise ValueError(f"appending {(*lead, n, width)} to stored tokens of shape {tuple(d.shape)}")
+        if d is None or self.end + n > d.shape[-2] or d.dtype != dtype or d.device != device:
+            self._move(len(self) + n, lead, width, dtype, device)
+
     def keep_last(self, n: int) -> None:
         """Drop all but the last n live tokens (a sliding window); compact a buffer left mostly empty."""
         self.start = max(self.start, self.end - n)
         if self.data is not None and self.capacity > 4 * max(1, len(self)):
-            self._move(len(self), like=self.data)
+            d = self.data
+            self._move(len(self), d.shape[:-2], d.shape[-1], d.dtype, d.device)
 
     def drop_last(self, n: int) -> None:
         """Forget the last n live tokens (crop)."""
         self.end = max(self.start, self.end - n)
 
-    def _move(self, needed: int, like: torch.Tensor) -> None:
-        """Move the live tokens to the front of a new buffer with room for `needed` tokens."""
+    def _move(
+        self, needed: int, lead: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Move the live tokens to the front of a new [*lead, capacity, width] buffer with room for `needed`."""
         live = len(self)
         cap = grown(needed, self.capacity)
-        data = torch.empty((*like.shape[:-2], cap, like.shape[-1]), dtype=like.dtype, device=like.device)
+        data = torch.empty((*lead, cap, width), dtype=dtype, device=device)
         if live:
             data[..., :live, :] = self.data[..., self.start : self.end, :]  # type: ignore[index]
         self.data, self.start, self.end = data, 0, live

@@ -60,8 +60,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
+from kvcal.kernels import cpu_write
 from kvcal.kernels.buffer import TokenBuffer
-from kvcal.kernels.reference import Workspace, incremental
+from kvcal.kernels.reference import Workspace, incremental, same_scale
 
 # nvfp4 global scale when no scale file is given: name -> what it is (LayerPlan.nvfp4_global)
 NVFP4_GLOBALS: dict[str, str] = {
@@ -161,9 +162,13 @@ class NonFiniteCount:
         bad = ~torch.isfinite(x)
         if valid is not None:
             bad = bad & valid[:, None, :, None]
-        if x.device not in self.counts:
-            self.counts[x.device] = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=x.device)
-        self.counts[x.device][layer, which] += bad.sum()
+        self.add_count(layer, which, bad.sum(), x.device)
+
+    def add_count(self, layer: int, which: int, n: torch.Tensor | int, device: torch.device) -> None:
+        """Count n more non-finite elements (a tensor on `device`, or a Python int from the CPU write kernel)."""
+        if device not in self.counts:
+            self.counts[device] = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=device)
+        self.counts[device][layer, which] += n
 
     def take(self) -> dict[str, Any]:
         """{'per_layer': [{'layer', 'k', 'v'}] (layers with a non-finite element only), 'total'} and reset."""
@@ -372,9 +377,13 @@ class QuantizedLayer(CacheLayerMixin):
         kept_before = self.kept
         q_start = self.cumulative_length
         k_start = q_start - kept_before  # absolute position of the first kept token
-        new_k, new_v = self._write(key_states, value_states, valid)
-        full_k = self._sides["k"].append(new_k, k_start)  # [B, H_kv, kept + T_new, D]: kept + new tokens
-        full_v = self._sides["v"].append(new_v, k_start)
+        fused = self._fused_write(key_states, value_states, valid, q_start, k_start)
+        if fused is not None:
+            full_k, full_v = fused
+        else:
+            new_k, new_v = self._write(key_states, value_states, valid)
+            full_k = self._sides["k"].append(new_k, k_start)  # [B, H_kv, kept + T_new, D]: kept + new tokens
+            full_v = self._sides["v"].append(new_v, k_start)
         self.cumulative_length += t_new
         self._keep(full_k, full_v)
         read = KVRead(
@@ -389,6 +398,99 @@ class QuantizedLayer(CacheLayerMixin):
         )
         tk = kept_before + t_new
         return _placeholder(key_states, tk, read), _placeholder(value_states, tk, read)
+
+    def _fused_write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor | None,
+        q_start: int,
+        k_start: int,
+    ) -> tuple[QTensor, QTensor] | None:
+        """A decode step's write by the C kernel (`kvcal.kernels.cpu_write`): codes and block scales appended to
+        the storage and float32 values to the torch path's workspace in one call, the same bytes as `_write` +
+        `_Side.append` + the attention's dequantization. None (the caller writes with torch ops) unless: the kernel
+        is built, K and V share a supported format, the write is small (a decode step; a prefill's large write is
+        as fast vectorised in torch), the scale is fixed already, and both workspaces hold every token written so
+        far (the torch path is reading this cache; the Triton path never fills them)."""
+        f = self.plan.fmt
+        if (
+            f.name not in cpu_write.FORMATS
+            or self.plan.v_fmt not in (None, f)
+            or k.numel() * 2 > formats._SMALL
+            or k.shape != v.shape
+            or k.dtype != v.dtype
+            or cpu_write.library() is None
+        ):
+            return None
+        sides = (self._sides["k"], self._sides["v"])
+        for side in sides:
+            ws = side.workspace
+            d = ws.values.data
+            if (
+                ws.fmt != f.name
+                or d is None
+                or d.shape[:2] != k.shape[:2]
+                or ws.first + len(ws.values) != q_start
+                or ws.first > k_start
+            ):
+                return None
+        scales = (self._fixed_scale("k", k), self._fixed_scale("v", v))
+        if any(s is False for s in scales):
+            return None
+        ks, vs = scales
+        for side, s in zip(sides, scales, strict=True):
+            if not same_scale(side.workspace.scale, s):  # type: ignore[arg-type]
+                return None
+        kin = self.plan.kv_input_dtype
+        if not (cpu_write.supports(f, k, kin, ks) and cpu_write.supports(f, v, kin, vs)):  # type: ignore[arg-type]
+            return None
+        for side in sides:  # a sliding window moved on: drop what the read would drop (reference.dequantize_fast)
+            ws = side.workspace
+            if k_start > ws.first:
+                ws.values.keep_last(len(ws.values) - (k_start - ws.first))
+                ws.first = k_start
+        if valid is not None:
+            valid = valid.to(torch.bool)
+            if valid.stride(-1) != 1:
+                valid = valid.contiguous()
+        bad = cpu_write.write_into(
+            f,
+            k,
+            v,
+            ks,  # type: ignore[arg-type]
+            vs,  # type: ignore[arg-type]
+            valid,
+            kin == torch.bfloat16 and k.dtype != torch.bfloat16,
+            tuple((s.codes, s.block_scales, s.workspace.values) for s in sides),  # type: ignore[arg-type]
+        )
+        if self.nonfinite is not None:
+            for which, n in enumerate(bad):
+                if n:
+                    self.nonfinite.add_count(self.plan.index, which, n, k.device)
+        out = []
+        for side, s in zip(sides, scales, strict=True):
+            side.workspace.scale = s  # type: ignore[assignment]
+            q = QTensor(codes=side.codes.view(), block_scales=side.block_scales.view(), scale=s)  # type: ignore[arg-type]
+            out.append(incremental(q, side.workspace, k_start))
+        return out[0], out[1]
+
+    def _fixed_scale(self, which: str, x: torch.Tensor) -> torch.Tensor | None | bool:
+        """The validated scale this write quantizes with when it does not depend on the new tokens (static,
+        nvfp4's "one", a first-batch scale already fixed; None for formats without one); False otherwise."""
+        fmt, s = self.plan.side_format(which), self._scales[which]
+        if not fmt.calibratable:
+            return None
+        fb = self.plan.first_batch
+        if fb is not None:
+            s = fb.scales.get((self.plan.index, which))
+            if s is None:
+                return False
+        elif fmt.layout == "nvfp4" and (s is None or _per_sequence(s)):
+            if self.plan.nvfp4_global != "one":
+                return False
+            s = self._scale(x, which, None)
+        return formats._static_scale(s, x, 1.0 if fmt.layout != "nvfp4" else None)
 
     def _keep(self, full_k: QTensor, full_v: QTensor) -> None:
         """Keep all of it, or a sliding layer's window (the buffers drop the tokens before it, and are compacted

@@ -376,7 +376,7 @@ def incremental(q, ws: Workspace, first: int):
     return q
 
 
-def _same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+def same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
     return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
@@ -404,7 +404,7 @@ def dequantize_fast(q, fmt) -> torch.Tensor:
     a1 = a0 + q.codes.shape[-2]
     vals = ws.values
     held = vals.data is not None and vals.data.shape[:-2] == q.codes.shape[:-2] and ws.fmt == f.name
-    if not (held and ws.first <= a0 <= ws.first + len(vals) and _same_scale(ws.scale, q.scale)):
+    if not (held and ws.first <= a0 <= ws.first + len(vals) and same_scale(ws.scale, q.scale)):
         ws.values, ws.first, ws.fmt = TokenBuffer(), a0, f.name  # start over: nothing held is valid for q
         vals = ws.values
     ws.scale = q.scale  # equal values; the newest tensor makes the next `is` check succeed

@@ -1,0 +1,296 @@
+/* kvcal's fused CPU cache write: a decode step's new K and V tokens -> stored codes + block scales + the float32
+ * values the torch path's attention reads, in ONE call per layer (an engine's `reshape_and_cache`).
+ *
+ * The numeric spec is kvcal/formats.py (`quantize`, `dequantize`); the torch reference of this kernel is
+ * `kvcal.kernels.cpu_write.decode_write_ref`, and tests/kernels/test_cpu_write.py checks this file against it bit
+ * for bit. Every float32 operation below is the one torch performs there, in the same order (compiled with
+ * -ffp-contract=off, no fast-math: no fused multiply-add, no reassociation). Why a C kernel: a decode step writes
+ * one token per layer, and the eager torch ops of a quantize + dequantize (25-60 of them for FP4) cost ~10 us each
+ * on CPU, more than the step's attention.
+ *
+ * Layout: every tensor is [B, H, T, C] with its own element strides for b, h, t and a contiguous last dim
+ * (C = D for x and values, the format's code / block-scale width otherwise). Padding positions (valid[b, t] == 0)
+ * are stored as zeros and not counted as non-finite, as `cache.without_padding` stores them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6 };
+enum { IN_F32 = 0, IN_BF16 = 1 };
+
+static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                               NAN,   -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static const float MIDS[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+#define BF16_MAX 3.3895313892515355e38f
+
+static inline uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> 0xFFFF, what torch's CPU cast writes */
+static inline uint16_t to_bf16(float f) {
+    if (isnan(f)) return 0xFFFF;
+    uint32_t u = bits(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float from_bf16(uint16_t h) { return from_bits((uint32_t)h << 16); }
+
+/* float32 -> E4M3FN / E5M2 byte, round to nearest even, as torch's CPU cast (c10 Float8 conversions): E4M3FN has
+ * no Inf (|f| >= 480 and NaN -> 0x7F), E5M2 overflows to Inf. Callers clamp first, as formats.py does. */
+static inline uint8_t to_e4m3(float f) {
+    uint32_t u = bits(f), sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u >= (1087u << 20)) {
+        r = 0x7F;
+    } else if (u < (121u << 23)) {  /* subnormal: let the float adder round */
+        const uint32_t denorm = 141u << 23;
+        r = (uint8_t)(bits(from_bits(u) + from_bits(denorm)) - denorm);
+    } else {
+        uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        r = (uint8_t)(u >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+static inline uint8_t to_e5m2(float f) {
+    uint32_t u = bits(f), sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u >= (143u << 23)) {
+        r = u > (255u << 23) ? 0x7F : 0x7C;
+    } else if (u < (113u << 23)) {
+        const uint32_t denorm = 134u << 23;
+        r = (uint8_t)(bits(from_bits(u) + from_bits(denorm)) - denorm);
+    } else {
+        uint32_t odd = (u >> 21) & 1u;
+        u += ((uint32_t)(15 - 127) << 23) + 0xFFFFFu + odd;
+        r = (uint8_t)(u >> 21);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+static inline float e4m3_value(uint8_t c) {
+    int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
+    float v;
+    if (e == 15 && m == 7) return NAN;
+    v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    return s ? -v : v;
+}
+static inline float e5m2_value(uint8_t c) {
+    int s = c >> 7, e = (c >> 2) & 31, m = c & 3;
+    float v;
+    if (e == 31) v = m ? NAN : INFINITY;
+    else v = e == 0 ? ldexpf((float)m, -16) : ldexpf((float)(4 + m), e - 17);
+    return s ? -v : v;
+}
+
+/* E2M1 code of an already scaled value, ties to even (formats.e2m1_encode(y, 'even')) */
+static inline uint8_t e2m1_even(float y) {
+    if (isnan(y)) return 8;
+    float a = fabsf(y);
+    uint8_t mag = 0;
+    for (int i = 0; i < 7; i++) mag += (i % 2 == 1) ? (a >= MIDS[i]) : (a > MIDS[i]);
+    return (uint8_t)(((y < 0) && mag > 0) ? (8 | mag) : mag);
+}
+
+/* |x| with NaN and Inf as 0 (formats.finite_abs) */
+static inline float fin_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
+
+/* saturating cast to float32's range (formats._to / reference._saturate); NaN stays */
+static inline float sat(float y) {
+    if (y > 3.4028234663852886e38f) return 3.4028234663852886e38f;
+    if (y < -3.4028234663852886e38f) return -3.4028234663852886e38f;
+    return y;
+}
+
+/* 2**e for integer e in [-127, 127] (formats.exp2_int) */
+static inline float exp2_int(int e) { return e == -127 ? from_bits(0x00400000u) : from_bits((uint32_t)(e + 127) << 23); }
+
+typedef struct {
+    const void *x;
+    int64_t xb, xh, xt;
+    void *codes;
+    int64_t cb, ch, ct;
+    void *scales; /* block scales; unused for bf16 / fp8 */
+    int64_t sb, sh, st;
+    float *vals;
+    int64_t vb, vh, vt;
+    const float *scale; /* fp8 static scale / nvfp4 global; NULL = 1.0 */
+    int64_t gb, gh;
+} side_t;
+
+/* the new K or V row as stored: rounded to the K/V input dtype, padding zeroed; returns its non-finite count */
+static int64_t load_row(const side_t *s, int in_dtype, int round_bf16, int64_t b, int64_t h, int64_t t, int D,
+                        int real, float *row) {
+    int64_t bad = 0, off = b * s->xb + h * s->xh + t * s->xt;
+    for (int d = 0; d < D; d++) {
+        float v = in_dtype == IN_BF16 ? from_bf16(((const uint16_t *)s->x)[off + d]) : ((const float *)s->x)[off + d];
+        if (round_bf16) v = from_bf16(to_bf16(v));
+        if (!real) v = 0.0f;
+        bad += !isfinite(v);
+        row[d] = v;
+    }
+    return bad;
+}
+
+/* nvfp4 / nvfp4_4over6 / mxfp4: block codes of y (already scaled), packed two per byte, low nibble first */
+static inline void put_fp4(uint8_t *c, int i, uint8_t code) {
+    if (i % 2 == 0) c[i / 2] = code; else c[i / 2] |= (uint8_t)(code << 4);
+}
+
+static void write_row(int fmt, const float *x, int D, float g, uint8_t *codes, void *scales, float *vals) {
+    switch (fmt) {
+    case F_BF16:
+        for (int d = 0; d < D; d++) {
+            float y = x[d];
+            /* clamp keeps NaN */
+            if (y > BF16_MAX) y = BF16_MAX;
+            if (y < -BF16_MAX) y = -BF16_MAX;
+            uint16_t h = to_bf16(y);
+            ((uint16_t *)codes)[d] = h;
+            vals[d] = from_bf16(h);
+        }
+        break;
+    case F_E4M3:
+    case F_E5M2: {
+        float m = fmt == F_E4M3 ? 448.0f : 57344.0f;
+        for (int d = 0; d < D; d++) {
+            float y = x[d] / g;
+            if (y > m) y = m;
+            if (y < -m) y = -m;
+            uint8_t c = fmt == F_E4M3 ? to_e4m3(y) : to_e5m2(y);
+            codes[d] = c;
+            vals[d] = sat((fmt == F_E4M3 ? e4m3_value(c) : e5m2_value(c)) * g);
+        }
+        break;
+    }
+    case F_INT8: {
+        float amax = 0.0f;
+        for (int d = 0; d < D; d++) { float a = fin_abs(x[d]); if (a > amax) amax = a; }
+        float s = amax / 127.0f;
+        int ok = s > 0;
+        float div = ok ? s : 1.0f;
+        for (int d = 0; d < D; d++) {
+            int8_t c;
+            if (isnan(x[d])) c = -128;
+            else if (!ok) c = 0;
+            else {
+                float r = rintf(x[d] / div);
+                c = (int8_t)(r > 127.0f ? 127 : (r < -127.0f ? -127 : r));
+            }
+            ((int8_t *)codes)[d] = c;
+            vals[d] = c == -128 ? NAN : sat((float)c * s);
+        }
+        *(float *)scales = s;
+        break;
+    }
+    case F_NVFP4: {
+        for (int k = 0; k < D / 16; k++) {
+            const float *xb = x + 16 * k;
+            float bmax = 0.0f;
+            for (int i = 0; i < 16; i++) { float a = fin_abs(xb[i]); if (a > bmax) bmax = a; }
+            float r = bmax / (6.0f * g);
+            if (r > 448.0f) r = 448.0f;
+            uint8_t bs = to_e4m3(r);
+            ((uint8_t *)scales)[k] = bs;
+            float eff = e4m3_value(bs) * g;
+            for (int i = 0; i < 16; i++) {
+                float y = eff > 0 ? xb[i] / eff : (isnan(xb[i]) ? xb[i] : 0.0f);
+                uint8_t c = e2m1_even(y);
+                put_fp4(codes, 16 * k + i, c);
+                vals[16 * k + i] = sat(E2M1[c] * eff);
+            }
+        }
+        break;
+    }
+    case F_NVFP4_4OVER6: {
+        float sf_scale = 1.0f / g, back = 1.0f / sf_scale;
+        const float recip[2] = {1.0f / 4.0f, 1.0f / 6.0f};
+        for (int k = 0; k < D / 16; k++) {
+            const float *xb = x + 16 * k;
+            float fin[16], bmax = 0.0f;
+            for (int i = 0; i < 16; i++) { fin[i] = isfinite(xb[i]) ? xb[i] : 0.0f; float a = fabsf(fin[i]); if (a > bmax) bmax = a; }
+            uint8_t sf[2];
+            float inv[2], err[2];
+            for (int n = 0; n < 2; n++) {
+                float r = sf_scale * (bmax * recip[n]);
+                if (r > 448.0f) r = 448.0f;
+                sf[n] = to_e4m3(r);
+                float sfv = e4m3_value(sf[n]);
+                inv[n] = sfv != 0 ? 1.0f / (sfv * back) : 0.0f;
+                float m = inv[n], deq = m != 0 ? 1.0f / m : 0.0f, e = 0.0f;
+                for (int j = 0; j < 8; j++) {
+                    float d0 = E2M1[e2m1_even(fin[2 * j] * m)] * deq - fin[2 * j];
+                    float d1 = E2M1[e2m1_even(fin[2 * j + 1] * m)] * deq - fin[2 * j + 1];
+                    float pair = d0 * d0 + d1 * d1;
+                    e = j == 0 ? pair : e + pair;
+                }
+                err[n] = e;
+            }
+            int use4 = err[0] < err[1];
+            uint8_t bs = use4 ? sf[0] : sf[1];
+            float mult = use4 ? inv[0] : inv[1];
+            ((uint8_t *)scales)[k] = bs;
+            float eff = e4m3_value(bs) * g;
+            for (int i = 0; i < 16; i++) {
+                float y = mult != 0 ? xb[i] * mult : (isnan(xb[i]) ? xb[i] : 0.0f);
+                uint8_t c = e2m1_even(y);
+                put_fp4(codes, 16 * k + i, c);
+                vals[16 * k + i] = sat(E2M1[c] * eff);
+            }
+        }
+        break;
+    }
+    case F_MXFP4: {
+        for (int k = 0; k < D / 32; k++) {
+            const float *xb = x + 32 * k;
+            float bmax = 0.0f;
+            for (int i = 0; i < 32; i++) { float a = fin_abs(xb[i]); if (a > bmax) bmax = a; }
+            int e;
+            frexpf(bmax, &e);
+            int shared = bmax > 0 ? e - 3 : -127;
+            if (shared < -127) shared = -127;
+            if (shared > 127) shared = 127;
+            float p = exp2_int(shared);
+            ((uint8_t *)scales)[k] = (uint8_t)(shared + 127);
+            for (int i = 0; i < 32; i++) {
+                uint8_t c = e2m1_even(xb[i] / p);
+                put_fp4(codes, 32 * k + i, c);
+                vals[32 * k + i] = sat(E2M1[c] * p);
+            }
+        }
+        break;
+    }
+    }
+}
+
+/* Write T new tokens of K and V ([B, H, T, D] each) in format `fmt`. valid: [B, T] bytes (stride vb_stride along
+ * b, 1 along t) or NULL (all real). nonfinite[0], [1]: NaN/Inf counts of K's and V's real tokens (after rounding
+ * to bf16 when round_bf16). Returns 0, or -1 when D exceeds the row buffer. */
+int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
+                int64_t valid_b, side_t *k, side_t *v, int64_t *nonfinite) {
+    float row[1024];
+    if (D > 1024) return -1;
+    nonfinite[0] = nonfinite[1] = 0;
+    for (int which = 0; which < 2; which++) {
+        side_t *s = which ? v : k;
+        int csize = fmt == F_BF16 ? 2 : 1;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                int real = valid == NULL || valid[b * valid_b + t];
+                for (int64_t h = 0; h < H; h++) {
+                    int64_t bad = load_row(s, in_dtype, round_bf16, b, h, t, D, real, row);
+                    if (real) nonfinite[which] += bad;
+                    float g = s->scale ? s->scale[b * s->gb + h * s->gh] : 1.0f;
+                    uint8_t *c = (uint8_t *)s->codes + (b * s->cb + h * s->ch + t * s->ct) * csize;
+                    void *sc = NULL;
+                    if (s->scales)
+                        sc = fmt == F_INT8 ? (void *)((float *)s->scales + b * s->sb + h * s->sh + t * s->st)
+                                           : (void *)((uint8_t *)s->scales + b * s->sb + h * s->sh + t * s->st);
+                    write_row(fmt, row, D, g, c, sc, s->vals + b * s->vb + h * s->vh + t * s->vt);
+                }
+            }
+    }
+    return 0;
+}
