@@ -629,11 +629,16 @@ def _quantize_nvfp4_4over6(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=bs, scale=g)
 
 
+def fp4_e2m1_exponent(bmax: torch.Tensor) -> torch.Tensor:
+    """fp4_e2m1's block exponent (float32, integral) of block maxima bmax [..., D/16] (SGLang's rule)."""
+    return torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))
+
+
 def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:
     # SGLang KVFP4QuantizeUtil.batched_quantize, float32
     xb = _blocks(xf, 16)
     bmax = finite_abs(xb).amax(dim=-1)  # [..., D/16]
-    scale_exp = torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))  # [..., D/16]
+    scale_exp = fp4_e2m1_exponent(bmax)  # [..., D/16]
     y = xb / exp2_int(scale_exp).unsqueeze(-1)
     codes = e2m1_encode(y, ties="away")
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(scale_exp + 127).to(torch.uint8))

@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6 };
+enum { F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6, F_FP4_E2M1 = 7 };
 enum { IN_F32 = 0, IN_BF16 = 1 };
 
 static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -94,6 +94,15 @@ static inline uint8_t e2m1_even(float y) {
     return (uint8_t)(((y < 0) && mag > 0) ? (8 | mag) : mag);
 }
 
+/* E2M1 code of an already scaled value, ties away from zero (formats.e2m1_encode(y, 'away'): SGLang's rule) */
+static inline uint8_t e2m1_away(float y) {
+    if (isnan(y)) return 8;
+    float a = fabsf(y);
+    uint8_t mag = 0;
+    for (int i = 0; i < 7; i++) mag += a >= MIDS[i];
+    return (uint8_t)(((y < 0) && mag > 0) ? (8 | mag) : mag);
+}
+
 /* |x| with NaN and Inf as 0 (formats.finite_abs) */
 static inline float fin_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
 
@@ -118,6 +127,7 @@ typedef struct {
     int64_t vb, vh, vt;
     const float *scale; /* fp8 static scale / nvfp4 global; NULL = 1.0 */
     int64_t gb, gh;
+    const float *exps; /* fp4_e2m1: the block exponents torch computed, contiguous [B, H, T, D/16] */
 } side_t;
 
 /* the new K or V row as stored: rounded to the K/V input dtype, padding zeroed; returns its non-finite count */
@@ -139,7 +149,8 @@ static inline void put_fp4(uint8_t *c, int i, uint8_t code) {
     if (i % 2 == 0) c[i / 2] = code; else c[i / 2] |= (uint8_t)(code << 4);
 }
 
-static void write_row(int fmt, const float *x, int D, float g, uint8_t *codes, void *scales, float *vals) {
+static void write_row(int fmt, const float *x, int D, float g, const float *exps, uint8_t *codes, void *scales,
+                      float *vals) {
     switch (fmt) {
     case F_BF16:
         for (int d = 0; d < D; d++) {
@@ -262,6 +273,20 @@ static void write_row(int fmt, const float *x, int D, float g, uint8_t *codes, v
         }
         break;
     }
+    case F_FP4_E2M1: {
+        /* SGLang's KVFP4QuantizeUtil: exps = ceil(log2(max(bmax / 6, 1e-10))), from torch (kvcal_block_amax) */
+        for (int k = 0; k < D / 16; k++) {
+            int e = (int)exps[k];
+            float p = exp2_int(e);
+            ((uint8_t *)scales)[k] = (uint8_t)(e + 127);
+            for (int i = 0; i < 16; i++) {
+                uint8_t c = e2m1_away(x[16 * k + i] / p);
+                put_fp4(codes, 16 * k + i, c);
+                vals[16 * k + i] = sat(E2M1[c] * p);
+            }
+        }
+        break;
+    }
     }
 }
 
@@ -288,7 +313,36 @@ int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int
                     if (s->scales)
                         sc = fmt == F_INT8 ? (void *)((float *)s->scales + b * s->sb + h * s->sh + t * s->st)
                                            : (void *)((uint8_t *)s->scales + b * s->sb + h * s->sh + t * s->st);
-                    write_row(fmt, row, D, g, c, sc, s->vals + b * s->vb + h * s->vh + t * s->vt);
+                    const float *ex = s->exps ? s->exps + ((b * H + h) * T + t) * (D / 16) : NULL;
+                    write_row(fmt, row, D, g, ex, c, sc, s->vals + b * s->vb + h * s->vh + t * s->vt);
+                }
+            }
+    }
+    return 0;
+}
+
+/* fp4_e2m1's first pass: the finite |max| of every 16-element block of the new K and V as stored (rounded, padding
+ * zeroed) into amax_k / amax_v, contiguous [B, H, T, D/16] as formats' `finite_abs(xb).amax(-1)` returns it. Its
+ * exponent is then computed by torch (`torch.log2`, whose last bit depends on the element's place in a vectorised
+ * loop: the same tensor shape gives the same bits) and handed to kvcal_write. */
+int kvcal_block_amax(int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
+                     int64_t valid_b, side_t *k, side_t *v, float *amax_k, float *amax_v) {
+    float row[1024];
+    if (D > 1024) return -1;
+    for (int which = 0; which < 2; which++) {
+        side_t *s = which ? v : k;
+        float *out = which ? amax_v : amax_k;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                int real = valid == NULL || valid[b * valid_b + t];
+                for (int64_t h = 0; h < H; h++) {
+                    load_row(s, in_dtype, round_bf16, b, h, t, D, real, row);
+                    float *o = out + ((b * H + h) * T + t) * (D / 16);
+                    for (int kb = 0; kb < D / 16; kb++) {
+                        float m = 0.0f;
+                        for (int i = 0; i < 16; i++) { float a = fin_abs(row[16 * kb + i]); if (a > m) m = a; }
+                        o[kb] = m;
+                    }
                 }
             }
     }

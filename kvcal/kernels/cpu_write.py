@@ -9,9 +9,10 @@ values straight into the workspace.
 
 `decode_write_ref` (torch: `formats.quantize_kv` + the torch path's dequantization) is the semantics;
 `decode_write` (C) takes the same arguments and returns the same tensors, bit for bit
-(tests/kernels/test_cpu_write.py). Formats: bf16, fp8_e4m3, fp8_e5m2, int8_per_token_head, nvfp4, nvfp4_4over6,
-mxfp4 (`FORMATS`); not fp4_e2m1 (its scale comes from torch's log2, whose last bit depends on where an element
-sits in a vectorised loop, so no scalar C loop can promise the same codes).
+(tests/kernels/test_cpu_write.py). Formats: every quantized one (`FORMATS`). fp4_e2m1's block exponent comes
+from torch's log2, whose last bit depends on where an element sits in a vectorised loop, so no scalar C loop can
+promise the same exponent: for it the kernel computes the block maxima, torch their exponents (4 ops on a tensor
+of the shape formats computes them on), and the kernel the rest.
 
 The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Without a C compiler, or with
@@ -47,6 +48,7 @@ FORMATS: dict[str, int] = {
     "nvfp4": 4,
     "nvfp4_4over6": 5,
     "mxfp4": 6,
+    "fp4_e2m1": 7,
 }
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024  # cpu_write.c's row buffer
@@ -76,6 +78,7 @@ class _Side(ctypes.Structure):
         ("scale", ctypes.c_void_p),
         ("gb", ctypes.c_int64),
         ("gh", ctypes.c_int64),
+        ("exps", ctypes.c_void_p),
     ]
 
 
@@ -123,6 +126,9 @@ def library() -> ctypes.CDLL | None:
         ctypes.POINTER(_Side),
         ctypes.POINTER(ctypes.c_int64),  # non-finite counts [2]
     ]
+    amax = lib.kvcal_block_amax
+    amax.restype = ctypes.c_int
+    amax.argtypes = [*fn.argtypes[1:11], ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -223,6 +229,26 @@ def write_into(
         g = (0, 0, 0) if s is None else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
         sides.append(_Side(x.data_ptr(), xs[0], xs[1], xs[2], *c, *sc, *vl, *g))
     vp, vb = (None, 0) if valid is None else (valid.data_ptr(), valid.stride(0))
+    if fmt.name == "fp4_e2m1":
+        # its block exponent by torch's log2 on the tensor formats._quantize_fp4_e2m1 computes it on (same
+        # shape, contiguous: the same bits), from block maxima the kernel computes
+        bmax = [torch.empty(b, h, t, d // 16) for _ in range(2)]
+        lib.kvcal_block_amax(
+            _IN_DTYPES[k.dtype],
+            int(round_bf16),
+            b,
+            h,
+            t,
+            d,
+            vp,
+            vb,
+            sides[0],
+            sides[1],
+            *(m.data_ptr() for m in bmax),
+        )
+        exps = [formats.fp4_e2m1_exponent(m) for m in bmax]
+        for side, e in zip(sides, exps, strict=True):
+            side.exps = e.data_ptr()
     bad = (ctypes.c_int64 * 2)()
     rc = lib.kvcal_write(
         FORMATS[fmt.name], _IN_DTYPES[k.dtype], int(round_bf16), b, h, t, d, vp, vb, sides[0], sides[1], bad

@@ -3,7 +3,7 @@ formats.quantize_kv + the torch path's dequantization), bit for bit: stored code
 (NaN codes included), float32 values exact (NaN where the reference has NaN), non-finite counts equal. Over random
 K/V with NaN, +-Inf, huge / tiny / subnormal values, all-zero tokens and padding, every scale shape, both input
 dtypes and the bf16 rounding of the K/V input dtype; raw float32 bit patterns by hypothesis; every float32 near an
-FP8 rounding boundary; and inside the cache: a model's decode with the kernel equals its decode without."""
+FP8 rounding boundary; fp4_e2m1's exponent near every power of two; and inside the cache: a model's decode with the kernel equals its decode without."""
 
 from __future__ import annotations
 
@@ -140,12 +140,23 @@ def test_every_rounding_boundary(fmt: str) -> None:
     )
 
 
+def test_fp4_e2m1_exponent_near_powers_of_two() -> None:
+    """fp4_e2m1's block exponent is ceil(log2(bmax / 6)): block maxima within a few ulps of 6 * 2**k, where the
+    last bit of torch's log2 decides the ceiling, give the reference's exponents (the kernel takes torch's)."""
+    k = torch.arange(-34, 126, dtype=torch.float32)
+    edges = (6.0 * torch.exp2(k)).view(torch.int32)
+    near = torch.cat([edges + o for o in range(-3, 4)]).view(torch.float32)
+    near = near[torch.isfinite(near)]
+    x = torch.zeros(2, 1, 1, near.numel(), 64)
+    x[..., 0] = near  # the block max of block 0; the other elements small
+    x[..., 1:16] = near[:, None] * 0.3
+    x[1] = -x[1]
+    _check(cpu_write.decode_write_ref(x[0], x[1], "fp4_e2m1"), cpu_write.decode_write(x[0], x[1], "fp4_e2m1"))
+
+
 def test_supports_only_what_it_implements() -> None:
     x = torch.zeros(1, 2, 1, 64)
     assert cpu_write.supports(formats.get_format("nvfp4"), x, torch.bfloat16, torch.tensor(1.0))
-    assert not cpu_write.supports(
-        formats.get_format("fp4_e2m1"), x, None, None
-    )  # torch's log2 decides its scale
     assert not cpu_write.supports(formats.get_format("int8_per_token_head"), x, torch.float16, None)
     assert not cpu_write.supports(
         formats.get_format("mxfp4"), torch.zeros(1, 2, 1, 16), None, None
@@ -166,7 +177,9 @@ def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_write.library() is not None
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4", "nvfp4_4over6", "mxfp4"])
+@pytest.mark.parametrize(
+    "fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4", "nvfp4_4over6", "mxfp4", "fp4_e2m1"]
+)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_decode_with_the_kernel_equals_decode_without(
     fmt: str, arch: str, kv_model: Any, batch: Any, monkeypatch: pytest.MonkeyPatch
