@@ -630,8 +630,9 @@ def _quantize_nvfp4_4over6(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
 
 
 def fp4_e2m1_exponent(bmax: torch.Tensor) -> torch.Tensor:
-    """fp4_e2m1's block exponent (float32, integral) of block maxima bmax [..., D/16] (SGLang's rule)."""
-    return torch.ceil(torch.log2(torch.clamp(bmax / E2M1_MAX, min=1e-10)))
+    """fp4_e2m1's block exponent (float32, integral) of block maxima bmax [..., D/16] (SGLang's rule:
+    ceil(log2(clamp(bmax / 6, min=1e-10))); in place on the quotient, the same bits as out of place)."""
+    return (bmax / E2M1_MAX).clamp_(min=1e-10).log2_().ceil_()
 
 
 def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:

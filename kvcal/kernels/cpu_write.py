@@ -232,7 +232,7 @@ def write_into(
     if fmt.name == "fp4_e2m1":
         # its block exponent by torch's log2 on the tensor formats._quantize_fp4_e2m1 computes it on (same
         # shape, contiguous: the same bits), from block maxima the kernel computes
-        bmax = [torch.empty(b, h, t, d // 16) for _ in range(2)]
+        bmax = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
         lib.kvcal_block_amax(
             _IN_DTYPES[k.dtype],
             int(round_bf16),
