@@ -36,54 +36,42 @@ static inline uint16_t to_bf16(float f) {
 }
 static inline float from_bf16(uint16_t h) { return from_bits((uint32_t)h << 16); }
 
-/* float32 -> E4M3FN / E5M2 byte, round to nearest even, as torch's CPU cast (c10 Float8 conversions): E4M3FN has
- * no Inf (|f| >= 480 and NaN -> 0x7F), E5M2 overflows to Inf. Callers clamp first, as formats.py does. */
-static inline uint8_t to_e4m3(float f) {
+/* float32 -> FP8 byte with m mantissa bits and exponent bias `bias` (E4M3FN: 3, 7; E5M2: 2, 15), round to nearest
+ * even, as torch's CPU cast (c10's Float8 conversions): E4M3FN has no Inf (|f| >= 480 and NaN -> 0x7F), E5M2
+ * overflows to Inf (0x7C). Callers clamp first, as formats.py does. */
+static inline uint8_t to_fp8(float f, int m, int bias) {
+    int e5m2 = m == 2;
     uint32_t u = bits(f), sign = u & 0x80000000u;
     u ^= sign;
     uint8_t r;
-    if (u >= (1087u << 20)) {
-        r = 0x7F;
-    } else if (u < (121u << 23)) {  /* subnormal: let the float adder round */
-        const uint32_t denorm = 141u << 23;
+    if (e5m2 ? u >= (143u << 23) : u >= (1087u << 20)) {
+        r = (!e5m2 || u > (255u << 23)) ? 0x7F : 0x7C;
+    } else if (u < ((uint32_t)(128 - bias) << 23)) {
+        /* subnormal: adding 2**(emin - m + 23) lets the float adder round to the subnormal step */
+        const uint32_t denorm = (uint32_t)(127 + 23 - m - (bias - 1)) << 23;
         r = (uint8_t)(bits(from_bits(u) + from_bits(denorm)) - denorm);
     } else {
-        uint32_t odd = (u >> 20) & 1u;
-        u += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
-        r = (uint8_t)(u >> 20);
+        uint32_t odd = (u >> (23 - m)) & 1u;
+        u += ((uint32_t)(bias - 127) << 23) + ((1u << (22 - m)) - 1u) + odd;
+        r = (uint8_t)(u >> (23 - m));
     }
     return r | (uint8_t)(sign >> 24);
 }
-static inline uint8_t to_e5m2(float f) {
-    uint32_t u = bits(f), sign = u & 0x80000000u;
-    u ^= sign;
-    uint8_t r;
-    if (u >= (143u << 23)) {
-        r = u > (255u << 23) ? 0x7F : 0x7C;
-    } else if (u < (113u << 23)) {
-        const uint32_t denorm = 134u << 23;
-        r = (uint8_t)(bits(from_bits(u) + from_bits(denorm)) - denorm);
+static inline uint8_t to_e4m3(float f) { return to_fp8(f, 3, 7); }
+
+/* FP8 byte -> float32 (exact); E4M3FN: only S.1111.111 is NaN; E5M2: exponent 31 is Inf / NaN */
+static inline float fp8_value(uint8_t c, int m, int bias) {
+    int s = c >> 7, e = (c & 0x7F) >> m, man = c & ((1 << m) - 1), emax = m == 2 ? 31 : 15;
+    float v;
+    if (e == emax && (m == 2 || man == (1 << m) - 1)) {
+        if (m == 3 || man) return NAN;
+        v = INFINITY;
     } else {
-        uint32_t odd = (u >> 21) & 1u;
-        u += ((uint32_t)(15 - 127) << 23) + 0xFFFFFu + odd;
-        r = (uint8_t)(u >> 21);
+        v = e == 0 ? ldexpf((float)man, 1 - bias - m) : ldexpf((float)((1 << m) + man), e - bias - m);
     }
-    return r | (uint8_t)(sign >> 24);
-}
-static inline float e4m3_value(uint8_t c) {
-    int s = c >> 7, e = (c >> 3) & 15, m = c & 7;
-    float v;
-    if (e == 15 && m == 7) return NAN;
-    v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
     return s ? -v : v;
 }
-static inline float e5m2_value(uint8_t c) {
-    int s = c >> 7, e = (c >> 2) & 31, m = c & 3;
-    float v;
-    if (e == 31) v = m ? NAN : INFINITY;
-    else v = e == 0 ? ldexpf((float)m, -16) : ldexpf((float)(4 + m), e - 17);
-    return s ? -v : v;
-}
+static inline float e4m3_value(uint8_t c) { return fp8_value(c, 3, 7); }
 
 /* E2M1 code of an already scaled value, ties to even (formats.e2m1_encode(y, 'even')) */
 static inline uint8_t e2m1_even(float y) {
@@ -170,9 +158,9 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
             float y = x[d] / g;
             if (y > m) y = m;
             if (y < -m) y = -m;
-            uint8_t c = fmt == F_E4M3 ? to_e4m3(y) : to_e5m2(y);
+            uint8_t c = fmt == F_E4M3 ? to_fp8(y, 3, 7) : to_fp8(y, 2, 15);
             codes[d] = c;
-            vals[d] = sat((fmt == F_E4M3 ? e4m3_value(c) : e5m2_value(c)) * g);
+            vals[d] = sat((fmt == F_E4M3 ? fp8_value(c, 3, 7) : fp8_value(c, 2, 15)) * g);
         }
         break;
     }
