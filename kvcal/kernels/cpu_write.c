@@ -262,7 +262,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
         break;
     }
     case F_FP4_E2M1: {
-        /* SGLang's KVFP4QuantizeUtil: exps = ceil(log2(max(bmax / 6, 1e-10))), from torch (kvcal_block_amax) */
+        /* SGLang's KVFP4QuantizeUtil: exps = ceil(log2(max(bmax / 6, 1e-10))), from torch (kvcal_block_ratio) */
         for (int k = 0; k < D / 16; k++) {
             int e = (int)exps[k];
             float p = exp2_int(e);
@@ -309,17 +309,17 @@ int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int
     return 0;
 }
 
-/* fp4_e2m1's first pass: the finite |max| of every 16-element block of the new K and V as stored (rounded, padding
- * zeroed) into amax_k / amax_v, contiguous [B, H, T, D/16] as formats' `finite_abs(xb).amax(-1)` returns it. Its
- * exponent is then computed by torch (`torch.log2`, whose last bit depends on the element's place in a vectorised
- * loop: the same tensor shape gives the same bits) and handed to kvcal_write. */
-int kvcal_block_amax(int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
-                     int64_t valid_b, side_t *k, side_t *v, float *amax_k, float *amax_v) {
+/* fp4_e2m1's first pass: max(bmax / 6, 1e-10) of every 16-element block of the new K and V as stored (rounded,
+ * padding zeroed; bmax the finite |max|) into ratio_k / ratio_v, contiguous [B, H, T, D/16] as formats computes it.
+ * Its ceil(log2(.)) is then computed by torch (`formats.ceil_log2_`: torch's log2 rounds its last bit by the
+ * element's place in a vectorised loop, so the same tensor shape gives the same bits) and handed to kvcal_write. */
+int kvcal_block_ratio(int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
+                     int64_t valid_b, side_t *k, side_t *v, float *ratio_k, float *ratio_v) {
     float row[1024];
     if (D > 1024) return -1;
     for (int which = 0; which < 2; which++) {
         side_t *s = which ? v : k;
-        float *out = which ? amax_v : amax_k;
+        float *out = which ? ratio_v : ratio_k;
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) {
                 int real = valid == NULL || valid[b * valid_b + t];
@@ -329,7 +329,8 @@ int kvcal_block_amax(int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t
                     for (int kb = 0; kb < D / 16; kb++) {
                         float m = 0.0f;
                         for (int i = 0; i < 16; i++) { float a = fin_abs(row[16 * kb + i]); if (a > m) m = a; }
-                        o[kb] = m;
+                        float r = m / 6.0f;  /* formats.fp4_e2m1_exponent: clamp(bmax / 6, min=1e-10) */
+                        o[kb] = r < 1e-10f ? 1e-10f : r;
                     }
                 }
             }

@@ -11,8 +11,8 @@ values straight into the workspace.
 `decode_write` (C) takes the same arguments and returns the same tensors, bit for bit
 (tests/kernels/test_cpu_write.py). Formats: every quantized one (`FORMATS`). fp4_e2m1's block exponent comes
 from torch's log2, whose last bit depends on where an element sits in a vectorised loop, so no scalar C loop can
-promise the same exponent: for it the kernel computes the block maxima, torch their exponents (4 ops on a tensor
-of the shape formats computes them on), and the kernel the rest.
+promise the same exponent: for it the kernel computes each block's max / 6 (floored at 1e-10), torch the
+ceil(log2(.)) of those (2 ops on a tensor of the shape formats computes them on), and the kernel the rest.
 
 The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Without a C compiler, or with
@@ -126,9 +126,9 @@ def library() -> ctypes.CDLL | None:
         ctypes.POINTER(_Side),
         ctypes.POINTER(ctypes.c_int64),  # non-finite counts [2]
     ]
-    amax = lib.kvcal_block_amax
-    amax.restype = ctypes.c_int
-    amax.argtypes = [*fn.argtypes[1:11], ctypes.c_void_p, ctypes.c_void_p]
+    ratio = lib.kvcal_block_ratio
+    ratio.restype = ctypes.c_int
+    ratio.argtypes = [*fn.argtypes[1:11], ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -230,10 +230,10 @@ def write_into(
         sides.append(_Side(x.data_ptr(), xs[0], xs[1], xs[2], *c, *sc, *vl, *g))
     vp, vb = (None, 0) if valid is None else (valid.data_ptr(), valid.stride(0))
     if fmt.name == "fp4_e2m1":
-        # its block exponent by torch's log2 on the tensor formats._quantize_fp4_e2m1 computes it on (same
-        # shape, contiguous: the same bits), from block maxima the kernel computes
-        bmax = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
-        lib.kvcal_block_amax(
+        # its block exponent by torch's log2 on a tensor of the shape formats._quantize_fp4_e2m1 computes it on
+        # (contiguous [B, H, T, D/16]: the same bits), from the ratios the kernel computes
+        ratio = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
+        lib.kvcal_block_ratio(
             _IN_DTYPES[k.dtype],
             int(round_bf16),
             b,
@@ -244,9 +244,9 @@ def write_into(
             vb,
             sides[0],
             sides[1],
-            *(m.data_ptr() for m in bmax),
+            *(r.data_ptr() for r in ratio),
         )
-        exps = [formats.fp4_e2m1_exponent(m) for m in bmax]
+        exps = [formats.ceil_log2_(r) for r in ratio]  # the kernel wrote max(bmax / 6, 1e-10)
         for side, e in zip(sides, exps, strict=True):
             side.exps = e.data_ptr()
     bad = (ctypes.c_int64 * 2)()
