@@ -634,15 +634,10 @@ FP4_E2M1_MIN_RATIO = 1e-10  # SGLang's floor of a block's max / 6 (an all-zero b
 
 def fp4_e2m1_exponent(bmax: torch.Tensor) -> torch.Tensor:
     """fp4_e2m1's block exponent (float32, integral) of block maxima bmax [..., D/16] (SGLang's rule:
-    ceil(log2(clamp(bmax / 6, min=1e-10))))."""
-    return ceil_log2_((bmax / E2M1_MAX).clamp_(min=FP4_E2M1_MIN_RATIO))
-
-
-def ceil_log2_(r: torch.Tensor) -> torch.Tensor:
-    """ceil(log2(r)) in place (the same bits as out of place). torch's CPU log2 may round its last bit differently
-    in a vectorised loop than in its scalar tail, so an element's result can depend on its place in the tensor:
-    whoever must reproduce fp4_e2m1's exponents calls this on a tensor of the same shape (kvcal.kernels.cpu_write)."""
-    return r.log2_().ceil_()
+    ceil(log2(clamp(bmax / 6, min=1e-10))); in place on the quotient, the same bits as out of place). torch's CPU
+    log2 may round its last bit differently in a vectorised loop than in its scalar tail, so an element's exponent
+    can depend on its place in the tensor: kvcal.kernels.cpu_write takes torch's log2 of a tensor of this shape."""
+    return (bmax / E2M1_MAX).clamp_(min=FP4_E2M1_MIN_RATIO).log2_().ceil_()
 
 
 def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:

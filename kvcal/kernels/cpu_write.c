@@ -115,7 +115,7 @@ typedef struct {
     int64_t vb, vh, vt;
     const float *scale; /* fp8 static scale / nvfp4 global; NULL = 1.0 */
     int64_t gb, gh;
-    const float *exps; /* fp4_e2m1: the block exponents torch computed, contiguous [B, H, T, D/16] */
+    const float *exps; /* fp4_e2m1: torch's log2 of the block ratios, contiguous [B, H, T, D/16] */
 } side_t;
 
 /* the new K or V row as stored: rounded to the K/V input dtype, padding zeroed; returns its non-finite count */
@@ -262,9 +262,10 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
         break;
     }
     case F_FP4_E2M1: {
-        /* SGLang's KVFP4QuantizeUtil: exps = ceil(log2(max(bmax / 6, 1e-10))), from torch (kvcal_block_ratio) */
+        /* SGLang's KVFP4QuantizeUtil: exponent ceil(log2(max(bmax / 6, 1e-10))), the log2 torch's
+         * (kvcal_block_ratio) */
         for (int k = 0; k < D / 16; k++) {
-            int e = (int)exps[k];
+            int e = (int)ceilf(exps[k]);
             float p = exp2_int(e);
             ((uint8_t *)scales)[k] = (uint8_t)(e + 127);
             for (int i = 0; i < 16; i++) {
@@ -311,8 +312,8 @@ int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int
 
 /* fp4_e2m1's first pass: max(bmax / 6, 1e-10) of every 16-element block of the new K and V as stored (rounded,
  * padding zeroed; bmax the finite |max|) into ratio_k / ratio_v, contiguous [B, H, T, D/16] as formats computes it.
- * Its ceil(log2(.)) is then computed by torch (`formats.ceil_log2_`: torch's log2 rounds its last bit by the
- * element's place in a vectorised loop, so the same tensor shape gives the same bits) and handed to kvcal_write. */
+ * Its log2 is then computed by torch (torch's log2 rounds its last bit by the element's place in a vectorised
+ * loop, so the same tensor shape gives the same bits: formats.fp4_e2m1_exponent) and handed to kvcal_write. */
 int kvcal_block_ratio(int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
                      int64_t valid_b, side_t *k, side_t *v, float *ratio_k, float *ratio_v) {
     float row[1024];

@@ -11,8 +11,9 @@ values straight into the workspace.
 `decode_write` (C) takes the same arguments and returns the same tensors, bit for bit
 (tests/kernels/test_cpu_write.py). Formats: every quantized one (`FORMATS`). fp4_e2m1's block exponent comes
 from torch's log2, whose last bit depends on where an element sits in a vectorised loop, so no scalar C loop can
-promise the same exponent: for it the kernel computes each block's max / 6 (floored at 1e-10), torch the
-ceil(log2(.)) of those (2 ops on a tensor of the shape formats computes them on), and the kernel the rest.
+promise the same exponent: for it the kernel computes each block's max / 6 (floored at 1e-10), torch the log2 of
+those (one op per side, on a tensor of the shape `formats.fp4_e2m1_exponent` computes it on), and the kernel
+the rest.
 
 The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Without a C compiler, or with
@@ -187,6 +188,18 @@ def storage_dtypes(fmt: KVFormat) -> tuple[torch.dtype, torch.dtype | None]:
     return torch.uint8, (torch.float8_e4m3fn if fmt.layout == "nvfp4" else torch.uint8)
 
 
+_SCRATCH: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 buffer of this shape reused by every write (one decode step's block ratios; nothing keeps it)."""
+    if shape not in _SCRATCH:
+        if len(_SCRATCH) > 16:
+            _SCRATCH.clear()
+        _SCRATCH[shape] = torch.empty(shape)
+    return _SCRATCH[shape]
+
+
 def _buffer_side(
     x: torch.Tensor, buf: TokenBuffer, dtype: torch.dtype, width: int, n: int
 ) -> tuple[int, int, int, int]:
@@ -232,7 +245,7 @@ def write_into(
     if fmt.name == "fp4_e2m1":
         # its block exponent by torch's log2 on a tensor of the shape formats._quantize_fp4_e2m1 computes it on
         # (contiguous [B, H, T, D/16]: the same bits), from the ratios the kernel computes
-        ratio = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
+        ratio = _scratch((2, b, h, t, d // 16))  # K's, V's: each contiguous [B, H, T, D/16]
         lib.kvcal_block_ratio(
             _IN_DTYPES[k.dtype],
             int(round_bf16),
@@ -246,9 +259,8 @@ def write_into(
             sides[1],
             *(r.data_ptr() for r in ratio),
         )
-        exps = [formats.ceil_log2_(r) for r in ratio]  # the kernel wrote max(bmax / 6, 1e-10)
-        for side, e in zip(sides, exps, strict=True):
-            side.exps = e.data_ptr()
+        for side, r in zip(sides, ratio, strict=True):
+            side.exps = r.log2_().data_ptr()  # the kernel takes the ceiling (exact anywhere)
     bad = (ctypes.c_int64 * 2)()
     rc = lib.kvcal_write(
         FORMATS[fmt.name], _IN_DTYPES[k.dtype], int(round_bf16), b, h, t, d, vp, vb, sides[0], sides[1], bad
