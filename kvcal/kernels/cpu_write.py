@@ -188,18 +188,6 @@ def storage_dtypes(fmt: KVFormat) -> tuple[torch.dtype, torch.dtype | None]:
     return torch.uint8, (torch.float8_e4m3fn if fmt.layout == "nvfp4" else torch.uint8)
 
 
-_SCRATCH: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-def _scratch(shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 buffer of this shape reused by every write (one decode step's block ratios; nothing keeps it)."""
-    if shape not in _SCRATCH:
-        if len(_SCRATCH) > 16:
-            _SCRATCH.clear()
-        _SCRATCH[shape] = torch.empty(shape)
-    return _SCRATCH[shape]
-
-
 def _buffer_side(
     x: torch.Tensor, buf: TokenBuffer, dtype: torch.dtype, width: int, n: int
 ) -> tuple[int, int, int, int]:
@@ -245,7 +233,7 @@ def write_into(
     if fmt.name == "fp4_e2m1":
         # its block exponent by torch's log2 on a tensor of the shape formats._quantize_fp4_e2m1 computes it on
         # (contiguous [B, H, T, D/16]: the same bits), from the ratios the kernel computes
-        ratio = _scratch((2, b, h, t, d // 16))  # K's, V's: each contiguous [B, H, T, D/16]
+        ratio = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
         lib.kvcal_block_ratio(
             _IN_DTYPES[k.dtype],
             int(round_bf16),
