@@ -315,17 +315,12 @@ class QuantizedLayer(CacheLayerMixin):
     def _scale(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor | None:
         """The scale this write quantizes with: static, nvfp4's policy, or None (formats' default / dynamic).
         x: [B, H_kv, T, D] with its padding already zeroed."""
-        fmt, s = self.plan.side_format(which), self._scales[which]
-        if not fmt.calibratable:
-            return None
-        if self.plan.first_batch is not None:
+        fixed = self._fixed_scale(which, x.device)
+        if fixed is not False:
+            return fixed
+        if self.plan.first_batch is not None:  # this layer's first write fixes it
             return self.plan.first_batch.scale(self.plan.index, which, x)
-        if fmt.layout != "nvfp4" or (s is not None and not _per_sequence(s)):
-            return s
-        if self.plan.nvfp4_global == "one":
-            if self._one is None or self._one.device != x.device:  # one tensor for every write (cheap checks)
-                self._one = torch.ones((), dtype=torch.float32, device=x.device)
-            return self._one
+        s = self._scales[which]
         new = formats.nvfp4_dynamic_global(x)  # [B, 1, 1, 1]
         real = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if valid is None else valid.any(-1)
         if s is None or self._fixed is None:
@@ -435,25 +430,21 @@ class QuantizedLayer(CacheLayerMixin):
                 or ws.first > k_start
             ):
                 return None
-        scales = (self._fixed_scale("k", k), self._fixed_scale("v", v))
-        if any(s is False for s in scales):
+        fixed = (self._fixed_scale("k", k.device), self._fixed_scale("v", v.device))
+        if any(s is False for s in fixed):
             return None
-        ks, vs = scales
+        default = 1.0 if f.layout != "nvfp4" else None
+        ks, vs = scales = tuple(
+            formats._static_scale(s, k, default) if f.calibratable else None for s in fixed
+        )
         for side, s in zip(sides, scales, strict=True):
             if not same_scale(side.workspace.scale, s):  # type: ignore[arg-type]
                 return None
         kin = self.plan.kv_input_dtype
         if not (cpu_write.supports(f, k, kin, ks) and cpu_write.supports(f, v, kin, vs)):  # type: ignore[arg-type]
             return None
-        for side in sides:  # a sliding window moved on: drop what the read would drop (reference.dequantize_fast)
-            ws = side.workspace
-            if k_start > ws.first:
-                ws.values.keep_last(len(ws.values) - (k_start - ws.first))
-                ws.first = k_start
-        if valid is not None:
-            valid = valid.to(torch.bool)
-            if valid.stride(-1) != 1:
-                valid = valid.contiguous()
+        for side in sides:  # what the read would drop before appending (reference.dequantize_fast)
+            side.workspace.drop_before(k_start)
         bad = cpu_write.write_into(
             f,
             k,
@@ -461,7 +452,7 @@ class QuantizedLayer(CacheLayerMixin):
             ks,  # type: ignore[arg-type]
             vs,  # type: ignore[arg-type]
             valid,
-            kin == torch.bfloat16 and k.dtype != torch.bfloat16,
+            kin,
             tuple((s.codes, s.block_scales, s.workspace.values) for s in sides),  # type: ignore[arg-type]
         )
         if self.nonfinite is not None:
@@ -475,22 +466,23 @@ class QuantizedLayer(CacheLayerMixin):
             out.append(incremental(q, side.workspace, k_start))
         return out[0], out[1]
 
-    def _fixed_scale(self, which: str, x: torch.Tensor) -> torch.Tensor | None | bool:
-        """The validated scale this write quantizes with when it does not depend on the new tokens (static,
-        nvfp4's "one", a first-batch scale already fixed; None for formats without one); False otherwise."""
+    def _fixed_scale(self, which: str, device: torch.device) -> torch.Tensor | None | bool:
+        """The scale of this write when it does not depend on the new tokens: static, nvfp4's "one", a first-batch
+        scale already fixed; None for formats without one (or formats' default); False when the new tokens decide
+        it (a first batch's first write, nvfp4's per_sequence global)."""
         fmt, s = self.plan.side_format(which), self._scales[which]
         if not fmt.calibratable:
             return None
         fb = self.plan.first_batch
         if fb is not None:
-            s = fb.scales.get((self.plan.index, which))
-            if s is None:
-                return False
-        elif fmt.layout == "nvfp4" and (s is None or _per_sequence(s)):
-            if self.plan.nvfp4_global != "one":
-                return False
-            s = self._scale(x, which, None)
-        return formats._static_scale(s, x, 1.0 if fmt.layout != "nvfp4" else None)
+            return fb.scales.get((self.plan.index, which), False)
+        if fmt.layout != "nvfp4" or (s is not None and not _per_sequence(s)):
+            return s
+        if self.plan.nvfp4_global != "one":
+            return False
+        if self._one is None or self._one.device != device:  # one tensor for every write (cheap checks)
+            self._one = torch.ones((), dtype=torch.float32, device=device)
+        return self._one
 
     def _keep(self, full_k: QTensor, full_v: QTensor) -> None:
         """Keep all of it, or a sliding layer's window (the buffers drop the tokens before it, and are compacted

@@ -94,6 +94,13 @@ static inline uint8_t e2m1_away(float y) {
 /* |x| with NaN and Inf as 0 (formats.finite_abs) */
 static inline float fin_abs(float x) { return isfinite(x) ? fabsf(x) : 0.0f; }
 
+/* the finite |max| of n values (formats.finite_abs(x).amax(-1)); 0 when none is finite and nonzero */
+static inline float block_max(const float *x, int n) {
+    float m = 0.0f;
+    for (int i = 0; i < n; i++) { float a = fin_abs(x[i]); if (a > m) m = a; }
+    return m;
+}
+
 /* saturating cast to float32's range (formats._to / reference._saturate); NaN stays */
 static inline float sat(float y) {
     if (y > 3.4028234663852886e38f) return 3.4028234663852886e38f;
@@ -165,9 +172,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
         break;
     }
     case F_INT8: {
-        float amax = 0.0f;
-        for (int d = 0; d < D; d++) { float a = fin_abs(x[d]); if (a > amax) amax = a; }
-        float s = amax / 127.0f;
+        float s = block_max(x, D) / 127.0f;
         int ok = s > 0;
         float div = ok ? s : 1.0f;
         for (int d = 0; d < D; d++) {
@@ -187,9 +192,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
     case F_NVFP4: {
         for (int k = 0; k < D / 16; k++) {
             const float *xb = x + 16 * k;
-            float bmax = 0.0f;
-            for (int i = 0; i < 16; i++) { float a = fin_abs(xb[i]); if (a > bmax) bmax = a; }
-            float r = bmax / (6.0f * g);
+            float r = block_max(xb, 16) / (6.0f * g);
             if (r > 448.0f) r = 448.0f;
             uint8_t bs = to_e4m3(r);
             ((uint8_t *)scales)[k] = bs;
@@ -244,8 +247,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
     case F_MXFP4: {
         for (int k = 0; k < D / 32; k++) {
             const float *xb = x + 32 * k;
-            float bmax = 0.0f;
-            for (int i = 0; i < 32; i++) { float a = fin_abs(xb[i]); if (a > bmax) bmax = a; }
+            float bmax = block_max(xb, 32);
             int e;
             frexpf(bmax, &e);
             int shared = bmax > 0 ? e - 3 : -127;
@@ -328,9 +330,7 @@ int kvcal_block_ratio(int in_dtype, int round_bf16, int64_t B, int64_t H, int64_
                     load_row(s, in_dtype, round_bf16, b, h, t, D, real, row);
                     float *o = out + ((b * H + h) * T + t) * (D / 16);
                     for (int kb = 0; kb < D / 16; kb++) {
-                        float m = 0.0f;
-                        for (int i = 0; i < 16; i++) { float a = fin_abs(row[16 * kb + i]); if (a > m) m = a; }
-                        float r = m / 6.0f;  /* formats.fp4_e2m1_exponent: clamp(bmax / 6, min=1e-10) */
+                        float r = block_max(row + 16 * kb, 16) / 6.0f;  /* formats.fp4_e2m1_exponent's clamp */
                         o[kb] = r < 1e-10f ? 1e-10f : r;
                     }
                 }

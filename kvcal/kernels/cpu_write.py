@@ -207,17 +207,22 @@ def write_into(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     valid: torch.Tensor | None,
-    round_bf16: bool,
+    kv_input_dtype: torch.dtype | None,
     buffers: tuple[
         tuple[TokenBuffer, TokenBuffer, TokenBuffer], tuple[TokenBuffer, TokenBuffer, TokenBuffer]
     ],
 ) -> tuple[int, int]:
     """Quantize new K and V [B, H_kv, T, D] (`supports` holds for both) and append their codes, block scales and
     float32 values to the (codes, block scales, values) TokenBuffers of K and of V; returns the non-finite counts
-    of K's and V's real tokens. valid: [B, T] bool or None; round_bf16: round K/V to bf16 first (the K/V input
-    dtype)."""
+    of K's and V's real tokens. valid: [B, T] bool or None (all real); kv_input_dtype: the dtype K/V are rounded
+    to first (bf16, or None / their own: as they are)."""
     lib = library()
     assert lib is not None
+    round_bf16 = kv_input_dtype == torch.bfloat16 and k.dtype != torch.bfloat16
+    if valid is not None:
+        valid = valid.to(torch.bool)
+        if valid.stride(-1) != 1:
+            valid = valid.contiguous()
     b, h, t, d = k.shape
     cdt, sdt = storage_dtypes(fmt)
     cw, sw = storage_widths(fmt, d)
@@ -275,11 +280,8 @@ def decode_write(
     """The C kernel on fresh storage: (K's QTensor, V's, K's float32 values, V's, non-finite counts of K / V).
     Same arguments and results as `decode_write_ref`. Scales: already validated (formats._static_scale)."""
     f = formats.get_format(fmt)
-    valid = None if valid is None else valid.to(torch.bool).contiguous()
     bufs = tuple((TokenBuffer(), TokenBuffer(), TokenBuffer()) for _ in range(2))
-    bad = write_into(
-        f, k, v, k_scale, v_scale, valid, kv_input_dtype == torch.bfloat16 and k.dtype != torch.bfloat16, bufs
-    )  # type: ignore[arg-type]
+    bad = write_into(f, k, v, k_scale, v_scale, valid, kv_input_dtype, bufs)  # type: ignore[arg-type]
     out = []
     for (cb, sb, vb), s in zip(bufs, (k_scale, v_scale), strict=True):
         out.append((QTensor(codes=cb.view(), block_scales=sb.view(), scale=s), vb.view()))
@@ -298,6 +300,8 @@ def decode_write_ref(
     """Torch reference of `decode_write`: what the cache's eager write stores (K/V rounded to `kv_input_dtype`,
     padding positions of `valid` [B, T] zeroed, `formats.quantize_kv`) and the float32 values the torch path's
     attention reads (`reference._dequantize`), with the NaN/Inf count of the real tokens."""
+    from kvcal.kernels.cache import without_padding  # cache imports this module
+
     f = formats.get_format(fmt)
     counts = []
     prepared = []
@@ -307,8 +311,7 @@ def decode_write_ref(
         bad = ~torch.isfinite(x)
         if valid is not None:
             bad = bad & valid[:, None, :, None]
-            x = torch.where(valid[:, None, :, None], x, torch.zeros((), dtype=x.dtype))
         counts.append(int(bad.sum()))
-        prepared.append(x)
+        prepared.append(without_padding(x, valid))
     qk, qv = formats.quantize_kv(prepared[0], prepared[1], f, k_scale, v_scale)
     return qk, qv, _dequantize(qk, f), _dequantize(qv, f), (counts[0], counts[1])

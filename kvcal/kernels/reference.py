@@ -369,6 +369,12 @@ class Workspace:
         self.fmt: str | None = None
         self.scale: torch.Tensor | None = None
 
+    def drop_before(self, first: int) -> None:
+        """Forget the values of positions before `first` (a sliding layer's window moved on)."""
+        if first > self.first:
+            self.values.keep_last(len(self.values) - (first - self.first))
+            self.first = first
+
 
 def incremental(q, ws: Workspace, first: int):
     """Mark the QTensor `q` (the cache side's tokens first .. first + T - 1) as read through `ws`; returns q."""
@@ -408,9 +414,7 @@ def dequantize_fast(q, fmt) -> torch.Tensor:
         ws.values, ws.first, ws.fmt = TokenBuffer(), a0, f.name  # start over: nothing held is valid for q
         vals = ws.values
     ws.scale = q.scale  # equal values; the newest tensor makes the next `is` check succeed
-    if a0 > ws.first:  # a sliding layer's window moved on: drop the tokens before it
-        vals.keep_last(len(vals) - (a0 - ws.first))
-        ws.first = a0
+    ws.drop_before(a0)
     have = ws.first + len(vals)
     if have < a1:
         return vals.append(_dequantize(_tail(q, have - a0), f))
