@@ -124,7 +124,9 @@ class EvalSpec:
     tasks: tuple[str, ...]  # canonical task names, the user's order (tasks.parse_task_list)
     scales: ScaleSource
     force_scales: bool
-    skip_layers: str | None  # --skip-layers as given (config.yaml records the text; the indices need the model)
+    skip_layers: (
+        str | None
+    )  # --skip-layers as given (config.yaml records the text; the indices need the model)
     include_path: str | None
     limit: int | None
     num_fewshot: int | None
@@ -224,26 +226,56 @@ class EvalSpec:
         want = self.recorded_fields()
         if self.dtype != "auto":
             want["dtype"] = self.dtype
-        special = {"kv_input_dtype", "scales_path", "skip_layers", "tasks", "model", "force_scales", "data_dir"}
-        diffs = [
-            f"{k}: {getattr(have, k)!r} there, {v!r} here"
-            for k, v in want.items()
-            if k not in special and getattr(have, k) != v
+        keys = [
+            *_COMPARED,
+            *(_KL_COMPARED if self.has_kl else ()),
+            *(_PASSKEY_COMPARED if self.has_passkey else ()),
         ]
+        diffs = [
+            f"{k}: {getattr(have, k)!r} there, {want[k]!r} here"
+            for k in keys
+            if k in want and getattr(have, k) != want[k]
+        ]
+        if have.scale_source != want["scale_source"]:
+            there, here = have.scale_source or "none", want["scale_source"] or "none"
+            diffs.append(f"scale source: {there!r} there, {here!r} here")
         if have.tasks and have.tasks != want["tasks"]:
             diffs.append(f"tasks: {have.tasks!r} there, {want['tasks']!r} here")
         kvin = want["kv_input_dtype"]
         if kvin is not None and have.kv_input_dtype_or_legacy != kvin:
             diffs.append(f"kv_input_dtype: {have.kv_input_dtype_or_legacy!r} there, {kvin!r} here")
         if (have.skip_layers or "none") != (self.skip_layers or "none"):
-            diffs.append(f"skip_layers: {have.skip_layers or 'none'!r} there, {self.skip_layers or 'none'!r} here")
+            diffs.append(
+                f"skip_layers: {have.skip_layers or 'none'!r} there, {self.skip_layers or 'none'!r} here"
+            )
         if have.calibrated != self.scales.is_file:
-            diffs.append("scales: " + ("calibrated there, not here" if have.calibrated else "not calibrated there"))
+            diffs.append(
+                "scales: " + ("calibrated there, not here" if have.calibrated else "not calibrated there")
+            )
         elif scales_sha256 is not None:
             sha = have.scales.get("sha256") if isinstance(have.scales, dict) else None
             if sha and sha != scales_sha256:
                 diffs.append(f"scales: the run used another version of {Path(str(self.scales.path)).name}")
         return diffs
+
+
+# What `differences` compares field by field (with tasks, kv input dtype, skip layers and the scale file): the
+# settings that make one run directory another configuration. Fields config.yaml gained later (nvfp4_global,
+# max_gen_toks, attention, ...) are left to the run store's identity hash, so run directories written before them
+# are still found; the kl / passkey fields only for those tasks.
+_COMPARED = (
+    "kv_format",
+    "limit",
+    "num_fewshot",
+    "dtype",
+    "device",
+    "impl",
+    "batch_size",
+    "seed",
+    "scale_source",
+)
+_KL_COMPARED = ("kl_seq_len", "prefill_chunk", "kl_subsample")
+_PASSKEY_COMPARED = ("passkey_lengths", "passkey_depths")
 
 
 # ---- names ------------------------------------------------------------------------------------------------------
