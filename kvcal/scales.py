@@ -488,7 +488,19 @@ def load_scales_for_model(
     A different format, layer count, KV heads or head_dim is always refused (the scales cannot fit). A binding
     mismatch (config, tokenizer, weights changed) is refused unless `force`; then the differences are returned
     in `ss.binding_warnings` (and logged) and the caller must warn loudly."""
-    ss = load_scale_file(path)
+    return check_scales_for_model(load_scale_file(path), path, model_ref, model_dir, kv, kv_format, force)
+
+
+def check_scales_for_model(
+    ss: ScaleSet,
+    path: str | os.PathLike[str],
+    model_ref: str,
+    model_dir: str | os.PathLike[str],
+    kv: KVSpec,
+    kv_format: str | None = None,
+    force: bool = False,
+) -> ScaleSet:
+    """`load_scales_for_model`'s checks of an already loaded scale file (`path` names it in messages)."""
     if kv_format is not None:
         want = canonical_format(kv_format)
         if want != ss.kv_format:

@@ -1,7 +1,8 @@
 """`kvcal eval`: lm-eval tasks (and kvcal's kl) through a quantized KV cache, into one run directory.
 
-The command's options are EvalConfig's fields, by name and default: `config_from_options` builds the config, so a
-new EvalConfig field needs one option here (tests/commands/test_options.py checks that none is forgotten).
+The command's options are EvalConfig's fields, by name and default: `config_from_options` builds the options and
+kvcal.evaluate.spec.eval_spec parses them (as for a sweep cell or a release candidate), so a new EvalConfig field
+needs one option here (tests/commands/test_options.py checks that none is forgotten).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvcal.commands.options import (
     scales_option,
 )
 from kvcal.commands.output import console, err_console, print_json, warn
-from kvcal.evaluate.run import EvalConfig
+from kvcal.evaluate.spec import EvalConfig
 
 # EvalConfig fields that have no option (they keep EvalConfig's default), and options that are not fields.
 FIELDS_WITHOUT_OPTION: frozenset[str] = frozenset()
@@ -190,16 +191,18 @@ def eval_cmd(
     options = {k: v for k, v in locals().items() if k != "ctx"}  # first: exactly the options (ctx: Typer's)
     from kvcal.commands.launch import is_main_process, run_in_processes
     from kvcal.evaluate.run import run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     if num_processes != 1:
         run_in_processes(ctx, num_processes, {"samples (--limit)": limit})
 
     config = config_from_options(EvalConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
+    spec = eval_spec(config)  # parsed and checked once
     if force_scales and scales:
         warn(
             "--force-scales: scales measured on another checkpoint will be used; the run's config records it"
         )
-    run_dir = run_eval(config, progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]", highlight=False))
+    run_dir = run_eval(spec, progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]", highlight=False))
     if not is_main_process():
         return  # rank 0 wrote the run directory and renders it
     results = json.loads((run_dir / rundir.RESULTS).read_text())

@@ -61,9 +61,14 @@ class KvcalLM(HFLM):
         device_map: str | None = None,
         max_memory: str | None = None,
         offload_folder: str | None = None,
+        kv_scale_set: Any = None,
+        skip_set: frozenset[int] | None = None,
+        placement: Placement | None = None,
         **kwargs: Any,
     ) -> None:
-        placement = Placement.parse(device_map, max_memory, offload_folder)
+        # kv_scale_set / skip_set / placement: already loaded / resolved / parsed by run_eval (kvcal.evaluate.spec),
+        # so nothing is read twice; lm-eval's command line passes the strings instead
+        placement = placement or Placement.parse(device_map, max_memory, offload_folder)
         if isinstance(pretrained, (str, os.PathLike)):
             # real-model names and .gguf files become a local safetensors folder (kvcal.models)
             trust = _as_bool(kwargs.get("trust_remote_code", False))
@@ -129,6 +134,8 @@ class KvcalLM(HFLM):
             kv_input_dtype=self.kv_input_dtype,
             first_batch=self.first_batch,
             attention=self.attention,
+            scale_set=kv_scale_set,
+            skip=skip_set,
         )
         shard_runtime_by_head(self.runtime, self.model, self._kvcal_tp)
 
@@ -286,15 +293,18 @@ def build_runtime(
     kv_input_dtype: str | None = None,
     first_batch: bool = False,
     attention: str = "kv",
+    scale_set: Any = None,
+    skip: frozenset[int] | None = None,
 ) -> tuple[Any, Any, frozenset[int]]:
     """(KVRuntime, ScaleSet | None, skipped layer indices) for `model`; the scale file is checked against the
-    checkpoint (binding, format, layer count) by kvcal.scales."""
+    checkpoint (binding, format, layer count) by kvcal.scales. `scale_set` / `skip`: checked / resolved already
+    (run_eval), not read again from `scales_path` / `skip_spec`."""
     from kvcal.kernels.runtime import KVRuntime
 
     kv = models.kv_spec(model.config)
-    skip = models.parse_skip_layers(skip_spec, kv)
-    scale_set = None
-    if scales_path:
+    if skip is None:
+        skip = models.parse_skip_layers(skip_spec, kv)
+    if scale_set is None and scales_path:
         from kvcal.scales import load_scales_for_model  # refuses a missing file with one UsageError
 
         scale_set = load_scales_for_model(

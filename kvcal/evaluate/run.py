@@ -1,4 +1,4 @@
-"""`run_eval(EvalConfig) -> Path`: one model x one KV configuration x a task list, into one run directory.
+"""`run_eval(EvalSpec) -> Path`: one model x one KV configuration x a task list, into one run directory.
 
 Order of work (so bad input never damages an existing run): validate everything (format, limit, device, tasks,
 data files, GPQA password) -> resolve the model and check what its config bounds (scale file vs checkpoint,
@@ -9,304 +9,121 @@ metrics.json -> COMPLETE.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import platform
-import re
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcal import __version__, models, parallel
 from kvcal.capacity import run_capacity
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
-from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS
 from kvcal.evaluate.runstore import RunStore
+from kvcal.evaluate.spec import EvalConfig, EvalSpec, as_spec, run_dir_name
 from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, resolve_tasks, task_manager_for
-from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, kv_pair, parse_kv_format, parse_kv_input_dtype
-from kvcal.placement import Placement
 from kvcal.rundir import ENV, METRICS, RESULTS, RunConfig
 
-
-@dataclass
-class EvalConfig:
-    """Everything one evaluation needs. `gpqa_password` is never written anywhere."""
-
-    model: str
-    kv_format: str = "auto"
-    tasks: list[str] = field(default_factory=lambda: ["wikitext"])
-    output: str | None = None  # the run directory; None -> run_dir_name(config) under the current folder
-    scales: str | None = None
-    force_scales: bool = False
-    skip_layers: str | None = None
-    include_path: str | None = None
-    limit: int | None = None
-    num_fewshot: int | None = None
-    data_dir: str | None = None
-    gpqa_password: str | None = field(default=None, repr=False)
-    impl: str = "auto"
-    dtype: str = "auto"  # the checkpoint's own (lm-eval's HFLM default); config.yaml records the resolved one
-    device: str = "cpu"
-    # accelerate's placement (kvcal.placement): where the weights live, not what is computed — not in config.yaml
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
-    batch_size: int = 1
-    seed: int = 0
-    kl_seq_len: int = DEFAULT_SEQ_LEN
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # kl windows longer than this run by chunked prefill
-    kl_subsample: int = 1  # kl scores positions 0, N, 2N, ... of each window (a power of two up to 512)
-    max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
-    trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
-    nvfp4_global: str = "one"  # nvfp4 without --scales: "one" (vLLM: global 1.0) or "per_sequence"
-    # K/V rounded to this dtype before quantization: the engine's serving dtype (bf16), or float32 (as computed)
-    kv_input_dtype: str = DEFAULT_KV_INPUT_DTYPE
-    strict: bool = False  # a NaN/Inf K/V value reaching the cache is an error (default: warn + metrics.json)
-    attention: str = "kv"  # "fp8": vLLM's FlashAttention-3 FP8 attention (Q and P cast to e4m3)
-    passkey_lengths: str = DEFAULT_LENGTHS  # passkey prompt lengths in tokens, e.g. "1k,2k,4k" (k = 1024)
-    passkey_depths: str = DEFAULT_DEPTHS  # where the key sits: fractions of the filler before it
+__all__ = ["EvalConfig", "EvalSpec", "record_config", "run_dir_name", "run_eval", "task_plan"]
 
 
-def _any_nvfp4(fmt: str) -> bool:
-    """A side of `fmt` (a format or a K/V pair) stores nvfp4's layout (nvfp4, nvfp4_4over6)."""
-    return any(f.layout == "nvfp4" for f in kv_pair(fmt))
+# ---- the task plan + the recorded config --------------------------------------------------------------------
 
 
-# ---- names --------------------------------------------------------------------------------------------------
-
-
-def slug(text: str) -> str:
-    """A lower-case file-name-safe form of `text` (run directory and sweep names)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower() or "x"
-
-
-def model_short(model: str) -> str:
-    name = Path(str(model).rstrip("/")).name
-    for suffix in (".gguf", ".GGUF"):
-        name = name.removesuffix(suffix)
-    return slug(name)
-
-
-# `--scales first-batch`: vLLM's calculate_kv_scales (kvcal.kernels.cache.FirstBatchScales), not a file
-FIRST_BATCH = "first-batch"
-
-
-def is_first_batch(scales: str | None) -> bool:
-    return scales == FIRST_BATCH
-
-
-def scales_tag(scales: str | None) -> str:
-    """'none' (uncalibrated / dynamic), 'first-batch', or 'calib-<granularity>' read from the scale file's manifest."""
-    if not scales:
-        return "none"
-    if is_first_batch(scales):
-        return FIRST_BATCH
-    from kvcal.scales import load_scale_file
-
-    return f"calib-{load_scale_file(scales).granularity}"
-
-
-def skip_tag(skip_layers: str | None) -> str:
-    if not skip_layers or str(skip_layers).strip().lower() in ("", "none"):
-        return "none"
-    return slug(str(skip_layers).replace(",", "-"))
-
-
-def run_dir_name(config: EvalConfig) -> str:
-    """`{model_short}__{kv_format}__{scales_tag}__skip-{skip_tag}`, e.g.
-    `gemma3-270m__fp8_e4m3__calib-tensor__skip-sliding_window`."""
-    fmt = parse_kv_format(config.kv_format)
-    tag = scales_tag(config.scales)
-    if _any_nvfp4(fmt) and not config.scales and config.nvfp4_global != "one":
-        tag = f"global-{slug(config.nvfp4_global)}"
-    fmt_tag = slug(fmt) if "=" in fmt else fmt  # a K/V pair k=A,v=B -> k-a-v-b
-    name = f"{model_short(config.model)}__{fmt_tag}__{tag}__skip-{skip_tag(config.skip_layers)}"
-    if recorded_kv_input_dtype(config, fmt) not in (None, DEFAULT_KV_INPUT_DTYPE):
-        name += f"__kvin-{parse_kv_input_dtype(config.kv_input_dtype)}"
-    if config.attention != "kv":
-        name += f"__attn-{slug(config.attention)}"
-    return name
-
-
-def recorded_kv_input_dtype(config: EvalConfig, fmt: str) -> str | None:
-    """config.yaml's kv_input_dtype: recorded for every quantized format (a run directory without it was quantized
-    as computed, float32 on CPU, before kvcal had the option); None for auto / bf16, whose numbers it cannot change
-    (bf16 rounding is idempotent), so their runs keep their identity hash."""
-    if fmt in ("auto", "bf16"):
-        return None
-    return parse_kv_input_dtype(config.kv_input_dtype)
-
-
-# ---- validation + the recorded config -----------------------------------------------------------------------
-
-
-def _check_numbers(config: EvalConfig) -> None:
-    if config.limit is not None and config.limit <= 0:
-        raise UsageError(f"--limit must be a positive number of samples, got {config.limit}")
-    if config.num_fewshot is not None and config.num_fewshot < 0:
-        raise UsageError(f"--num-fewshot must be 0 or more, got {config.num_fewshot}")
-    if config.max_gen_toks is not None and config.max_gen_toks < 1:
-        raise UsageError(f"--max-gen-toks must be at least 1, got {config.max_gen_toks}")
-    if config.batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {config.batch_size}")
-    if config.kl_seq_len < 2:
-        raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
-    if config.prefill_chunk < 1:
-        raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
-    check_kl_subsample(config.kl_subsample)
-
-
-def validate(config: EvalConfig) -> tuple[TaskPlan, str, str]:
-    """Check everything that needs no model (nothing here imports lm-eval's model code). Returns (task plan,
-    canonical format, checked device)."""
-    from kvcal.kernels.cache import check_nvfp4_global
-    from kvcal.kernels.runtime import IMPLS
-
-    _check_numbers(config)
-    if config.dtype not in models.DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
-    if config.impl not in IMPLS:
-        raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{config.impl}'")
-    device = models.check_device(config.device)
-    Placement.parse(config.device_map, config.max_memory, config.offload_folder).check()
-    fmt = parse_kv_format(config.kv_format)
-    check_nvfp4_global(config.nvfp4_global)
-    parse_kv_input_dtype(config.kv_input_dtype)
-    if config.nvfp4_global != "one" and (not _any_nvfp4(fmt) or config.scales):
-        raise UsageError(
-            "--nvfp4-global applies to --kv-format nvfp4 / nvfp4_4over6 without --scales (a scale file or "
-            "first-batch fixes the global scale)"
-        )
-    if is_first_batch(config.scales) and not all(f.calibratable for f in kv_pair(fmt)):
-        raise UsageError(
-            f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt} has none "
-            "(its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
-        )
-    if fmt == "auto" and (config.scales or config.skip_layers):
-        raise UsageError(
-            "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
-        )
-    from kvcal.kernels.attention import check_attention_mode
-
-    check_attention_mode(config.attention, *(f.name for f in kv_pair(fmt)))
-    if config.scales and not is_first_batch(config.scales) and not Path(config.scales).is_file():
-        raise UsageError(
-            f"scale file '{config.scales}' does not exist; pass the file `kvcal calibrate` wrote"
-        )
-    plan = resolve_tasks(
-        config.tasks,
-        include_path=config.include_path,
-        data_dir=config.data_dir,
-        gpqa_password=config.gpqa_password,
+def task_plan(spec: EvalSpec) -> TaskPlan:
+    """The spec's tasks as lm-eval specs, their data files checked (nothing here imports lm-eval's model code)."""
+    return resolve_tasks(
+        list(spec.tasks),
+        include_path=spec.include_path,
+        data_dir=spec.data_dir,
+        gpqa_password=spec.gpqa_password,
     )
-    if plan.has_passkey:
-        from kvcal.evaluate.passkey import parse_depths, parse_lengths
-
-        parse_lengths(config.passkey_lengths)
-        parse_depths(config.passkey_depths)
-    return plan, fmt, device
 
 
-def check_lengths(config: EvalConfig, plan: TaskPlan, kv: models.KVSpec) -> None:
+def check_lengths(spec: EvalSpec, kv: models.KVSpec) -> None:
     """Lengths the model's config bounds: a kl window and the generated tokens must fit its positions."""
     limit = kv.max_position_embeddings
     if not limit:
         return
-    if plan.has_kl and config.kl_seq_len > limit:
+    if spec.has_kl and spec.kl_seq_len > limit:
         raise UsageError(
-            f"--kl-seq-len {config.kl_seq_len} is longer than the model's {limit} positions "
+            f"--kl-seq-len {spec.kl_seq_len} is longer than the model's {limit} positions "
             f"(max_position_embeddings); use --kl-seq-len {limit} or less"
         )
-    if config.max_gen_toks is not None and config.max_gen_toks >= limit:
+    if spec.max_gen_toks is not None and spec.max_gen_toks >= limit:
         raise UsageError(
-            f"--max-gen-toks {config.max_gen_toks} leaves no room for a prompt in the model's {limit} positions "
+            f"--max-gen-toks {spec.max_gen_toks} leaves no room for a prompt in the model's {limit} positions "
             f"(max_position_embeddings); use fewer than {limit}"
         )
-    if plan.has_passkey:
-        from kvcal.evaluate.passkey import GEN_TOKS, check_positions, parse_lengths
+    if spec.has_passkey:
+        from kvcal.evaluate.passkey import GEN_TOKS, check_positions
 
-        check_positions(parse_lengths(config.passkey_lengths), limit, config.max_gen_toks or GEN_TOKS)
+        check_positions(list(spec.passkey_lengths), limit, spec.max_gen_toks or GEN_TOKS)
 
 
-def _scales_record(
-    config: EvalConfig, fmt: str, model_ref: str, model_dir: Path, kv: models.KVSpec
-) -> dict[str, Any] | None:
-    """config.yaml's `scales`; the scale file is checked against the checkpoint here (before any write)."""
-    if not config.scales or is_first_batch(config.scales):
+def _checked_scales(spec: EvalSpec, model_dir: Path, kv: models.KVSpec) -> Any:
+    """The spec's scale file (loaded once: by eval_spec, or here for a sweep cell), checked against the
+    checkpoint (format, geometry, binding) before any write; None without a file."""
+    ss = spec.scales.load()
+    if ss is None:
         return None
-    from kvcal.scales import binding_differences, load_scales_for_model
+    from kvcal.scales import check_scales_for_model
 
-    ss = load_scales_for_model(
-        config.scales, model_ref, model_dir, kv, kv_format=fmt, force=config.force_scales
+    ss = check_scales_for_model(
+        ss, spec.scales.path, spec.model, model_dir, kv, kv_format=spec.kv_format, force=spec.force_scales
     )
-    if config.attention == "fp8":
+    if spec.attention == "fp8":
         from kvcal.kernels.runtime import query_scales
 
-        query_scales(config.attention, ss, kv.num_layers)  # refuses a scale file without q_scale
+        query_scales(spec.attention, ss, kv.num_layers)  # refuses a scale file without q_scale
+    return ss
+
+
+def _scales_record(spec: EvalSpec, ss: Any, model_dir: Path, kv: models.KVSpec) -> dict[str, Any] | None:
+    """config.yaml's `scales`: what the scale file is and how it fits the checkpoint."""
+    if ss is None:
+        return None
+    from kvcal.scales import binding_differences
+
     observer = ss.manifest.get("observer")
     scales: dict[str, Any] = {
-        "sha256": models.sha256_file(config.scales),
+        "sha256": models.sha256_file(spec.scales.path),
         "granularity": ss.granularity,
         "observer": observer.get("name") if isinstance(observer, dict) else observer,
-        "binding_differences": binding_differences(ss, model_ref, model_dir, kv),
+        "binding_differences": binding_differences(ss, spec.model, model_dir, kv),
         "kv_input_dtype": ss.kv_input_dtype,  # what the scales were measured on (the eval's: kv_input_dtype)
     }
-    if scales["binding_differences"] and config.force_scales:
+    if scales["binding_differences"] and spec.force_scales:
         scales["WARNING"] = (
             "scales were measured on another checkpoint; used anyway because of --force-scales"
         )
     return scales
 
 
-def _recorded_chunk(config: EvalConfig, plan: TaskPlan) -> int | None:
-    """config.yaml's prefill_chunk: only where it changes what is measured (kl windows longer than a chunk), so
-    every other run keeps its identity hash."""
-    return config.prefill_chunk if plan.has_kl and config.kl_seq_len > config.prefill_chunk else None
-
-
-def record_config(config: EvalConfig, plan: TaskPlan, fmt: str, device: str, model_dir: Path) -> RunConfig:
-    """What config.yaml records (the run's identity): the resolved dtype and skip layers, the scale file's
-    check against the checkpoint. UsageError for lengths the model cannot hold."""
-    kv = models.kv_spec(models.load_config(model_dir, trust_remote_code=config.trust_remote_code))
-    check_lengths(config, plan, kv)
-    return RunConfig(
-        model=config.model,
+def record_config(spec: EvalSpec, plan: TaskPlan, model_dir: Path) -> tuple[RunConfig, EvalSpec]:
+    """What config.yaml records (the run's identity): the spec's own fields plus the checkpoint's part (resolved
+    dtype and skip layers, the scale file's check). Returns it with the spec whose scale source holds the checked
+    scale file (what the run passes down: nothing reloads it). UsageError for lengths the model cannot hold."""
+    kv = models.kv_spec(models.load_config(model_dir, trust_remote_code=spec.trust_remote_code))
+    check_lengths(spec, kv)
+    ss = _checked_scales(spec, model_dir, kv)
+    if ss is not None:
+        spec = dataclasses.replace(spec, scales=dataclasses.replace(spec.scales, loaded=ss))
+    fields = spec.recorded_fields()
+    recorded = RunConfig(
+        **fields,
         model_dir=str(model_dir),
-        kv_format=fmt,
-        tasks=plan.names,
-        scales_path=str(Path(config.scales).resolve())
-        if config.scales and not is_first_batch(config.scales)
-        else None,
-        scale_source=FIRST_BATCH if is_first_batch(config.scales) else None,
-        kv_input_dtype=recorded_kv_input_dtype(config, fmt),
-        scales=_scales_record(config, fmt, config.model, model_dir, kv),
-        force_scales=bool(config.force_scales),
-        skip_layers=config.skip_layers or "",
-        skip_layer_indices=sorted(models.parse_skip_layers(config.skip_layers, kv)),
+        scales=_scales_record(spec, ss, model_dir, kv),
+        skip_layer_indices=sorted(models.parse_skip_layers(spec.skip_layers, kv)),
         include_path=plan.include_path,
-        limit=config.limit,
-        num_fewshot=config.num_fewshot,
-        data_dir=str(Path(config.data_dir).resolve()) if config.data_dir else None,
-        impl=config.impl,
-        dtype=models.resolve_dtype(config.dtype, model_dir),
-        device=device,
-        batch_size=config.batch_size,
-        seed=config.seed,
-        kl_seq_len=config.kl_seq_len if plan.has_kl else None,
-        passkey_lengths=_passkey_recorded(config, plan)[0],
-        passkey_depths=_passkey_recorded(config, plan)[1],
-        prefill_chunk=_recorded_chunk(config, plan),
-        kl_subsample=config.kl_subsample if plan.has_kl and config.kl_subsample > 1 else None,
-        max_gen_toks=config.max_gen_toks,
-        nvfp4_global=config.nvfp4_global if _any_nvfp4(fmt) and not config.scales else None,
-        attention=None if config.attention == "kv" else config.attention,
+        dtype=models.resolve_dtype(spec.dtype, model_dir),
         kvcal_version=__version__,
     )
+    return recorded, spec
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -462,31 +279,33 @@ class _TokenCounter:
         self._handle.remove()
 
 
-def run_eval(config: EvalConfig, progress: Callable[[str], None] | None = None) -> Path:
-    """Evaluate `config` into its run directory and return the directory. A complete directory with the same
-    config is returned untouched; an interrupted one resumes (finished tasks are not rerun)."""
+def run_eval(config: EvalSpec | EvalConfig, progress: Callable[[str], None] | None = None) -> Path:
+    """Evaluate `config` (a spec, or options that `eval_spec` parses) into its run directory and return the
+    directory. A complete directory with the same config is returned untouched; an interrupted one resumes
+    (finished tasks are not rerun)."""
     say = progress or (lambda _msg: None)
-    plan, fmt, device = validate(config)
-    model_dir = models.resolve_model(config.model, trust_remote_code=config.trust_remote_code)
-    recorded = record_config(config, plan, fmt, device, model_dir)
-    _add_passkey_specs(plan, config, model_dir)  # before the run directory opens: a length it cannot fill
-    out = Path(config.output) if config.output else Path(run_dir_name(config))
+    spec = as_spec(config)
+    plan = task_plan(spec)
+    model_dir = models.resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
+    recorded, spec = record_config(spec, plan, model_dir)
+    _add_passkey_specs(plan, spec, model_dir)  # before the run directory opens: a length it cannot fill
+    out = spec.run_dir
     store = RunStore(out)
-    if config.limit is not None:  # several processes (torchrun): each needs a sample
-        parallel.check_enough_work(config.limit, "samples (--limit)", parallel.from_env())
-    dist = parallel.setup(device)
+    if spec.limit is not None:  # several processes (torchrun): each needs a sample
+        parallel.check_enough_work(spec.limit, "samples (--limit)", parallel.from_env())
+    dist = parallel.setup(spec.device)
     if not dist.is_main:  # rank 0 speaks and writes the one run directory; the others only compute
         say = _silent
     if _open_store(store, recorded, dist) == "complete":
         say(f"{out}: complete, skipped")
         return out
     if dist.is_main:
-        store.write_json(ENV, environment(device))
-    lm = _run_tasks(store, plan, config, recorded, say, dist)
+        store.write_json(ENV, environment(spec.device))
+    lm = _run_tasks(store, plan, spec, recorded, say, dist)
     if not dist.is_main:
         return out
     parts = [store.finished_task(t) or {} for t in plan.names]
-    store.write_json(RESULTS, _results(parts, config, recorded, lm))
+    store.write_json(RESULTS, _results(parts, spec, recorded, lm))
     store.write_json(METRICS, _metrics(parts, plan, recorded))
     store.mark_complete(recorded)
     say(f"{out}: complete")
@@ -516,7 +335,7 @@ def _open_store(store: RunStore, recorded: RunConfig, dist: parallel.Dist) -> st
 def _run_tasks(
     store: RunStore,
     plan: TaskPlan,
-    config: EvalConfig,
+    config: EvalSpec,
     recorded: RunConfig,
     say: Callable[[str], None],
     dist: parallel.Dist | None = None,
@@ -557,7 +376,7 @@ def _run_tasks(
     return lm
 
 
-def _results(parts: list[dict[str, Any]], config: EvalConfig, recorded: RunConfig, lm: Any) -> dict[str, Any]:
+def _results(parts: list[dict[str, Any]], config: EvalSpec, recorded: RunConfig, lm: Any) -> dict[str, Any]:
     """results.json: lm-eval's results dict merged over the tasks, with the model args and seeds used."""
     merged = merge_results(parts)
     merged["config"] = {
@@ -622,32 +441,34 @@ def _model_args_string(recorded: RunConfig) -> str:
     return ",".join(args)
 
 
-def _make_lm(config: EvalConfig, recorded: RunConfig) -> Any:
+def _make_lm(spec: EvalSpec, recorded: RunConfig) -> Any:
+    """The lm-eval model, given the spec's parsed values: the checked scale set (not reloaded), the skip
+    indices config.yaml records, the placement."""
     from kvcal.evaluate.adapter import KvcalLM
 
     return KvcalLM(
         pretrained=recorded.model_dir,
         model_ref=recorded.model,
         kv_format=recorded.kv_format,
-        kv_scales=config.scales,
-        skip_layers=config.skip_layers,
+        kv_scales=spec.scales.kind if spec.scales.first_batch else spec.scales.path,
+        kv_scale_set=spec.scales.loaded,
+        skip_layers=spec.skip_layers,
+        skip_set=frozenset(recorded.skip_layer_indices),
         impl=recorded.impl,
         force_scales=recorded.force_scales,
         dtype=recorded.dtype,
         device=recorded.device,
         batch_size=recorded.batch_size,
-        trust_remote_code=config.trust_remote_code,
-        nvfp4_global=config.nvfp4_global,
+        trust_remote_code=spec.trust_remote_code,
+        nvfp4_global=spec.nvfp4_global,
         kv_input_dtype=recorded.kv_input_dtype,
-        attention=config.attention,
-        device_map=config.device_map,
-        max_memory=config.max_memory,
-        offload_folder=config.offload_folder,
+        attention=spec.attention,
+        placement=spec.placement,
     )
 
 
 def _run_lm_eval_task(
-    lm: Any, plan: TaskPlan, task: str, config: EvalConfig
+    lm: Any, plan: TaskPlan, task: str, config: EvalSpec
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     from lm_eval import simple_evaluate
 
@@ -685,16 +506,7 @@ def _run_lm_eval_task(
     return part, samples
 
 
-def _passkey_recorded(config: EvalConfig, plan: TaskPlan) -> tuple[list[int] | None, list[float] | None]:
-    """config.yaml's passkey_lengths / passkey_depths: only when a passkey task runs."""
-    if not plan.has_passkey:
-        return None, None
-    from kvcal.evaluate.passkey import parse_depths, parse_lengths
-
-    return parse_lengths(config.passkey_lengths), parse_depths(config.passkey_depths)
-
-
-def _add_passkey_specs(plan: TaskPlan, config: EvalConfig, model_dir: Path) -> None:
+def _add_passkey_specs(plan: TaskPlan, spec: EvalSpec, model_dir: Path) -> None:
     """The passkey tasks' lm-eval configs, their documents generated with the model's own tokenizer (the one
     lm-eval's HFLM loads from the same folder)."""
     if not plan.has_passkey:
@@ -703,17 +515,16 @@ def _add_passkey_specs(plan: TaskPlan, config: EvalConfig, model_dir: Path) -> N
 
     from kvcal.evaluate.passkey import DEFAULT_PER_CELL, task_specs
 
-    lengths, depths = _passkey_recorded(config, plan)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=spec.trust_remote_code)
     plan.lm_eval_specs.update(
         task_specs(
             plan.names,
             tokenizer,
-            data_dir=config.data_dir,
-            lengths=lengths or [],
-            depths=depths or [],
-            per_cell=config.limit or DEFAULT_PER_CELL,
-            seed=config.seed,
+            data_dir=spec.data_dir,
+            lengths=list(spec.passkey_lengths),
+            depths=list(spec.passkey_depths),
+            per_cell=spec.limit or DEFAULT_PER_CELL,
+            seed=spec.seed,
         )
     )
 
@@ -743,7 +554,7 @@ def _scrub_configs(part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_kl_task(
-    lm: Any, config: EvalConfig, recorded: RunConfig, dist: parallel.Dist | None = None
+    lm: Any, config: EvalSpec, recorded: RunConfig, dist: parallel.Dist | None = None
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     from kvcal.evaluate.kl import lm_sides, run_kl
 

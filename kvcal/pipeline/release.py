@@ -209,7 +209,7 @@ def _bound_file(ctx: Context, path: Path) -> list[str] | None:
 def calibrated_scales(ctx: Context, recipe: sweep.Recipe) -> Path:
     """The scale file of `recipe` on this checkpoint in OUT/scales: reused when it is there and bound, else
     calibrated (the sweep's calibration step: one model load)."""
-    from kvcal.evaluate.run import model_short
+    from kvcal.evaluate.spec import model_short
 
     ship, e = ctx.cfg.ship, ctx.cfg.evaluate
     key = _key(dataclasses.asdict(recipe), ship.kv_format, ship.granularity, e.dtype, e.device)
@@ -357,8 +357,6 @@ def configurations(cfg: ReleaseConfig) -> list[Configuration]:
 def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str, str]]:
     """The sweep plan of every (configuration, task) cell with its status on disk, and run-dir name -> role.
     Runs are keyed by checkpoint and evaluation settings; calibrated ones also by the scale file."""
-    from kvcal.evaluate.run import model_short
-
     e = ctx.cfg.evaluate
     settings = {k: v for k, v in dataclasses.asdict(e).items() if k not in ("tasks", "candidates")}
     root = ctx.out / "runs" / f"{ctx.model_sha256[:12]}-{_key(settings)}"
@@ -367,23 +365,25 @@ def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str,
     cells: list[sweep.Cell] = []
     roles: dict[str, str] = {}
     for conf in configurations(ctx.cfg):
-        name = sweep.cell_name(model_short(ctx.model), conf.kv_format, conf.label, conf.skip)
-        roles[name] = conf.role
         base = root / f"scales-{scales.sha256[:12]}" if conf.calibrated else root
-        cells += sweep.task_cells(ctx.scfg, base, name, conf.kv_format, conf.label, conf.skip,
-                                  cal if conf.calibrated else None, conf.role == "baseline")  # fmt: skip
+        mine = sweep.task_cells(ctx.scfg, base, conf.kv_format, conf.label, conf.skip,
+                                cal if conf.calibrated else None, conf.role == "baseline")  # fmt: skip
+        roles.update({c.name: conf.role for c in mine})
+        cells += mine
     return sweep.SweepPlan(root, cells, [cal]), roles
 
 
 def check_tasks(ctx: Context) -> None:
     """Everything kvcal eval checks without a model (tasks, data files), once per task, before any work."""
-    from kvcal.evaluate.run import EvalConfig, validate
+    from kvcal.evaluate.run import task_plan
+    from kvcal.evaluate.spec import EvalConfig, eval_spec
 
     e = ctx.cfg.evaluate
     for task in e.tasks:
-        validate(EvalConfig(model=ctx.model, kv_format="bf16", tasks=[task], include_path=e.include_path,
-                            data_dir=e.data_dir, gpqa_password=ctx.gpqa_password, impl=e.impl, dtype="auto",
-                            device=e.device, limit=ctx.scfg.limit_for(task)))  # fmt: skip
+        options = EvalConfig(model=ctx.model, kv_format="bf16", tasks=[task], include_path=e.include_path,
+                             data_dir=e.data_dir, gpqa_password=ctx.gpqa_password, impl=e.impl, dtype="auto",
+                             device=e.device, limit=ctx.scfg.limit_for(task))  # fmt: skip
+        task_plan(eval_spec(options))
 
 
 def evaluate(ctx: Context, scales: Scales) -> tuple[list[sweep.Cell], dict[str, str]]:

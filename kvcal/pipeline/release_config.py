@@ -65,7 +65,18 @@ import yaml
 from kvcal.errors import UsageError
 from kvcal.formats import get_format
 from kvcal.pipeline import sweep
-from kvcal.pipeline.sweep import EvalSettings, Recipe, _int, _key, _path, _raw, _read_fields, _tasks, _tokens
+from kvcal.pipeline.settings import (
+    EvalSettings,
+    Recipe,
+    eval_settings,
+    read_fields,
+    read_int,
+    read_path,
+    read_raw,
+    read_tasks,
+    read_tokens,
+    yaml_field,
+)
 
 ENGINES = ("vllm", "sglang")
 ON_DRIFT = ("recalibrate", "fail")
@@ -166,28 +177,28 @@ def _max_drop(value: Any, key: str, base: Path | None) -> Any:
 
 @dataclass(frozen=True)
 class Ship:
-    kv_format: str = _key(_shipped_format)
-    granularity: str = _key(_choice(("tensor", "head")), "tensor")
-    skip_layers: str = _key(_skip, "none")
+    kv_format: str = yaml_field(_shipped_format)
+    granularity: str = yaml_field(_choice(("tensor", "head")), "tensor")
+    skip_layers: str = yaml_field(_skip, "none")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    kv_format: str = _key(_any_format)
-    scales: str | None = _key(_choice(CANDIDATE_SCALES), None)  # None: calibrated for the shipped format
-    skip_layers: str = _key(_skip, "none")
+    kv_format: str = yaml_field(_any_format)
+    scales: str | None = yaml_field(_choice(CANDIDATE_SCALES), None)  # None: calibrated for the shipped format
+    skip_layers: str = yaml_field(_skip, "none")
 
 
 @dataclass(frozen=True)
 class Drift:
-    dataset: str = _key(_path)
-    text_field: str | None = _key(_raw, None)
-    num_samples: int = _key(_int, 64)
-    seq_len: int = _key(_int, 512)
-    seed: int = _key(_int, 0)
-    max_clip: float | None = _key(_float, None)  # None: kvcal drift's default
-    max_sqnr_loss_db: float | None = _key(_float, None)
-    on_drift: str = _key(_choice(ON_DRIFT), "recalibrate")
+    dataset: str = yaml_field(read_path)
+    text_field: str | None = yaml_field(read_raw, None)
+    num_samples: int = yaml_field(read_int, 64)
+    seq_len: int = yaml_field(read_int, 512)
+    seed: int = yaml_field(read_int, 0)
+    max_clip: float | None = yaml_field(_float, None)  # None: kvcal drift's default
+    max_sqnr_loss_db: float | None = yaml_field(_float, None)
+    on_drift: str = yaml_field(_choice(ON_DRIFT), "recalibrate")
 
 
 def _candidates(value: Any, key: str, base: Path | None) -> list[Candidate]:
@@ -203,25 +214,25 @@ def _candidates(value: Any, key: str, base: Path | None) -> list[Candidate]:
 
 @dataclass
 class Evaluate(EvalSettings):
-    tasks: list[str] = _key(_tasks, factory=lambda: ["kl"])
-    candidates: list[Candidate] = _key(_candidates, factory=list)
+    tasks: list[str] = yaml_field(read_tasks, factory=lambda: ["kl"])
+    candidates: list[Candidate] = yaml_field(_candidates, factory=list)
 
 
 @dataclass
 class Gate:
-    max_drop: Any = _key(_max_drop, factory=lambda: _max_drop(None, "max_drop", None))  # a GatePolicy
-    alpha: float = _key(_float, 0.05)
-    min_samples: int = _key(_int, 10)
-    bootstrap: int = _key(_int, 2000)
-    seed: int = _key(_int, 1234)
-    context: int | None = _key(_tokens, None)  # capacity's context; None: the longest the runs evaluated
+    max_drop: Any = yaml_field(_max_drop, factory=lambda: _max_drop(None, "max_drop", None))  # a GatePolicy
+    alpha: float = yaml_field(_float, 0.05)
+    min_samples: int = yaml_field(read_int, 10)
+    bootstrap: int = yaml_field(read_int, 2000)
+    seed: int = yaml_field(read_int, 1234)
+    context: int | None = yaml_field(read_tokens, None)  # capacity's context; None: the longest the runs evaluated
 
 
 @dataclass
 class Export:
-    engines: list[str] = _key(_engines, factory=list)
-    tp_size: int = _key(_int, 1)
-    reduce_heads: bool = _key(_bool, False)
+    engines: list[str] = yaml_field(_engines, factory=list)
+    tp_size: int = yaml_field(read_int, 1)
+    reduce_heads: bool = yaml_field(_bool, False)
 
 
 def _recipe(value: Any, key: str, base: Path | None) -> Recipe:
@@ -232,7 +243,7 @@ def _recipe(value: Any, key: str, base: Path | None) -> Recipe:
     if "name" in value or "granularity" in value:
         bad = "name" if "name" in value else "granularity"
         raise UsageError(f"unknown calibration key '{bad}' (the granularity is ship.granularity)")
-    return Recipe(**_read_fields(Recipe, value, base, "calibration key"))
+    return Recipe(**read_fields(Recipe, value, base, "calibration key"))
 
 
 def _sub(cls: type) -> Callable[[Any, str, Path | None], Any]:
@@ -257,18 +268,18 @@ def _section(cls: type, raw: dict[str, Any], base: Path | None, name: str) -> An
             and raw.get(f.name) is None
         ):
             raise UsageError(f"'{name}.{f.name}' is required (see configs/release-smollm2.yaml)")
-    return cls(**_read_fields(cls, raw, base, f"{name} key"))
+    return cls(**read_fields(cls, raw, base, f"{name} key"))
 
 
 @dataclass
 class ReleaseConfig:
-    ship: Ship = _key(_sub(Ship))
-    scales: str | None = _key(_path, None)
-    calibration: Recipe = _key(_recipe, factory=Recipe)
-    drift: Drift | None = _key(_sub(Drift), None)
-    evaluate: Evaluate = _key(_sub(Evaluate), factory=Evaluate)
-    gate: Gate = _key(_sub(Gate), factory=Gate)
-    export: Export = _key(_sub(Export), factory=Export)
+    ship: Ship = yaml_field(_sub(Ship))
+    scales: str | None = yaml_field(read_path, None)
+    calibration: Recipe = yaml_field(_recipe, factory=Recipe)
+    drift: Drift | None = yaml_field(_sub(Drift), None)
+    evaluate: Evaluate = yaml_field(_sub(Evaluate), factory=Evaluate)
+    gate: Gate = yaml_field(_sub(Gate), factory=Gate)
+    export: Export = yaml_field(_sub(Export), factory=Export)
     source: str | None = None  # the YAML's path (not a key)
 
     def to_dict(self) -> dict[str, Any]:
@@ -358,7 +369,7 @@ def parse_release_config(raw: Any, base_dir: Path | None = None, source: str | N
             raise UsageError(
                 "'ship' is required: ship: {kv_format: fp8_e4m3} (see configs/release-smollm2.yaml)"
             )
-        kwargs = _read_fields(ReleaseConfig, {k: v for k, v in raw.items() if k in known}, base_dir, "key")
+        kwargs = read_fields(ReleaseConfig, {k: v for k, v in raw.items() if k in known}, base_dir, "key")
         cfg = ReleaseConfig(**kwargs, source=source)
         _check_engines(cfg)
         _check_candidates(cfg)
@@ -388,7 +399,7 @@ def sweep_config(model: str, cfg: ReleaseConfig) -> sweep.SweepConfig:
     e = cfg.evaluate
     return sweep.SweepConfig(
         model=model, tasks=list(e.tasks), formats=[cfg.ship.kv_format], baseline="bf16", recipes=[cfg.calibration],
-        **sweep.eval_settings(e),
+        **eval_settings(e),
     )  # fmt: skip
 
 

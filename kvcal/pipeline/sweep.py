@@ -25,28 +25,38 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
-from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
-from kvcal.evaluate.run import (
+from kvcal.evaluate.run import run_eval
+from kvcal.evaluate.spec import (
     FIRST_BATCH,
     EvalConfig,
-    model_short,
-    recorded_kv_input_dtype,
-    run_eval,
-    skip_tag,
-    slug,
+    EvalSpec,
+    base_dir_name,
+    eval_spec,
+    run_dir_name,
 )
-from kvcal.evaluate.tasks import PASSKEY_TASKS, parse_task_list
-from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, get_format, kv_pair, parse_kv_format, parse_kv_input_dtype
+from kvcal.formats import get_format, kv_pair, parse_kv_format
 from kvcal.io import atomic_write_json, atomic_write_text
-from kvcal.models import load_model, resolve_dtype, resolve_model, sha256_file
+from kvcal.models import load_model, resolve_model, sha256_file
+from kvcal.pipeline.settings import (
+    EvalSettings,
+    Recipe,
+    as_list,
+    eval_options,
+    read_fields,
+    read_recipes,
+    read_tasks,
+    read_text,
+    read_tokens,
+    yaml_field,
+    yaml_key,
+)
 from kvcal.rundir import COMPLETE, CONFIG, RunConfig
 from kvcal.scales import load_scale_file
 
@@ -59,134 +69,10 @@ Step = Callable[
     [str, bool], None
 ]  # step(message, advance): one progress event; advance counts a unit as done
 
-# ---- the sweep YAML: every key is one dataclass field, read by the parser in its metadata ---------------------
-
-Parser = Callable[[Any, str, Path | None], Any]  # (YAML value, key, folder of the YAML) -> field value
-
-
-def _key(parse: Parser, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
-         yaml_key: str | None = None) -> Any:  # fmt: skip
-    """A field of the sweep YAML: how its value is read, its default (absent or null -> default), its YAML name."""
-    meta = {"parse": parse, "yaml": yaml_key}
-    return field(default=default, default_factory=factory, metadata=meta)
-
-
-def _yaml_key(f: dataclasses.Field[Any]) -> str:
-    return f.metadata.get("yaml") or f.name
-
-
-def _as_list(value: Any, key: str) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()] if key != "skip_layers" else [value]
-    if isinstance(value, list):
-        return value
-    raise UsageError(f"sweep config: '{key}' must be a list, got {type(value).__name__}")
-
-
-def _text(value: Any, key: str, base: Path | None) -> str:
-    return str(value)
-
-
-def _raw(value: Any, key: str, base: Path | None) -> Any:
-    return value
-
-
-def _int(value: Any, key: str, base: Path | None) -> int:
-    if isinstance(value, bool):
-        raise UsageError(f"sweep config: '{key}' must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"sweep config: '{key}' must be an integer, got {value!r}") from None
-
-
-def _tokens(value: Any, key: str, base: Path | None) -> int:
-    n = _int(value, key, base)
-    if n < 1:
-        raise UsageError(f"sweep config: '{key}' must be a positive number of tokens (e.g. 8192), got {n}")
-    return n
-
-
-def _subsample(value: Any, key: str, base: Path | None) -> int:
-    n = _int(value, key, base)
-    try:
-        return check_kl_subsample(n)
-    except UsageError as exc:
-        raise UsageError(f"sweep config: '{key}': {exc}") from None
-
-
-def _passkey_spec(parse: Callable[[str], list[Any]]) -> Parser:
-    """A passkey list ('1k,2k,4k' or a YAML list [1k, 2k]) checked by `parse` now, kept as kvcal eval's text."""
-
-    def read(value: Any, key: str, base: Path | None) -> str:
-        text = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
-        try:
-            parse(text)
-        except UsageError as exc:
-            raise UsageError("sweep config: " + str(exc).replace(f"--{key.replace('_', '-')}", key)) from None
-        return text
-
-    return read
-
-
-def _path(value: Any, key: str, base: Path | None) -> str | None:
-    """Relative paths are taken relative to the YAML's folder when they exist there, else to the current one."""
-    if value in (None, ""):
-        return None
-    cand = Path(str(value)).expanduser()
-    if not cand.is_absolute() and base is not None and (base / cand).exists():
-        return str((base / cand).resolve())
-    return str(cand)
-
-
-def _dtype(value: Any, key: str, base: Path | None) -> str:
-    name = str(value)
-    # a named dtype needs no checkpoint to resolve (aliases -> the name `kvcal eval` records); 'auto' does
-    return name if name == "auto" else resolve_dtype(name, model_dir=".")
-
-
-def _granularities(value: Any, key: str, base: Path | None) -> tuple[str, ...] | None:
-    grans = tuple(str(g) for g in _as_list(value, key))
-    if any(g not in ("tensor", "head") for g in grans):
-        raise UsageError(f"sweep config: recipe granularity must be tensor or head, got {list(grans)}")
-    return grans or None
-
-
-def _recipe_name(value: Any, key: str, base: Path | None) -> str:
-    return slug(str(value))
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One calibration recipe (the arguments of kvcal.calibrate.run.calibrate)."""
-
-    name: str = _key(_recipe_name, "default")
-    observer: str = _key(_text, "minmax")
-    granularity: tuple[str, ...] | None = _key(
-        _granularities, None
-    )  # only these granularities; None = all asked
-    dataset: str | None = _key(_path, None)  # None = kvcal's built-in generated corpus
-    num_samples: int = _key(_int, 128)
-    seq_len: int = _key(_int, 512)
-    seed: int = _key(_int, 0)
-    engine: str = _key(_text, "native")
-    observer_params: dict[str, Any] | None = _key(_raw, None)
-    text_field: str | None = _key(_raw, None)
-
-
-def _kv_input_dtype(value: Any, key: str, base: Path | None) -> str:
-    return parse_kv_input_dtype(str(value))
-
-
-def _tasks(value: Any, key: str, base: Path | None) -> list[str]:
-    return parse_task_list([str(t) for t in _as_list(value, key)])
-
 
 def _formats(value: Any, key: str, base: Path | None) -> list[str]:
     formats: list[str] = []
-    for f in _as_list(value, key):
+    for f in as_list(value, key):
         canon = parse_kv_format(str(f))  # a format or a K/V pair k=A,v=B
         if canon not in formats:
             formats.append(canon)
@@ -203,7 +89,7 @@ _SCALE_ALIASES = {
 
 
 def _scales(value: Any, key: str, base: Path | None) -> list[str]:
-    scales = [str(s).lower() for s in _as_list(value, key)]
+    scales = [str(s).lower() for s in as_list(value, key)]
     scales = [_SCALE_ALIASES.get(s, s) for s in scales]
     bad = [s for s in scales if s not in SCALE_VARIANTS]
     if bad or not scales:
@@ -215,86 +101,24 @@ def _scales(value: Any, key: str, base: Path | None) -> list[str]:
 
 def _skips(value: Any, key: str, base: Path | None) -> list[str]:
     skips: list[str] = []
-    for s in _as_list(value, key):
+    for s in as_list(value, key):
         s = "none" if s in (None, "", False) or str(s).strip().lower() == "none" else str(s).strip()
         if s not in skips:
             skips.append(s)
     return skips
 
 
-def _limit(value: Any, key: str, base: Path | None) -> int | dict[str, int]:
-    if isinstance(value, dict):
-        value = {("default" if k == "default" else parse_task_list([str(k)])[0]): v for k, v in value.items()}
-        values = list(value.values())
-    else:
-        values = [value]
-    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0) for v in values):
-        raise UsageError(
-            f"sweep config: limit must be a positive integer or a mapping task: integer, got {value!r}"
-        )
-    return value
-
-
-def _recipes(value: Any, key: str, base: Path | None) -> list[Recipe]:
-    raw = [value] if isinstance(value, dict) else value
-    if not isinstance(raw, list):
-        raise UsageError("sweep config: 'calibration' must be a recipe mapping or a list of them")
-    recipes: list[Recipe] = []
-    for i, r in enumerate(raw or [{}]):
-        if not isinstance(r, dict):
-            raise UsageError(f"sweep config: calibration recipe {i + 1} must be a mapping")
-        r = dict(r)
-        if not r.get("name"):
-            r["name"] = "default" if len(raw) <= 1 else f"recipe{i + 1}"
-        recipes.append(Recipe(**_read_fields(Recipe, r, base, "calibration key")))
-    names = [r.name for r in recipes]
-    if len(set(names)) != len(names):
-        raise UsageError(f"sweep config: calibration recipe names must be unique, got {names}")
-    return recipes
-
-
-@dataclass(kw_only=True)
-class EvalSettings:
-    """How each evaluation runs: the keys a sweep config and a release config's `evaluate` section share."""
-
-    limit: int | dict[str, int] | None = _key(
-        _limit, None
-    )  # samples per task; a mapping gives each task its own
-    num_fewshot: int | None = _key(_int, None)
-    data_dir: str | None = _key(_path, None)
-    include_path: str | None = _key(_path, None)
-    dtype: str = _key(_dtype, "float32")
-    device: str = _key(_text, "cpu")
-    impl: str = _key(_text, "auto")
-    batch_size: int = _key(_int, 1)
-    seed: int = _key(_int, 0)
-    kl_seq_len: int | None = _key(_int, None)
-    prefill_chunk: int | None = _key(_tokens, None)  # kl windows longer than this: chunked prefill
-    # kl scores positions 0, N, 2N, ... (kvcal eval --kl-subsample)
-    kl_subsample: int | None = _key(_subsample, None)
-    max_gen_toks: int | None = _key(_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
-    passkey_lengths: str | None = _key(_passkey_spec(parse_lengths), None)  # e.g. [1k, 2k, 4k]
-    passkey_depths: str | None = _key(_passkey_spec(parse_depths), None)  # e.g. [0, 0.5, 1]
-    # K/V rounded to this dtype before quantization (kvcal eval --kv-input-dtype): the engine's serving dtype
-    kv_input_dtype: str = _key(_kv_input_dtype, DEFAULT_KV_INPUT_DTYPE)
-
-
-def eval_settings(settings: EvalSettings) -> dict[str, Any]:
-    """The EvalSettings fields of `settings` as keyword arguments (to carry them into another config)."""
-    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(EvalSettings)}
-
-
 @dataclass
 class SweepConfig(EvalSettings):
-    model: str = _key(_text)
-    tasks: list[str] = _key(_tasks)
-    formats: list[str] = _key(_formats)
-    scales: list[str] = _key(_scales, factory=lambda: ["uncalibrated", "tensor"])
-    skip_layers: list[str] = _key(_skips, factory=lambda: ["none"])
-    baseline: str = _key(_text, "bf16")
+    model: str = yaml_field(read_text)
+    tasks: list[str] = yaml_field(read_tasks)
+    formats: list[str] = yaml_field(_formats)
+    scales: list[str] = yaml_field(_scales, factory=lambda: ["uncalibrated", "tensor"])
+    skip_layers: list[str] = yaml_field(_skips, factory=lambda: ["none"])
+    baseline: str = yaml_field(read_text, "bf16")
     # tokens of context `kvcal compare RUNS_DIR` assumes for capacity (recorded in sweep.yaml; see recorded_context)
-    context: int | None = _key(_tokens, None)
-    recipes: list[Recipe] = _key(_recipes, factory=lambda: [Recipe()], yaml_key="calibration")
+    context: int | None = yaml_field(read_tokens, None)
+    recipes: list[Recipe] = yaml_field(read_recipes, factory=lambda: [Recipe()], yaml_key="calibration")
 
     def limit_for(self, task: str) -> int | None:
         if isinstance(self.limit, dict):
@@ -302,30 +126,14 @@ class SweepConfig(EvalSettings):
         return self.limit
 
 
-def _read_fields(cls: type, raw: dict[str, Any], base: Path | None, what: str) -> dict[str, Any]:
-    """Keyword arguments of dataclass `cls` from a YAML mapping, each value through its field's parser; absent and
-    null keys keep their defaults. UsageError for unknown keys."""
-    known = {_yaml_key(f): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise UsageError(
-            f"sweep config: unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
-        )
-    return {
-        f.name: f.metadata["parse"](raw[key], key, base)
-        for key, f in known.items()
-        if raw.get(key) is not None
-    }
-
-
 def parse_sweep_config(raw: dict[str, Any], base_dir: Path | None = None) -> SweepConfig:
     """Validate a sweep config dict (the YAML). Relative paths are taken relative to `base_dir` when they exist
     there, else to the current folder."""
     if not isinstance(raw, dict):
         raise UsageError("sweep config must be a YAML mapping (see configs/ for examples)")
-    required = [_yaml_key(f) for f in dataclasses.fields(SweepConfig) if f.default is dataclasses.MISSING
+    required = [yaml_key(f) for f in dataclasses.fields(SweepConfig) if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING]  # fmt: skip
-    kwargs = _read_fields(SweepConfig, raw, base_dir, "key")
+    kwargs = read_fields(SweepConfig, raw, base_dir, "key")
     for key in required:
         if not raw.get(key):
             raise UsageError(f"sweep config: '{key}' is required (see configs/ for examples)")
@@ -366,7 +174,7 @@ def config_dict(cfg: SweepConfig) -> dict[str, Any]:
                 {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(r).items() if v is not None}
                 for r in value
             ]  # fmt: skip
-        out[_yaml_key(f)] = value
+        out[yaml_key(f)] = value
     return out
 
 
@@ -388,6 +196,9 @@ class Calibration:
 
 @dataclass
 class Cell:
+    """One (configuration, task) of the matrix: its `kvcal eval` spec (which names its run directory) and its
+    status on disk."""
+
     name: str  # run directory name (the configuration)
     task: str
     kv_format: str
@@ -396,6 +207,7 @@ class Cell:
     path: Path
     calibration: Calibration | None
     is_baseline: bool
+    spec: EvalSpec
     status: str = "todo"  # 'complete' | 'partial' (resumes) | 'todo' | 'stale' (another config lives there)
     detail: str = ""
 
@@ -472,7 +284,6 @@ def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
     root = Path(runs_dir)
     if root.exists() and not root.is_dir():
         raise UsageError(f"-o {root} is a file; pass a directory for the sweep's runs")
-    model = model_short(cfg.model)
     calibrations: dict[tuple[str, str, str], Calibration] = {}
     cells: list[Cell] = []
     for fmt, label, gran, recipe, skip, baseline in _configurations(cfg):
@@ -482,29 +293,55 @@ def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
             if key not in calibrations:
                 calibrations[key] = _calibration(root, recipe, fmt, gran)
             cal = calibrations[key]
-        cells.extend(
-            task_cells(cfg, root, cell_name(model, fmt, label, skip), fmt, label, skip, cal, baseline)
-        )
+        cells.extend(task_cells(cfg, root, fmt, label, skip, cal, baseline))
     return SweepPlan(root, cells, list(calibrations.values()))
+
+
+def cell_spec(
+    cfg: EvalSettings, model: str, task: str, fmt: str, label: str, skip: str, cal: Calibration | None
+) -> EvalSpec:
+    """The `kvcal eval` spec of one cell, by kvcal eval's own builder: the settings' options by name, the
+    configuration's format, scale source and skip layers. A calibrated cell is named by its label (its file may
+    not exist yet; the run loads it)."""
+    options = EvalConfig(
+        model=model,
+        kv_format=fmt,
+        tasks=[task],
+        scales=str(cal.path) if cal else (FIRST_BATCH if label == FIRST_BATCH else None),
+        skip_layers=None if skip == "none" else skip,
+        **eval_options(cfg, task),
+    )
+    return eval_spec(options, scales_tag=label if cal else None)
 
 
 def task_cells(
     cfg: SweepConfig,
     root: Path,
-    name: str,
     fmt: str,
     label: str,
     skip: str,
     cal: Calibration | None,
     baseline: bool,
 ) -> list[Cell]:
-    """One configuration's cell per task (run directory root/<task>/<name>), each with its status on disk."""
+    """One configuration's cell per task (run directory root/<task>/<the spec's name>), each with its status on
+    disk."""
     cells = []
     for task in cfg.tasks:
-        cell = Cell(name, task, fmt, label, skip, root / task / name, cal, baseline)
-        cell.status, cell.detail = _cell_state(cell, cfg)
+        spec = cell_spec(cfg, cfg.model, task, fmt, label, skip, cal)
+        path = _cell_dir(root / task, spec)
+        spec = spec.with_output(path)
+        cell = Cell(path.name, task, fmt, label, skip, path, cal, baseline, spec)
+        cell.status, cell.detail = _cell_state(cell)
         cells.append(cell)
     return cells
+
+
+def _cell_dir(folder: Path, spec: EvalSpec) -> Path:
+    """folder/run_dir_name(spec); a run directory that a sweep before kvcal 0.x named without the
+    `__kvin-...` suffix (sweeps named cells without it) is used where it exists and the new name does not."""
+    new = folder / run_dir_name(spec)
+    legacy = folder / base_dir_name(spec)
+    return legacy if not new.exists() and legacy != new and legacy.exists() else new
 
 
 def _configurations(cfg: SweepConfig) -> Iterator[tuple[str, str, str | None, Recipe | None, str, bool]]:
@@ -544,13 +381,6 @@ def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | No
     return out
 
 
-def cell_name(model: str, fmt: str, label: str, skip: str) -> str:
-    """kvcal eval's run directory name (evaluate.run.run_dir_name): uncalibrated and dynamic are both 'none'."""
-    tag = label if label.startswith("calib-") or label == FIRST_BATCH else "none"
-    fmt_tag = slug(fmt) if "=" in fmt else fmt  # as run_dir_name names a K/V pair
-    return f"{model}__{fmt_tag}__{tag}__skip-{skip_tag(skip)}"
-
-
 def _calibration(root: Path, recipe: Recipe, fmt: str, gran: str) -> Calibration:
     path = root / "scales" / f"{recipe.name}__{fmt}__{gran}.safetensors"
     return Calibration(recipe, fmt, gran, path, "done" if _scale_file_ok(path) else "todo")
@@ -566,7 +396,7 @@ def _scale_file_ok(path: Path) -> bool:
         return False
 
 
-def _cell_state(cell: Cell, cfg: SweepConfig) -> tuple[str, str]:
+def _cell_state(cell: Cell) -> tuple[str, str]:
     """('complete'|'partial'|'todo'|'stale', detail) from what is on disk; never modifies anything."""
     d = cell.path
     if not d.exists():
@@ -579,7 +409,9 @@ def _cell_state(cell: Cell, cfg: SweepConfig) -> tuple[str, str]:
     have = _read_run_config(conf)
     if have is None:
         return "stale", f"{conf} does not parse; move {d} aside"
-    diffs = _run_differences(have, cell, cfg)
+    cal = cell.calibration
+    sha = sha256_file(cal.path) if cal is not None and cal.path.is_file() else None
+    diffs = cell.spec.differences(have, scales_sha256=sha)
     if diffs:
         return (
             "stale",
@@ -596,66 +428,6 @@ def _read_run_config(conf: Path) -> RunConfig | None:
         return RunConfig.from_dict(raw) if isinstance(raw, dict) else None
     except (yaml.YAMLError, UnicodeDecodeError, ValueError, TypeError):
         return None
-
-
-def _long_context_recorded(cfg: SweepConfig, task: str) -> dict[str, Any]:
-    """What `kvcal eval` records of kl's window / chunk and passkey's lengths / depths for this task (a run made
-    with other ones measured something else)."""
-    if task == "kl":
-        seq_len = cfg.kl_seq_len or DEFAULT_SEQ_LEN
-        chunk = cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK
-        sub = cfg.kl_subsample or 1
-        return {
-            "kl_seq_len": seq_len,
-            "prefill_chunk": chunk if seq_len > chunk else None,
-            "kl_subsample": sub if sub > 1 else None,
-        }
-    if task in PASSKEY_TASKS:
-        return {
-            "passkey_lengths": parse_lengths(cfg.passkey_lengths or DEFAULT_LENGTHS),
-            "passkey_depths": parse_depths(cfg.passkey_depths or DEFAULT_DEPTHS),
-        }
-    return {}
-
-
-def _run_differences(have: RunConfig, cell: Cell, cfg: SweepConfig) -> list[str]:
-    """What differs between a run directory's recorded configuration and what the sweep would run there."""
-    want: dict[str, Any] = {
-        "kv_format": cell.kv_format,
-        "limit": cfg.limit_for(cell.task),
-        "num_fewshot": cfg.num_fewshot,
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "impl": cfg.impl,
-        "batch_size": cfg.batch_size,
-        "seed": cfg.seed,
-    }
-    if cfg.dtype == "auto":  # recorded as what the checkpoint resolved to: any dtype is that one
-        del want["dtype"]
-    want.update(_long_context_recorded(cfg, cell.task))
-    diffs = [f"{k}: {getattr(have, k)!r} there, {v!r} here" for k, v in want.items() if getattr(have, k) != v]
-    if have.tasks and have.tasks != [cell.task]:
-        diffs.append(f"tasks: {have.tasks!r} there, {[cell.task]!r} here")
-    want_src = FIRST_BATCH if cell.scales_label == FIRST_BATCH else None
-    if have.scale_source != want_src:
-        diffs.append(f"scale source: {have.scale_source or 'none'!r} there, {want_src or 'none'!r} here")
-    kvin = recorded_kv_input_dtype(
-        EvalConfig(model=cfg.model, kv_input_dtype=cfg.kv_input_dtype), cell.kv_format
-    )
-    if kvin is not None and have.kv_input_dtype_or_legacy != kvin:
-        diffs.append(f"kv_input_dtype: {have.kv_input_dtype_or_legacy!r} there, {kvin!r} here")
-    if (have.skip_layers or "none") != cell.skip:
-        diffs.append(f"skip_layers: {have.skip_layers or 'none'!r} there, {cell.skip!r} here")
-    cal = cell.calibration
-    if have.calibrated != (cal is not None):
-        diffs.append(
-            "scales: " + ("calibrated there, not here" if have.calibrated else "not calibrated there")
-        )
-    elif cal is not None and cal.path.is_file():
-        sha = have.scales.get("sha256") if isinstance(have.scales, dict) else None
-        if sha and sha != sha256_file(cal.path):
-            diffs.append(f"scales: {cell.path.name} used another version of {cal.path.name}")
-    return diffs
 
 
 # ---- execution ----------------------------------------------------------------------------------------------
@@ -765,9 +537,8 @@ def run_cells(
             continue
         step(f"{label}: running", False)
         try:
-            run_eval(
-                _eval_config(cfg, cell, gpqa_password), progress=lambda m, _l=label: step(f"{_l}: {m}", False)
-            )
+            spec = dataclasses.replace(cell.spec, gpqa_password=gpqa_password)
+            run_eval(spec, progress=lambda m, _l=label: step(f"{_l}: {m}", False))
             cell.status = "complete"
             ran += 1
         except KvcalError as exc:
@@ -777,33 +548,3 @@ def run_cells(
             cell.status, cell.detail = "failed", str(exc)
         step(f"{label}: {cell.status}", True)
     return ran, failed
-
-
-def _eval_config(cfg: SweepConfig, cell: Cell, gpqa_password: str | None) -> EvalConfig:
-    """The `kvcal eval` of one cell."""
-    ec = EvalConfig(
-        model=cfg.model,
-        kv_format=cell.kv_format,
-        tasks=[cell.task],
-        output=str(cell.path),
-        scales=str(cell.calibration.path)
-        if cell.calibration
-        else (FIRST_BATCH if cell.scales_label == FIRST_BATCH else None),
-        skip_layers=None if cell.skip == "none" else cell.skip,
-        include_path=cfg.include_path,
-        limit=cfg.limit_for(cell.task),
-        num_fewshot=cfg.num_fewshot,
-        data_dir=cfg.data_dir,
-        gpqa_password=gpqa_password,
-        impl=cfg.impl,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-        max_gen_toks=cfg.max_gen_toks,
-        kv_input_dtype=cfg.kv_input_dtype,
-    )
-    for name in ("kl_seq_len", "prefill_chunk", "kl_subsample", "passkey_lengths", "passkey_depths"):
-        if getattr(cfg, name) is not None:  # unset: kvcal eval's own default
-            setattr(ec, name, getattr(cfg, name))
-    return ec

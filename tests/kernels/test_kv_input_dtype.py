@@ -9,7 +9,7 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.evaluate.run import EvalConfig, recorded_kv_input_dtype, run_dir_name
+from kvcal.evaluate.spec import EvalConfig, eval_spec, run_dir_name
 from kvcal.kernels.cache import LayerPlan, NonFiniteCount, QuantizedLayer
 from kvcal.kernels.runtime import KVRuntime
 from kvcal.rundir import RunConfig
@@ -78,8 +78,9 @@ def test_runtime_parses_and_reports_the_input_dtype(kv_model: Model) -> None:
 def test_runs_record_it_for_quantized_formats_and_old_runs_read_as_float32() -> None:
     cfg = EvalConfig(model="smollm2", kv_format="mxfp4")
     assert cfg.kv_input_dtype == "bfloat16"  # the engine's serving dtype by default
-    assert recorded_kv_input_dtype(cfg, "mxfp4") == "bfloat16"
-    assert recorded_kv_input_dtype(cfg, "bf16") is None and recorded_kv_input_dtype(cfg, "auto") is None
+    assert eval_spec(cfg).recorded_kv_input_dtype == "bfloat16"
+    for fmt in ("bf16", "auto"):
+        assert eval_spec(EvalConfig(model="smollm2", kv_format=fmt)).recorded_kv_input_dtype is None
     assert run_dir_name(cfg) == "smollm2__mxfp4__none__skip-none"
     opt_out = EvalConfig(model="smollm2", kv_format="mxfp4", kv_input_dtype="fp32")
     assert run_dir_name(opt_out) == "smollm2__mxfp4__none__skip-none__kvin-float32"

@@ -138,8 +138,8 @@ def test_long_context_settings_reach_eval_and_decide_a_match(tmp_path: Path) -> 
     plan = sweep.plan_sweep(cfg, tmp_path / "runs")
     kl = next(c for c in plan.cells if c.task == "kl" and not c.is_baseline)
     pk = next(c for c in plan.cells if c.task == "passkey_mc" and not c.is_baseline)
-    ec = sweep._eval_config(cfg, pk, None)
-    assert (ec.kl_seq_len, ec.prefill_chunk, ec.passkey_lengths, ec.passkey_depths) == (4096, 1024, "1k,2k", "0,1")
+    ec = pk.spec  # the cell's `kvcal eval` spec: the YAML's values, parsed
+    assert (ec.kl_seq_len, ec.prefill_chunk, ec.passkey_lengths, ec.passkey_depths) == (4096, 1024, (1024, 2048), (0.0, 1.0))
     _written_by_eval(kl, cfg, prefill_chunk=1024)
     _written_by_eval(pk, cfg, kl_seq_len=None, passkey_lengths=[1024, 2048], passkey_depths=[0.0, 1.0])
     assert sweep.plan_sweep(cfg, tmp_path / "runs").n_done == 2
@@ -165,7 +165,7 @@ def test_kl_subsample_is_a_sweep_key(tmp_path: Path) -> None:
     written.write_text(yaml.safe_dump(sweep.config_dict(cfg), sort_keys=False))
     assert sweep.load_sweep_config(written) == cfg
     kl = next(c for c in sweep.plan_sweep(cfg, tmp_path / "runs").cells if c.task == "kl" and not c.is_baseline)
-    assert sweep._eval_config(cfg, kl, None).kl_subsample == 8
+    assert kl.spec.kl_subsample == 8
     _written_by_eval(kl, cfg, prefill_chunk=2048, kl_subsample=8)
     assert sweep.plan_sweep(cfg, tmp_path / "runs").n_done == 1
     _written_by_eval(kl, cfg, prefill_chunk=2048)  # every position scored

@@ -40,9 +40,9 @@ def test_first_batch_cells_and_their_eval(tmp_path: Path) -> None:
     assert ("mxfp4", "dynamic") in labels and ("mxfp4", "first-batch") not in labels  # nothing static to set
     fb = next(c for c in plan.cells if c.scales_label == "first-batch" and c.kv_format == "fp8_e4m3")
     assert fb.name == "m__fp8_e4m3__first-batch__skip-none"
-    ec = sweep._eval_config(cfg, fb, None)
-    assert ec.scales == "first-batch" and ec.kv_input_dtype == "bfloat16"
-    assert sweep._eval_config(cfg, plan.cells[0], None).scales is None  # the baseline
+    ec = fb.spec
+    assert ec.scales.first_batch and ec.kv_input_dtype == "bfloat16"
+    assert plan.cells[0].spec.scales.kind == "none"  # the baseline
 
 
 def test_recorded_scale_source_and_input_dtype_decide_a_match(tmp_path: Path) -> None:

@@ -1,0 +1,436 @@
+"""One evaluation's spec: `EvalConfig` (the options as given) -> `eval_spec` -> `EvalSpec` (parsed, checked once).
+
+`kvcal eval`, a sweep cell and a release candidate all build their spec with `eval_spec`, so the three cannot
+disagree on a default, a name or what config.yaml records. The spec
+
+- holds PARSED values: the canonical format (or K/V pair), the kv input dtype, passkey lengths / depths, the
+  task names, the placement, and the scale source (none / first-batch / a file, loaded at most once per run);
+- names its run directory (`run_dir_name`: kvcal eval's and the sweep's one namer);
+- records itself (`recorded_fields`: what config.yaml holds that needs no checkpoint; kvcal.evaluate.run adds the
+  checkpoint's part);
+- says how it differs from a recorded run (`differences`).
+
+Nothing here loads a model or imports lm-eval's model code. The only string parsing of eval options is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcal import models
+from kvcal.errors import UsageError
+from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
+from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS
+from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, parse_task_list
+from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, kv_pair, parse_kv_format, parse_kv_input_dtype
+from kvcal.placement import Placement
+from kvcal.rundir import RunConfig
+
+if TYPE_CHECKING:
+    from kvcal.scales import ScaleSet
+
+# The model dtype of a lone `kvcal eval`: the checkpoint's own (lm-eval's HFLM default; config.yaml records the
+# resolved name). A sweep or release calibrates AND evaluates, in calibrate's default float32, so that the scales
+# are measured in the dtype the evaluations run in: kvcal.pipeline.settings.EvalSettings uses PIPELINE_DTYPE.
+DEFAULT_DTYPE = "auto"
+PIPELINE_DTYPE = "float32"
+
+# `--scales first-batch`: vLLM's calculate_kv_scales (kvcal.kernels.cache.FirstBatchScales), not a file
+FIRST_BATCH = "first-batch"
+
+
+@dataclass
+class EvalConfig:
+    """The options of one evaluation as given (`kvcal eval`'s, by name and default; strings as typed).
+    `eval_spec` parses and checks them. `gpqa_password` is never written anywhere."""
+
+    model: str
+    kv_format: str = "auto"
+    tasks: list[str] = field(default_factory=lambda: ["wikitext"])
+    output: str | None = None  # the run directory; None -> run_dir_name(spec) under the current folder
+    scales: str | None = None
+    force_scales: bool = False
+    skip_layers: str | None = None
+    include_path: str | None = None
+    limit: int | None = None
+    num_fewshot: int | None = None
+    data_dir: str | None = None
+    gpqa_password: str | None = field(default=None, repr=False)
+    impl: str = "auto"
+    dtype: str = DEFAULT_DTYPE
+    device: str = "cpu"
+    # accelerate's placement (kvcal.placement): where the weights live, not what is computed — not in config.yaml
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
+    batch_size: int = 1
+    seed: int = 0
+    kl_seq_len: int = DEFAULT_SEQ_LEN
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # kl windows longer than this run by chunked prefill
+    kl_subsample: int = 1  # kl scores positions 0, N, 2N, ... of each window (a power of two up to 512)
+    max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
+    trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
+    nvfp4_global: str = "one"  # nvfp4 without --scales: "one" (vLLM: global 1.0) or "per_sequence"
+    # K/V rounded to this dtype before quantization: the engine's serving dtype (bf16), or float32 (as computed)
+    kv_input_dtype: str = DEFAULT_KV_INPUT_DTYPE
+    strict: bool = False  # a NaN/Inf K/V value reaching the cache is an error (default: warn + metrics.json)
+    attention: str = "kv"  # "fp8": vLLM's FlashAttention-3 FP8 attention (Q and P cast to e4m3)
+    passkey_lengths: str = DEFAULT_LENGTHS  # passkey prompt lengths in tokens, e.g. "1k,2k,4k" (k = 1024)
+    passkey_depths: str = DEFAULT_DEPTHS  # where the key sits: fractions of the filler before it
+
+
+@dataclass(frozen=True)
+class ScaleSource:
+    """Where a run's static K/V scales come from. `kind`: 'none' (the formats' defaults / dynamic), 'first-batch'
+    (vLLM's calculate_kv_scales) or 'file'. `tag` is the run directory's part (none, first-batch,
+    calib-<granularity>[-<recipe>]). A file is loaded at most once per run: `eval_spec` keeps what it loaded for
+    the tag in `loaded`; a sweep cell, named before its file is calibrated, loads it when it runs (`load`)."""
+
+    kind: str = "none"
+    path: str | None = None  # kind 'file': the file as given (config.yaml records it resolved)
+    tag: str = "none"
+    loaded: ScaleSet | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == "file"
+
+    @property
+    def first_batch(self) -> bool:
+        return self.kind == FIRST_BATCH
+
+    def load(self) -> ScaleSet | None:
+        """The scale file's ScaleSet (read now unless `eval_spec` already did), None without a file."""
+        if not self.is_file:
+            return None
+        if self.loaded is not None:
+            return self.loaded
+        from kvcal.scales import load_scale_file
+
+        assert self.path is not None
+        return load_scale_file(self.path)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """One evaluation, parsed and checked (build it with `eval_spec`). Fields keep EvalConfig's names."""
+
+    model: str
+    kv_format: str  # canonical: a format name or 'k=<canonical>,v=<canonical>' (formats.parse_kv_format)
+    tasks: tuple[str, ...]  # canonical task names, the user's order (tasks.parse_task_list)
+    scales: ScaleSource
+    force_scales: bool
+    skip_layers: (
+        str | None
+    )  # --skip-layers as given (config.yaml records the text; the indices need the model)
+    include_path: str | None
+    limit: int | None
+    num_fewshot: int | None
+    data_dir: str | None
+    impl: str
+    dtype: str  # 'auto' (resolved against the checkpoint when recorded) or a canonical dtype name
+    device: str  # checked against this machine (models.check_device)
+    placement: Placement
+    batch_size: int
+    seed: int
+    kl_seq_len: int
+    prefill_chunk: int
+    kl_subsample: int
+    max_gen_toks: int | None
+    trust_remote_code: bool
+    nvfp4_global: str
+    kv_input_dtype: str  # canonical (formats.parse_kv_input_dtype)
+    strict: bool
+    attention: str
+    passkey_lengths: tuple[int, ...]
+    passkey_depths: tuple[float, ...]
+    output: str | None = None
+    gpqa_password: str | None = field(default=None, repr=False, compare=False)
+
+    # ---- derived -----------------------------------------------------------------------------------------------
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_format != "auto"
+
+    @property
+    def has_kl(self) -> bool:
+        return KL_TASK in self.tasks
+
+    @property
+    def has_passkey(self) -> bool:
+        return any(t in PASSKEY_TASKS for t in self.tasks)
+
+    @property
+    def any_nvfp4(self) -> bool:
+        """A side of the format stores nvfp4's layout (nvfp4, nvfp4_4over6)."""
+        return any(f.layout == "nvfp4" for f in kv_pair(self.kv_format))
+
+    @property
+    def recorded_kv_input_dtype(self) -> str | None:
+        """config.yaml's kv_input_dtype: recorded for every quantized format (a run directory without it was
+        quantized as computed, float32 on CPU, before kvcal had the option); None for auto / bf16, whose numbers
+        it cannot change (bf16 rounding is idempotent), so their runs keep their identity hash."""
+        return None if self.kv_format in ("auto", "bf16") else self.kv_input_dtype
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output) if self.output else Path(run_dir_name(self))
+
+    def with_output(self, output: str | Path) -> EvalSpec:
+        return dataclasses.replace(self, output=str(output))
+
+    # ---- config.yaml -------------------------------------------------------------------------------------------
+
+    def recorded_fields(self) -> dict[str, Any]:
+        """The RunConfig fields this spec decides without a checkpoint (kvcal.evaluate.run.record_config adds
+        model_dir, the resolved dtype of 'auto', the skip indices and the scale file's check)."""
+        kl, passkey = self.has_kl, self.has_passkey
+        return {
+            "model": self.model,
+            "kv_format": self.kv_format,
+            "tasks": list(self.tasks),
+            "scales_path": str(Path(self.scales.path).resolve()) if self.scales.path else None,
+            "scale_source": FIRST_BATCH if self.scales.first_batch else None,
+            "kv_input_dtype": self.recorded_kv_input_dtype,
+            "force_scales": bool(self.force_scales),
+            "skip_layers": self.skip_layers or "",
+            "limit": self.limit,
+            "num_fewshot": self.num_fewshot,
+            "data_dir": str(Path(self.data_dir).resolve()) if self.data_dir else None,
+            "impl": self.impl,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "kl_seq_len": self.kl_seq_len if kl else None,
+            "passkey_lengths": list(self.passkey_lengths) if passkey else None,
+            "passkey_depths": list(self.passkey_depths) if passkey else None,
+            # only where it changes what is measured (kl windows longer than a chunk): other runs keep their hash
+            "prefill_chunk": self.prefill_chunk if kl and self.kl_seq_len > self.prefill_chunk else None,
+            "kl_subsample": self.kl_subsample if kl and self.kl_subsample > 1 else None,
+            "max_gen_toks": self.max_gen_toks,
+            "nvfp4_global": self.nvfp4_global if self.any_nvfp4 and self.scales.kind == "none" else None,
+            "attention": None if self.attention == "kv" else self.attention,
+        }
+
+    def differences(self, have: RunConfig, scales_sha256: str | None = None) -> list[str]:
+        """What differs between a recorded run (config.yaml) and this spec, as 'field: there, here' lines ([] =
+        the same run as far as the spec decides; the run store's identity hash decides the rest). A dtype of
+        'auto' matches any recorded dtype (recorded resolved); a recorded run without kv_input_dtype was
+        quantized as computed (RunConfig.kv_input_dtype_or_legacy). `scales_sha256`: the scale file's hash now
+        (None: not compared)."""
+        want = self.recorded_fields()
+        if self.dtype != "auto":
+            want["dtype"] = self.dtype
+        keys = [
+            *_COMPARED,
+            *(_KL_COMPARED if self.has_kl else ()),
+            *(_PASSKEY_COMPARED if self.has_passkey else ()),
+        ]
+        diffs = [
+            f"{k}: {getattr(have, k)!r} there, {want[k]!r} here"
+            for k in keys
+            if k in want and getattr(have, k) != want[k]
+        ]
+        if have.scale_source != want["scale_source"]:
+            there, here = have.scale_source or "none", want["scale_source"] or "none"
+            diffs.append(f"scale source: {there!r} there, {here!r} here")
+        if have.tasks and have.tasks != want["tasks"]:
+            diffs.append(f"tasks: {have.tasks!r} there, {want['tasks']!r} here")
+        kvin = want["kv_input_dtype"]
+        if kvin is not None and have.kv_input_dtype_or_legacy != kvin:
+            diffs.append(f"kv_input_dtype: {have.kv_input_dtype_or_legacy!r} there, {kvin!r} here")
+        if (have.skip_layers or "none") != (self.skip_layers or "none"):
+            diffs.append(
+                f"skip_layers: {have.skip_layers or 'none'!r} there, {self.skip_layers or 'none'!r} here"
+            )
+        if have.calibrated != self.scales.is_file:
+            diffs.append(
+                "scales: " + ("calibrated there, not here" if have.calibrated else "not calibrated there")
+            )
+        elif scales_sha256 is not None:
+            sha = have.scales.get("sha256") if isinstance(have.scales, dict) else None
+            if sha and sha != scales_sha256:
+                diffs.append(f"scales: the run used another version of {Path(str(self.scales.path)).name}")
+        return diffs
+
+
+# What `differences` compares field by field (with tasks, kv input dtype, skip layers and the scale file): the
+# settings that make one run directory another configuration. Fields config.yaml gained later (nvfp4_global,
+# max_gen_toks, attention, ...) are left to the run store's identity hash, so run directories written before them
+# are still found; the kl / passkey fields only for those tasks.
+_COMPARED = (
+    "kv_format",
+    "limit",
+    "num_fewshot",
+    "dtype",
+    "device",
+    "impl",
+    "batch_size",
+    "seed",
+    "scale_source",
+)
+_KL_COMPARED = ("kl_seq_len", "prefill_chunk", "kl_subsample")
+_PASSKEY_COMPARED = ("passkey_lengths", "passkey_depths")
+
+
+# ---- names ------------------------------------------------------------------------------------------------------
+
+
+def slug(text: str) -> str:
+    """A lower-case file-name-safe form of `text` (run directory and sweep names)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower() or "x"
+
+
+def model_short(model: str) -> str:
+    name = Path(str(model).rstrip("/")).name
+    for suffix in (".gguf", ".GGUF"):
+        name = name.removesuffix(suffix)
+    return slug(name)
+
+
+def skip_tag(skip_layers: str | None) -> str:
+    if not skip_layers or str(skip_layers).strip().lower() in ("", "none"):
+        return "none"
+    return slug(str(skip_layers).replace(",", "-"))
+
+
+def base_dir_name(spec: EvalSpec) -> str:
+    """`{model_short}__{kv_format}__{scales tag}__skip-{skip_tag}` (a K/V pair k=A,v=B as k-a-v-b)."""
+    tag = spec.scales.tag
+    if spec.any_nvfp4 and spec.scales.kind == "none" and spec.nvfp4_global != "one":
+        tag = f"global-{slug(spec.nvfp4_global)}"
+    fmt_tag = slug(spec.kv_format) if "=" in spec.kv_format else spec.kv_format
+    return f"{model_short(spec.model)}__{fmt_tag}__{tag}__skip-{skip_tag(spec.skip_layers)}"
+
+
+def run_dir_name(spec: EvalSpec | EvalConfig) -> str:
+    """The run directory's name, e.g. `gemma3-270m__fp8_e4m3__calib-tensor__skip-sliding_window`, plus
+    `__kvin-<dtype>` (a quantized run off the default kv input dtype) and `__attn-<mode>` (--attention)."""
+    spec = as_spec(spec)
+    name = base_dir_name(spec)
+    if spec.recorded_kv_input_dtype not in (None, DEFAULT_KV_INPUT_DTYPE):
+        name += f"__kvin-{spec.kv_input_dtype}"
+    if spec.attention != "kv":
+        name += f"__attn-{slug(spec.attention)}"
+    return name
+
+
+# ---- the one builder --------------------------------------------------------------------------------------------
+
+
+def _check_numbers(config: EvalConfig) -> None:
+    if config.limit is not None and config.limit <= 0:
+        raise UsageError(f"--limit must be a positive number of samples, got {config.limit}")
+    if config.num_fewshot is not None and config.num_fewshot < 0:
+        raise UsageError(f"--num-fewshot must be 0 or more, got {config.num_fewshot}")
+    if config.max_gen_toks is not None and config.max_gen_toks < 1:
+        raise UsageError(f"--max-gen-toks must be at least 1, got {config.max_gen_toks}")
+    if config.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {config.batch_size}")
+    if config.kl_seq_len < 2:
+        raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
+    if config.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
+    check_kl_subsample(config.kl_subsample)
+
+
+def _scale_source(config: EvalConfig, fmt: str, scales_tag: str | None) -> ScaleSource:
+    scales = config.scales
+    if not scales:
+        return ScaleSource()
+    if scales == FIRST_BATCH:
+        if not all(f.calibratable for f in kv_pair(fmt)):
+            raise UsageError(
+                f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt} has none "
+                "(its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
+            )
+        return ScaleSource(FIRST_BATCH, tag=FIRST_BATCH)
+    if scales_tag is not None:  # a sweep cell: named by its calibration, the file may not exist yet
+        return ScaleSource("file", str(scales), scales_tag)
+    if not Path(scales).is_file():
+        raise UsageError(f"scale file '{scales}' does not exist; pass the file `kvcal calibrate` wrote")
+    from kvcal.scales import load_scale_file
+
+    loaded = load_scale_file(scales)  # the run's one load (run_eval reuses it)
+    return ScaleSource("file", str(scales), f"calib-{loaded.granularity}", loaded)
+
+
+def eval_spec(config: EvalConfig, *, scales_tag: str | None = None) -> EvalSpec:
+    """Parse and check everything that needs no model (UsageError naming the option otherwise). `scales_tag`:
+    the run-directory tag of a scale file named before it exists (a sweep cell); the file is then loaded when
+    the run starts."""
+    from kvcal.kernels.attention import check_attention_mode
+    from kvcal.kernels.cache import check_nvfp4_global
+    from kvcal.kernels.runtime import IMPLS
+
+    _check_numbers(config)
+    if config.dtype not in models.DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
+    if config.impl not in IMPLS:
+        raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{config.impl}'")
+    device = models.check_device(config.device)
+    placement = Placement.parse(config.device_map, config.max_memory, config.offload_folder)
+    placement.check()
+    fmt = parse_kv_format(config.kv_format)
+    check_nvfp4_global(config.nvfp4_global)
+    kv_input_dtype = parse_kv_input_dtype(config.kv_input_dtype)
+    nvfp4 = any(f.layout == "nvfp4" for f in kv_pair(fmt))
+    if config.nvfp4_global != "one" and (not nvfp4 or config.scales):
+        raise UsageError(
+            "--nvfp4-global applies to --kv-format nvfp4 / nvfp4_4over6 without --scales (a scale file or "
+            "first-batch fixes the global scale)"
+        )
+    if fmt == "auto" and (config.scales or config.skip_layers):
+        raise UsageError(
+            "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
+        )
+    scales = _scale_source(config, fmt, scales_tag)
+    check_attention_mode(config.attention, *(f.name for f in kv_pair(fmt)))
+    tasks = tuple(parse_task_list(config.tasks))
+    lengths: tuple[int, ...] = ()
+    depths: tuple[float, ...] = ()
+    if any(t in PASSKEY_TASKS for t in tasks):
+        from kvcal.evaluate.passkey import parse_depths, parse_lengths
+
+        lengths = tuple(parse_lengths(config.passkey_lengths))
+        depths = tuple(parse_depths(config.passkey_depths))
+    return EvalSpec(
+        model=config.model,
+        kv_format=fmt,
+        tasks=tasks,
+        scales=scales,
+        force_scales=bool(config.force_scales),
+        skip_layers=config.skip_layers,
+        include_path=config.include_path,
+        limit=config.limit,
+        num_fewshot=config.num_fewshot,
+        data_dir=config.data_dir,
+        impl=config.impl,
+        dtype=config.dtype if config.dtype == "auto" else models.resolve_dtype(config.dtype, model_dir="."),
+        device=device,
+        placement=placement,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        kl_seq_len=config.kl_seq_len,
+        prefill_chunk=config.prefill_chunk,
+        kl_subsample=config.kl_subsample,
+        max_gen_toks=config.max_gen_toks,
+        trust_remote_code=bool(config.trust_remote_code),
+        nvfp4_global=config.nvfp4_global,
+        kv_input_dtype=kv_input_dtype,
+        strict=bool(config.strict),
+        attention=config.attention,
+        passkey_lengths=lengths,
+        passkey_depths=depths,
+        output=config.output,
+        gpqa_password=config.gpqa_password,
+    )
+
+
+def as_spec(config: EvalSpec | EvalConfig) -> EvalSpec:
+    return config if isinstance(config, EvalSpec) else eval_spec(config)
