@@ -1,21 +1,27 @@
 """Does a calibrated scale file still fit the traffic? `kvcal drift SCALES MODEL --dataset TRAFFIC`.
 
-Scales belong to a checkpoint *and a workload*. This module observes K/V on a traffic sample through the same
-path `calibrate` uses (`hooks.observe` -> `run.StatsCollector`: K/V exactly as the model writes them into its
-cache, sampled by `data.samples_for_model`) and measures, per layer and per scale group (one group per layer for
-a per-tensor file, one per KV head for a per-head file):
+Scales belong to a checkpoint *and a workload*. This module observes K/V on a traffic sample through calibrate's
+one observation path (`observation.ObserveOptions`: K/V exactly as the model writes them into its cache, sampled
+by `data.build_samples`), set up exactly as the scale file's manifest says the calibration observed them
+(`ObserveOptions.for_scale_file`: K/V rounded to calibration.kv_input_dtype; the model in calibration.dtype and
+sequences of calibration.seq_len unless asked otherwise), so the calibration text itself reads the calibration's
+numbers. Per layer and per scale group (one group per layer for a per-tensor file, one per KV head for a
+per-head file) it measures:
 
 - the traffic's amax vs the calibrated amax (the file's per-layer statistics; the clip `scale * range` when a
   file has none) and the clip itself;
 - the fraction of elements the current scales saturate: |x| > clip = scale * range (fp8: range = max code, 448 for
-  E4M3, 57344 for E5M2; nvfp4: 448 * 6, where the E4M3 block scale saturates), counted exactly in the pass;
-- SQNR with the current scales and with fresh minmax scales on the traffic (amax / range), computed the way
+  E4M3, 57344 for E5M2; nvfp4: 448 * 6, where the E4M3 block scale saturates), counted exactly in the pass, and
+  the same count for fresh scales of the file's own observer on the traffic (0 for minmax; a percentile or mse
+  file clips its own calibration text by design): their difference is the excess clip fraction;
+- SQNR with the current scales and with fresh scales (the file's observer on the traffic), computed the way
   calibrate computes it: fp8 from the |x| histograms (one pass, exact within a bin), nvfp4 by fake-quantizing
-  the traffic again with both global scales (a second pass).
+  the traffic again with the current and the candidate global scales (a second pass).
 
-Verdict: `drifted` when any scale group clips more than `max_clip` of its elements or loses more than
-`max_sqnr_loss_db` against fresh scales; `fits` otherwise. Minmax scales on the traffic itself clip nothing
-(0 exactly) and lose 0 dB, so both numbers measure how far the traffic has moved from the calibration data.
+Verdict: `drifted` when any scale group clips more than `max_clip` of its elements beyond what fresh scales clip,
+or loses more than `max_sqnr_loss_db` against fresh scales; `fits` otherwise. The file's observer on its own
+calibration text chooses the file's scales again, so there both numbers are 0 exactly
+(tests/calibrate/test_drift_calibration_traffic.py); elsewhere they measure how far the traffic has moved.
 
 Defaults, chosen in the gap between ordinary traffic variation and a calibration that no longer holds, measured
 on SmolLM2-135M-Instruct (float32, CPU). Scales: `kvcal calibrate smollm2 --kv-format fp8_e4m3 --granularity
