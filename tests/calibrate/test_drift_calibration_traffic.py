@@ -220,3 +220,20 @@ def _smollm2(real_model_path: Callable[[str], str], load: Callable[..., object])
     if not _SMOLLM2:
         _SMOLLM2.append(load(real_model_path("smollm2"), dtype="float32"))
     return _SMOLLM2[0]
+
+
+def test_only_the_observation_module_runs_hooks_observe() -> None:
+    """One observation path: every K/V pass of calibrate, drift and sensitivity goes through
+    ObserveOptions.observe; no other library module imports hooks.observe (or rounds K/V itself: in_dtype)."""
+    import ast
+
+    import kvcal
+
+    root = Path(kvcal.__file__).parent
+    users = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in ("kvcal.calibrate.hooks", "kvcal.calibrate"):
+                if any(a.name in ("observe", "in_dtype") for a in node.names):
+                    users.append(path.relative_to(root).as_posix())
+    assert users == ["calibrate/observation.py"]
