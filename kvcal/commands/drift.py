@@ -83,10 +83,7 @@ def drift_cmd(
 ) -> None:
     """Check a scale file against a traffic sample (--dataset): clip fractions and SQNR vs fresh scales, per layer.
 
-    The traffic's K/V are observed through calibrate's own path, exactly as the scale file's manifest says the
-    calibration observed them (K/V input dtype, model dtype, sequence length, sampling and BOS rule), so the
-    calibration text itself fits: it clips nothing beyond what the file's observer clips. Fresh scales: the
-    file's observer run on the traffic.
+    K/V are observed through calibrate's own path, as the scale file's manifest says the calibration observed them (K/V input dtype, model dtype, sequence length, sampling, BOS rule): the calibration text itself fits, clipping nothing beyond what fresh scales of the file's observer clip.
 
     Exit 0: the scales fit the traffic; 1: drifted (recalibrate on the traffic); 2: bad input."""
     options = dict(locals())  # first: exactly the command's options
