@@ -308,6 +308,14 @@ def max_model_len(config: Any) -> int | None:
     return getattr(text, "max_position_embeddings", None)
 
 
+def check_sampling(num_samples: int, seq_len: int) -> None:
+    """UsageError for a sample count or length that cannot sample anything (the model's limit is checked with it)."""
+    if num_samples < 1:
+        raise UsageError(f"--num-samples must be at least 1, got {num_samples}")
+    if seq_len < 1:
+        raise UsageError(f"--seq-len must be at least 1, got {seq_len}")
+
+
 def build_samples(
     source: TextSource,
     tokenizer: Any,
@@ -318,10 +326,7 @@ def build_samples(
     max_len: int | None = None,
 ) -> CalibrationSamples:
     """Seeded sampling of `num_samples` token sequences of up to `seq_len` tokens, one text each."""
-    if num_samples < 1:
-        raise UsageError(f"--num-samples must be at least 1, got {num_samples}")
-    if seq_len < 1:
-        raise UsageError(f"--seq-len must be at least 1, got {seq_len}")
+    check_sampling(num_samples, seq_len)
     if max_len is not None and seq_len > max_len:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's maximum of {max_len} positions; lower it")
     fld = choose_field(source.records, text_field)

@@ -1,21 +1,27 @@
 """Does a calibrated scale file still fit the traffic? `kvcal drift SCALES MODEL --dataset TRAFFIC`.
 
-Scales belong to a checkpoint *and a workload*. This module observes K/V on a traffic sample through the same
-path `calibrate` uses (`hooks.observe` -> `run.StatsCollector`: K/V exactly as the model writes them into its
-cache, sampled by `data.samples_for_model`) and measures, per layer and per scale group (one group per layer for
-a per-tensor file, one per KV head for a per-head file):
+Scales belong to a checkpoint *and a workload*. This module observes K/V on a traffic sample through calibrate's
+one observation path (`observation.ObserveOptions`: K/V exactly as the model writes them into its cache, sampled
+by `data.build_samples`), set up exactly as the scale file's manifest says the calibration observed them
+(`ObserveOptions.for_scale_file`: K/V rounded to calibration.kv_input_dtype; the model in calibration.dtype and
+sequences of calibration.seq_len unless asked otherwise), so the calibration text itself reads the calibration's
+numbers. Per layer and per scale group (one group per layer for a per-tensor file, one per KV head for a
+per-head file) it measures:
 
 - the traffic's amax vs the calibrated amax (the file's per-layer statistics; the clip `scale * range` when a
   file has none) and the clip itself;
 - the fraction of elements the current scales saturate: |x| > clip = scale * range (fp8: range = max code, 448 for
-  E4M3, 57344 for E5M2; nvfp4: 448 * 6, where the E4M3 block scale saturates), counted exactly in the pass;
-- SQNR with the current scales and with fresh minmax scales on the traffic (amax / range), computed the way
+  E4M3, 57344 for E5M2; nvfp4: 448 * 6, where the E4M3 block scale saturates), counted exactly in the pass, and
+  the same count for fresh scales of the file's own observer on the traffic (0 for minmax; a percentile or mse
+  file clips its own calibration text by design): their difference is the excess clip fraction;
+- SQNR with the current scales and with fresh scales (the file's observer on the traffic), computed the way
   calibrate computes it: fp8 from the |x| histograms (one pass, exact within a bin), nvfp4 by fake-quantizing
-  the traffic again with both global scales (a second pass).
+  the traffic again with the current and the candidate global scales (a second pass).
 
-Verdict: `drifted` when any scale group clips more than `max_clip` of its elements or loses more than
-`max_sqnr_loss_db` against fresh scales; `fits` otherwise. Minmax scales on the traffic itself clip nothing
-(0 exactly) and lose 0 dB, so both numbers measure how far the traffic has moved from the calibration data.
+Verdict: `drifted` when any scale group clips more than `max_clip` of its elements beyond what fresh scales clip,
+or loses more than `max_sqnr_loss_db` against fresh scales; `fits` otherwise. The file's observer on its own
+calibration text chooses the file's scales again, so there both numbers are 0 exactly
+(tests/calibrate/test_drift_calibration_traffic.py); elsewhere they measure how far the traffic has moved.
 
 Defaults, chosen in the gap between ordinary traffic variation and a calibration that no longer holds, measured
 on SmolLM2-135M-Instruct (float32, CPU). Scales: `kvcal calibrate smollm2 --kv-format fp8_e4m3 --granularity
@@ -54,13 +60,16 @@ from typing import Any
 
 import torch
 
-from kvcal.calibrate.data import CalibrationSamples, TextSource, load_texts, samples_for_model
-from kvcal.calibrate.hooks import ProgressFn, observe
+from kvcal.calibrate.data import CalibrationSamples, TextSource, load_texts
+from kvcal.calibrate.hooks import ProgressFn
+from kvcal.calibrate.observation import ObserveOptions
 from kvcal.calibrate.observers import (
     CandidateEval,
     GroupedStats,
+    Observer,
     clip_to_scale,
     format_range,
+    get_observer,
     is_elementwise,
     sqnr_db,
 )
@@ -71,9 +80,13 @@ from kvcal.models import KVSpec, LoadedModel, check_device, kv_spec, load_model
 
 DEFAULT_MAX_CLIP = 1e-4
 DEFAULT_MAX_SQNR_LOSS_DB = 1.0
+DEFAULT_SEQ_LEN = 512  # a scale file without calibration.seq_len: calibrate's default
 FITS, DRIFTED = "fits", "drifted"
 CLIP_RTOL = 1e-6  # |x| counts as saturated above clip * (1 + CLIP_RTOL), as observers.GroupedStats.clipped
 KINDS = ("k", "v")
+# per kind in a layer's / head's record, besides amax, calibrated amax and clip
+RECORDED = ("clip_fraction", "fresh_clip_fraction", "excess_clip_fraction", "sqnr_db", "sqnr_fresh_db",
+            "sqnr_loss_db")  # fmt: skip
 _KIND_NAME = {"k": "K", "v": "V"}
 Key = tuple[int, str]  # (layer, 'k' | 'v')
 
@@ -101,7 +114,7 @@ class DriftReport:
 
     def worst(self) -> dict[str, Any]:
         """The largest clip fraction and SQNR loss over all layers and K/V (None where nothing is defined)."""
-        clips = [(r[f"{k}_clip_fraction"], r["layer"], k) for r in self.layers for k in KINDS]
+        clips = [(r[f"{k}_excess_clip_fraction"], r["layer"], k) for r in self.layers for k in KINDS]
         losses = [(r[f"{k}_sqnr_loss_db"], r["layer"], k) for r in self.layers for k in KINDS]
         losses = [x for x in losses if x[0] is not None]
         c, l_ = max(clips), (max(losses) if losses else None)
@@ -177,16 +190,14 @@ def _bound_scales(scales_path: str | os.PathLike[str], model: str | LoadedModel,
 # ---- observing ----------------------------------------------------------------------------------------------
 
 
-class DriftSink(StatsCollector):
-    """calibrate's StatsCollector plus the exact count of elements above the current clip, per KV head."""
+class ClipCounter:
+    """KV sink counting exactly the elements above a clip, per KV head (|x| > clip * (1 + CLIP_RTOL))."""
 
     def __init__(self, clips: dict[Key, torch.Tensor]) -> None:
-        super().__init__()
         self.clips = clips  # (layer, kind) -> clip [G] (G = 1 or H_kv)
         self.over: dict[Key, torch.Tensor] = {}  # (layer, kind) -> [H_kv] count of |x| > clip
 
     def __call__(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        super().__call__(layer_idx, k, v)
         for kind, x in (("k", k), ("v", v)):
             # x: [B, H_kv, T, D]; clip broadcast along dim 1 (per head) or as a scalar
             # a clip within float32 rounding of amax ((amax / range) * range) saturates nothing that matters
@@ -197,10 +208,23 @@ class DriftSink(StatsCollector):
             self.over[key] = self.over[key] + n if key in self.over else n
 
 
+class DriftSink(StatsCollector):
+    """calibrate's StatsCollector plus the exact count of elements above the current clip, per KV head."""
+
+    def __init__(self, clips: dict[Key, torch.Tensor]) -> None:
+        super().__init__()
+        self.counter = ClipCounter(clips)
+        self.over = self.counter.over
+
+    def __call__(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__call__(layer_idx, k, v)
+        self.counter(layer_idx, k, v)
+
+
 @dataclass
 class _Measured:
     """Per scale group [G] of one (layer, kind): traffic amax, element count, clipped count, signal, noise with
-    the current and with fresh scales."""
+    the current and with fresh scales, the fresh scales and (filled after a counting pass) their clipped count."""
 
     amax: torch.Tensor
     total: torch.Tensor
@@ -208,63 +232,97 @@ class _Measured:
     signal: torch.Tensor
     noise_current: torch.Tensor
     noise_fresh: torch.Tensor
+    fresh_scale: torch.Tensor
+    clipped_fresh: torch.Tensor | None = None
 
 
 def _group(per_head: torch.Tensor, granularity: str) -> torch.Tensor:
     return per_head if granularity == "head" else per_head.sum().reshape(1)
 
 
+def file_observer(ss: Any) -> Observer:
+    """The observer the scale file was calibrated with (manifest `observer`: name and params), which drift runs
+    on the traffic for its fresh scales. llm-compressor's static_minmax and a name this kvcal does not know
+    (a newer kvcal's) are minmax, the observer whose clip is the amax."""
+    rec = ss.manifest.get("observer") or {}
+    name, params = str(rec.get("name", "minmax")), rec.get("params") or {}
+    try:
+        return get_observer(name, dict(params))
+    except Exception:  # noqa: BLE001 - 'llmcompressor:static_minmax', a newer observer, bad params
+        return get_observer("minmax")
+
+
 def _measure_elementwise(
-    g: GroupedStats, fmt: KVFormat, scale: torch.Tensor, clipped: torch.Tensor
+    g: GroupedStats, fmt: KVFormat, scale: torch.Tensor, clipped: torch.Tensor, observer: Observer
 ) -> _Measured:
-    fresh = clip_to_scale(g.amax, fmt)  # minmax on the traffic, exactly as calibrate's minmax observer
+    # fresh scales: the file's observer on the traffic, exactly as calibrate chooses them (minmax: amax / range)
+    fresh = clip_to_scale(observer.clip(g, fmt), fmt)
     return _Measured(
-        g.amax, g.total, clipped, g.signal, g.fp8_noise(fmt, scale.float()), g.fp8_noise(fmt, fresh)
+        g.amax, g.total, clipped, g.signal, g.fp8_noise(fmt, scale.float()), g.fp8_noise(fmt, fresh), fresh
     )
 
 
 def _measure_block(
     model: Any, samples: list[torch.Tensor], kv: KVSpec, fmt: KVFormat, granularity: str,
     grouped: dict[Key, GroupedStats], scales: dict[Key, torch.Tensor], clipped: dict[Key, torch.Tensor],
-    progress: ProgressFn | None,
+    observer: Observer, opts: ObserveOptions, progress: ProgressFn | None,
 ) -> dict[Key, _Measured]:  # fmt: skip
-    """nvfp4: both global scales (current, fresh minmax) fake-quantize the traffic in a second pass."""
+    """nvfp4: the current global scale and the file observer's candidates on the traffic (minmax: the amax)
+    fake-quantize the traffic in a second pass; the fresh scale is the best candidate, as calibrate picks it."""
     from kvcal.calibrate.run import candidate_pass
 
     evals: dict[Key, CandidateEval] = {}
     for key, g in grouped.items():
         current = scales[key].float().reshape(-1)
-        clips = torch.stack([current * format_range(fmt), g.amax.float()])  # [2, G]
+        cands = observer.candidates(g, fmt).float()  # [C, G]
+        clips = torch.cat([(current * format_range(fmt)).unsqueeze(0), cands])  # [1 + C, G]
         ev = CandidateEval(fmt, clips, granularity)
         # the stored scales themselves, not clip_to_scale's round trip through the clip
-        ev.scales = torch.stack([current, clip_to_scale(g.amax, fmt)])
+        ev.scales = torch.cat([current.unsqueeze(0), clip_to_scale(cands, fmt)])
         evals[key] = ev
-    candidate_pass(model, samples, kv.num_layers, progress)(evals)
-    return {
-        key: _Measured(g.amax, evals[key].total, clipped[key], evals[key].signal, evals[key].noise[0],
-                       evals[key].noise[1])
-        for key, g in grouped.items()
-    }  # fmt: skip
+    candidate_pass(model, samples, kv.num_layers, opts, progress)(evals)
+    out: dict[Key, _Measured] = {}
+    for key, g in grouped.items():
+        ev = evals[key]
+        best = 1 + ev.noise[1:].argmin(0)  # [G], as CandidateEval.best over the candidates alone
+        groups = torch.arange(best.numel())
+        out[key] = _Measured(g.amax, ev.total, clipped[key], ev.signal, ev.noise[0], ev.noise[best, groups],
+                             ev.scales[best, groups])  # fmt: skip
+    return out
 
 
 def _observe(
-    lm: LoadedModel, data: CalibrationSamples, ss: Any, fmt: KVFormat, progress: ProgressFn | None
-) -> tuple[dict[Key, _Measured], dict[Key, torch.Tensor]]:
-    """Observe the traffic (and, for nvfp4, measure it again): (measurements per (layer, kind), clips [G])."""
+    lm: LoadedModel, data: CalibrationSamples, ss: Any, fmt: KVFormat, opts: ObserveOptions,
+    progress: ProgressFn | None,
+) -> tuple[dict[Key, _Measured], dict[Key, torch.Tensor]]:  # fmt: skip
+    """Observe the traffic as `opts` (the file's observation) says, measure it again for nvfp4, and count what
+    fresh scales of the file's observer clip (0 by construction for minmax: nothing exceeds the amax; other
+    observers: one more pass): (measurements per (layer, kind), clips [G])."""
     kv = kv_spec(lm.model.config)
     scales = {(i, kind): (ss.k_scales if kind == "k" else ss.v_scales)[i].float().reshape(-1)
               for i in range(kv.num_layers) for kind in KINDS}  # fmt: skip
     clips = {key: s * format_range(fmt) for key, s in scales.items()}  # [G]
+    observer = file_observer(ss)
     sink = DriftSink(clips)
-    observe(lm.model, data.samples, sink, kv.num_layers, progress=progress, phase="observe")
+    opts.observe(lm.model, data.samples, sink, kv.num_layers, progress=progress)
     grouped = {key: sink.stats[key].grouped(ss.granularity) for key in scales}
     clipped = {key: _group(sink.over[key], ss.granularity) for key in scales}
     if is_elementwise(fmt):
-        measured = {key: _measure_elementwise(grouped[key], fmt, scales[key], clipped[key]) for key in scales}
+        measured = {
+            key: _measure_elementwise(grouped[key], fmt, scales[key], clipped[key], observer) for key in scales
+        }
     else:
         measured = _measure_block(
-            lm.model, data.samples, kv, fmt, ss.granularity, grouped, scales, clipped, progress
+            lm.model, data.samples, kv, fmt, ss.granularity, grouped, scales, clipped, observer, opts, progress
         )
+    if observer.name == "minmax":
+        for m in measured.values():
+            m.clipped_fresh = torch.zeros_like(m.clipped)
+    else:
+        counter = ClipCounter({key: m.fresh_scale * format_range(fmt) for key, m in measured.items()})
+        opts.observe(lm.model, data.samples, counter, kv.num_layers, progress=progress, phase="count")
+        for key, m in measured.items():
+            m.clipped_fresh = _group(counter.over[key], ss.granularity)
     return measured, clips
 
 
@@ -287,9 +345,15 @@ def _numbers(m: _Measured, idx: slice | int) -> dict[str, Any]:
     signal = float(m.signal[idx].sum())
     current = sqnr_db(signal, float(m.noise_current[idx].sum()))
     fresh = sqnr_db(signal, float(m.noise_fresh[idx].sum()))
+    assert m.clipped_fresh is not None
+    clip_fraction = float(m.clipped[idx].sum()) / max(total, 1.0)
+    fresh_clip = float(m.clipped_fresh[idx].sum()) / max(total, 1.0)
     return {
         "amax": float(m.amax[idx].max()),
-        "clip_fraction": float(m.clipped[idx].sum()) / max(total, 1.0),
+        "clip_fraction": clip_fraction,
+        "fresh_clip_fraction": fresh_clip,
+        # what the current scales clip beyond what the file's own observer clips on this traffic: the drift
+        "excess_clip_fraction": clip_fraction - fresh_clip,
         "sqnr_db": current,
         "sqnr_fresh_db": fresh,
         "sqnr_loss_db": _loss(current, fresh),
@@ -320,7 +384,7 @@ def _layer_record(
         rec[f"{kind}_amax"] = nums["amax"]
         rec[f"{kind}_calibrated_amax"] = max(_calibrated_amax(ss, layer, kind, clip))
         rec[f"{kind}_clip"] = float(clip.max())
-        for name in ("clip_fraction", "sqnr_db", "sqnr_fresh_db", "sqnr_loss_db"):
+        for name in RECORDED:
             rec[f"{kind}_{name}"] = nums[name]
     if ss.granularity == "head":
         rec["heads"] = [
@@ -338,7 +402,7 @@ def _head_record(
         rec[f"{kind}_amax"] = nums["amax"]
         rec[f"{kind}_calibrated_amax"] = _calibrated_amax(ss, layer, kind, clips[(layer, kind)])[h]
         rec[f"{kind}_clip"] = float(clips[(layer, kind)][h])
-        for name in ("clip_fraction", "sqnr_db", "sqnr_fresh_db", "sqnr_loss_db"):
+        for name in RECORDED:
             rec[f"{kind}_{name}"] = nums[name]
     return rec
 
@@ -353,10 +417,12 @@ def _reasons(layers: list[dict[str, Any]], max_clip: float, max_loss: float) -> 
             for kind in KINDS:
                 name = f"{where} {_KIND_NAME[kind]}"
                 clip_frac, loss = g[f"{kind}_clip_fraction"], g[f"{kind}_sqnr_loss_db"]
-                if clip_frac > max_clip:
+                excess, fresh = g[f"{kind}_excess_clip_fraction"], g[f"{kind}_fresh_clip_fraction"]
+                if excess > max_clip:
+                    beyond = f", {excess:.2e} more than fresh scales clip ({fresh:.2e})" if fresh > 0 else ""
                     out.append(
                         f"{name}: {clip_frac:.2e} of the elements exceed the calibrated clip {g[f'{kind}_clip']:.4g} "
-                        f"(traffic amax {g[f'{kind}_amax']:.4g}), more than --max-clip {max_clip:g}"
+                        f"(traffic amax {g[f'{kind}_amax']:.4g}){beyond}, more than --max-clip {max_clip:g}"
                     )
                 if loss is not None and loss > max_loss:
                     out.append(
@@ -376,37 +442,71 @@ def check_drift(
     *,
     dataset: str | None,
     num_samples: int,
-    seq_len: int,
+    seq_len: int | None = None,
     seed: int = 0,
     max_clip: float = DEFAULT_MAX_CLIP,
     max_sqnr_loss_db: float = DEFAULT_MAX_SQNR_LOSS_DB,
-    dtype: str = "auto",
+    dtype: str | None = None,
     device: str = "cpu",
     force: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     text_field: str | None = None,
+    kv_input_dtype: str | None = None,
+    batch_size: int = 1,
 ) -> DriftReport:
-    """Observe K/V on the traffic `dataset` (calibrate's data options and sampling) and judge whether the scale
-    file still fits it. Every check that needs no forward pass (thresholds, traffic file, scale file and its
-    binding to MODEL — stale is a KvcalError unless `force`) runs before the model loads."""
+    """Observe K/V on the traffic `dataset` exactly as the scale file's manifest says its calibration observed
+    them (`ObserveOptions.for_scale_file`: K/V rounded to calibration.kv_input_dtype; the model in
+    calibration.dtype unless `dtype` says otherwise; `seq_len` default: calibration.seq_len; calibrate's
+    sampling and BOS rule) and judge whether the file still fits. `kv_input_dtype` other than the file's is a
+    UsageError (it would disagree with the calibration on the calibration text itself); a `dtype` other than the
+    file's is a warning. Every check that needs no forward pass (thresholds, options, traffic file, scale file
+    and its binding to MODEL — stale is a KvcalError unless `force`) runs before the model loads."""
     _check_thresholds(max_clip, max_sqnr_loss_db)
     if not isinstance(model, LoadedModel):
         check_device(device)
     source = load_traffic(dataset)
     ss = _bound_scales(scales_path, model, force)
+    cal = ss.manifest.get("calibration") or {}
+    if seq_len is None:
+        seq_len = int(cal.get("seq_len") or DEFAULT_SEQ_LEN)
+    opts = ObserveOptions.parse(
+        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+        batch_size=batch_size,
+    ).for_scale_file(ss, kv_input_dtype)  # fmt: skip
     fmt = get_format(ss.kv_format)
+    calibrated_dtype = cal.get("dtype")
+    load_dtype = dtype if dtype is not None else str(calibrated_dtype or "auto")
     if progress:
         progress(0, 1, "load")
-    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=load_dtype, device=device)
     if progress:
         progress(1, 1, "load")
-    data = samples_for_model(source, lm, num_samples, seq_len, seed, text_field)
-    measured, clips = _observe(lm, data, ss, fmt, progress)
+    warnings = _dtype_warning(lm, calibrated_dtype)
+    data = opts.samples(lm, source)
+    measured, clips = _observe(lm, data, ss, fmt, opts, progress)
     layers = [_layer_record(i, measured, clips, ss) for i in range(ss.num_layers)]
     reasons = _reasons(layers, max_clip, max_sqnr_loss_db)
+    traffic = {**data.manifest(), "kv_input_dtype": opts.kv_input_dtype,
+               "dtype": _model_dtype(lm), "calibration_text": data.token_sha256 == cal.get("token_ids_sha256")}
     return DriftReport(
         verdict=DRIFTED if reasons else FITS, layers=layers, reasons=reasons, scales_path=str(scales_path),
         model=lm.ref, kv_format=ss.kv_format, granularity=ss.granularity, max_clip=max_clip,
-        max_sqnr_loss_db=max_sqnr_loss_db, traffic=data.manifest(),
-        warnings=list(data.warnings) + list(ss.binding_warnings),
+        max_sqnr_loss_db=max_sqnr_loss_db, traffic=traffic,
+        warnings=list(data.warnings) + list(ss.binding_warnings) + warnings,
     )  # fmt: skip
+
+
+def _model_dtype(lm: LoadedModel) -> str:
+    return str(next(lm.model.parameters()).dtype).replace("torch.", "")
+
+
+def _dtype_warning(lm: LoadedModel, calibrated: str | None) -> list[str]:
+    """A warning when the model runs in another dtype than the calibration's: its K/V then differ even on the
+    calibration text, so drift measures the dtype change as well as the traffic's."""
+    have = _model_dtype(lm)
+    if calibrated is None or have == calibrated:
+        return []
+    return [
+        f"the model runs in {have}, the scales were calibrated in {calibrated}: its K/V differ from the "
+        f"calibration's even on the same text; pass --dtype {calibrated} to check the traffic alone"
+    ]

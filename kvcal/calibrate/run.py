@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from kvcal import parallel
-from kvcal.calibrate.data import CalibrationSamples, load_texts, samples_for_model
-from kvcal.calibrate.hooks import ProgressFn, check_finite, observe
+from kvcal.calibrate.data import CalibrationSamples
+from kvcal.calibrate.hooks import ProgressFn, check_finite
+from kvcal.calibrate.observation import ObserveOptions
 from kvcal.calibrate.observers import (
     CandidateEval,
     TensorStats,
@@ -37,13 +38,7 @@ from kvcal.calibrate.observers import (
     sqnr_db,
 )
 from kvcal.errors import KvcalError, UsageError
-from kvcal.formats import (
-    KV_INPUT_DTYPES,
-    KVFormat,
-    kv_pair,
-    parse_kv_format,
-    parse_kv_input_dtype,
-)
+from kvcal.formats import KVFormat, kv_pair, parse_kv_format
 from kvcal.models import KVSpec, LoadedModel, Placement, check_device, kv_spec, load_model
 
 ENGINES = ("native", "llmcompressor")
@@ -120,18 +115,6 @@ class StatsCollector:
             self.stats[key].update(x, amax)
 
 
-def in_dtype(sink: Any, dtype: torch.dtype | None) -> Any:
-    """`sink` seeing K/V rounded to `dtype` (`--kv-input-dtype`: what the engine's quantizer gets); None = as is."""
-    if dtype is None:
-        return sink
-
-    def cast(layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # rounded, then back to the dtype the observers are used to (bf16 -> float32 is exact)
-        sink(layer_idx, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype))
-
-    return cast
-
-
 class _EvalSink:
     def __init__(self, evals: dict[tuple[int, str], CandidateEval]) -> None:
         self.evals = evals
@@ -147,20 +130,16 @@ def candidate_pass(
     model: Any,
     samples: Sequence[torch.Tensor],
     num_layers: int,
+    opts: ObserveOptions,
     progress: ProgressFn | None = None,
     dist: parallel.Dist | None = None,
-    batch_size: int = 1,
-    kv_input_dtype: torch.dtype | None = None,
 ) -> Callable[[dict[tuple[int, str], CandidateEval]], None]:
     """The second pass block formats need (`scales_from_stats(second_pass=...)`): the samples run through the
-    model again and every candidate scale is measured on the real K/V (with `dist`: this rank's samples, the
-    error sums then added over all ranks)."""
+    model again, observed as the first pass was (`opts`), and every candidate scale is measured on the real K/V
+    (with `dist`: this rank's samples, the error sums then added over all ranks)."""
 
     def run(evals: dict[tuple[int, str], CandidateEval]) -> None:
-        observe(
-            model, samples, in_dtype(_EvalSink(evals), kv_input_dtype), num_layers, progress=progress,
-            phase="evaluate", batch_size=batch_size,
-        )  # fmt: skip
+        opts.observe(model, samples, _EvalSink(evals), num_layers, progress=progress, phase="evaluate")
         all_reduce_evals(evals, dist or parallel.Dist())
 
     return run
@@ -248,18 +227,16 @@ def observed_scales(
     fmt: KVFormat,
     granularity: str,
     observer: Any,
+    opts: ObserveOptions,
     progress: ProgressFn | None = None,
-    batch_size: int = 1,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]:
-    """kvcal's native calibration on token samples: observe K/V, choose the scales (a second pass for block
-    formats). Returns (k_scales, v_scales, per-layer statistics) as `scales_from_stats` does."""
+    """kvcal's native calibration on token samples: observe K/V as `opts` says, choose the scales (a second pass
+    for block formats). Returns (k_scales, v_scales, per-layer statistics) as `scales_from_stats` does."""
     collector = StatsCollector()
-    observe(
-        model, samples, collector, kv.num_layers, progress=progress, phase="observe", batch_size=batch_size
-    )
+    opts.observe(model, samples, collector, kv.num_layers, progress=progress)
     return scales_from_stats(
         collector.stats, kv, fmt, granularity, observer,
-        second_pass=candidate_pass(model, samples, kv.num_layers, progress, batch_size=batch_size),
+        second_pass=candidate_pass(model, samples, kv.num_layers, opts, progress),
     )  # fmt: skip
 
 
@@ -301,14 +278,15 @@ def calibrate(
 
     t0 = time.perf_counter()
     fmt, v_fmt = kv_pair(kv_format)
-    kv_dt = None if kv_input_dtype is None else KV_INPUT_DTYPES[parse_kv_input_dtype(kv_input_dtype)]
+    opts = ObserveOptions.parse(
+        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+        kv_input_dtype=kv_input_dtype, batch_size=batch_size,
+    )  # fmt: skip
     obs = _check_request(fmt, granularity, observer, observer_params, engine)
     if v_fmt is not fmt:
         _check_request(v_fmt, granularity, observer, observer_params, engine)
-    _check_processes(engine, attention_scales, num_samples, parallel.from_env())
+    _check_processes(engine, attention_scales, opts.num_samples, parallel.from_env())
     out = check_output_path(output)
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
     placement = Placement.parse(device_map, max_memory, offload_folder)
     if not isinstance(model, LoadedModel):
         check_device(device)
@@ -316,7 +294,7 @@ def calibrate(
         device = parallel.rank_device(device, parallel.from_env())  # data parallel on CUDA: a GPU per rank
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    source = load_texts(dataset)
+    source = opts.texts()
     timings["data_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -325,7 +303,7 @@ def calibrate(
     timings["load_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    data = samples_for_model(source, lm, num_samples, seq_len, seed, text_field)
+    data = opts.samples(lm, source)
     timings["data_s"] += time.perf_counter() - t
     # several processes (torchrun): rank r observes samples r, r+N, ...; the statistics are merged below
     dist = parallel.setup(device)
@@ -335,10 +313,7 @@ def calibrate(
     t = time.perf_counter()
     if engine == "native":
         collector = StatsCollector(dist)
-        observe(
-            lm.model, mine, in_dtype(collector, kv_dt), kv.num_layers, progress=progress, phase="observe",
-            batch_size=batch_size,
-        )  # fmt: skip
+        opts.observe(lm.model, mine, collector, kv.num_layers, progress=progress)
         all_reduce_stats(collector.stats, dist)
         imported, extra = None, {"engine": engine}
         obs_name, obs_params = obs.name, obs.params
@@ -352,7 +327,7 @@ def calibrate(
     t = time.perf_counter()
     chosen = scales_from_stats(
         collector.stats, kv, fmt, granularity, obs, imported=imported,
-        second_pass=candidate_pass(lm.model, mine, kv.num_layers, progress, dist, batch_size, kv_dt),
+        second_pass=candidate_pass(lm.model, mine, kv.num_layers, opts, progress, dist),
         v_fmt=None if v_fmt is fmt else v_fmt,
     )  # fmt: skip
     timings["scales_s"] = time.perf_counter() - t
@@ -368,11 +343,11 @@ def calibrate(
     ss.manifest["calibration"]["wall_s"] = round(timings["total_s"], 3)
     # the dtype the observed K/V had: llm-compressor observes inside its own hooks, in the model's dtype
     model_dtype = str(next(lm.model.parameters()).dtype).replace("torch.", "")
-    native = engine == "native" and kv_input_dtype is not None
-    observed = parse_kv_input_dtype(kv_input_dtype) if native else model_dtype
+    native = engine == "native" and opts.kv_input_dtype is not None
+    observed = opts.kv_input_dtype if native else model_dtype
     ss.manifest["calibration"]["kv_input_dtype"] = observed
-    if batch_size > 1:
-        ss.manifest["calibration"]["batch_size"] = batch_size
+    if opts.batch_size > 1:
+        ss.manifest["calibration"]["batch_size"] = opts.batch_size
     if placement.active:
         ss.manifest["calibration"]["placement"] = placement.describe()
     if out is not None and dist.is_main:  # one writer: rank 0 (every rank holds the same merged scales)
@@ -452,7 +427,7 @@ def _observe_llmcompressor(
     for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
         imported[(i, "k")], imported[(i, "v")] = k, v
     if not collector.stats:  # our hook did not fire (llm-compressor internals changed): measure separately
-        observe(model, data.samples, collector, kv.num_layers, progress=progress, phase="observe")
+        ObserveOptions().observe(model, data.samples, collector, kv.num_layers, progress=progress)
     extra = {
         "engine": "llmcompressor",
         "llmcompressor": {"observer": llmc_observer, "pipeline": "basic", "strategy": granularity},

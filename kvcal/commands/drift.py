@@ -13,12 +13,11 @@ from kvcal.calibrate.drift import DEFAULT_MAX_CLIP, DEFAULT_MAX_SQNR_LOSS_DB, DR
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
-    DtypeOpt,
     JsonOpt,
     ModelArg,
     NumSamplesOpt,
+    ObserveBatchOpt,
     SeedOpt,
-    SeqLenOpt,
     TextFieldOpt,
     library_kwargs,
 )
@@ -36,14 +35,19 @@ def drift_cmd(
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
     num_samples: NumSamplesOpt = 32,
-    seq_len: SeqLenOpt = 512,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len", help="Tokens per sequence (at most); default: the scale file's calibration.seq_len."
+        ),
+    ] = None,
     seed: SeedOpt = 0,
     max_clip: Annotated[
         float,
         typer.Option(
             "--max-clip",
             help="Drifted when the current scales saturate more than this fraction of any scale group's "
-            "elements (minmax on the calibration data clips none).",
+            "elements beyond what fresh scales of the file's observer saturate on the traffic (minmax: none).",
         ),
     ] = DEFAULT_MAX_CLIP,
     max_sqnr_loss_db: Annotated[
@@ -51,17 +55,35 @@ def drift_cmd(
         typer.Option(
             "--max-sqnr-loss-db",
             help="Drifted when any scale group's SQNR with the current scales is this many dB below its SQNR "
-            "with fresh (minmax) scales on the traffic.",
+            "with fresh scales (the file's observer) on the traffic.",
         ),
     ] = DEFAULT_MAX_SQNR_LOSS_DB,
     force: Annotated[
         bool, typer.Option("--force", help="Check a scale file calibrated on another checkpoint anyway.")
     ] = False,
-    dtype: DtypeOpt = "auto",
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Model dtype (float32, bfloat16, float16, auto); default: the one the scales were calibrated "
+            "in (manifest calibration.dtype). Another one warns: K/V differ even on the calibration text.",
+        ),
+    ] = None,
+    kv_input_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-input-dtype",
+            help="Default and only accepted value: the scale file's (manifest calibration.kv_input_dtype); "
+            "K/V are rounded to it before they are measured, as calibrate measured them.",
+        ),
+    ] = None,
+    batch_size: ObserveBatchOpt = 1,
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
 ) -> None:
     """Check a scale file against a traffic sample (--dataset): clip fractions and SQNR vs fresh scales, per layer.
+
+    K/V are observed through calibrate's own path, as the scale file's manifest says the calibration observed them (K/V input dtype, model dtype, sequence length, sampling, BOS rule): the calibration text itself fits, clipping nothing beyond what fresh scales of the file's observer clip.
 
     Exit 0: the scales fit the traffic; 1: drifted (recalibrate on the traffic); 2: bad input."""
     options = dict(locals())  # first: exactly the command's options
@@ -119,7 +141,7 @@ def _render(report: Any) -> None:
     console.print(_table(report))
     console.print(
         "amax/calib: the traffic's amax / the calibration data's; clipped: fraction of elements above the "
-        "calibrated clip (saturated); SQNR/fresh: dB with the current scales / with fresh minmax scales on the "
+        "calibrated clip (saturated); SQNR/fresh: dB with the current scales / with fresh scales (the file's observer) on the "
         "traffic",
         highlight=False,
     )

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvcal.calibrate.data import load_texts, samples_for_model
 from kvcal.calibrate.hooks import ProgressFn, batches, pad_batch, per_row_attention
+from kvcal.calibrate.observation import ObserveOptions
 from kvcal.calibrate.observers import get_observer
 from kvcal.calibrate.run import check_output_path, observed_scales
 from kvcal.errors import KvcalError, UsageError
@@ -190,24 +190,27 @@ def sensitivity(
     if scales and not fmt.calibratable:
         raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
     out = check_output_path(output)
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, got {batch_size}")
+    # K/V as the model computes them (kv_input_dtype None): sensitivity fake-quantizes them unrounded
+    opts = ObserveOptions.parse(
+        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+        batch_size=batch_size,
+    )  # fmt: skip
     placement = Placement.parse(device_map, max_memory, offload_folder)
     if not isinstance(model, LoadedModel):
         check_device(device)
         placement.check()
-    source = load_texts(dataset)
+    source = opts.texts()
     lm = (
         model
         if isinstance(model, LoadedModel)
         else load_model(model, dtype=dtype, device=device, placement=placement)
     )
     kv = kv_spec(lm.model.config)
-    data = samples_for_model(source, lm, num_samples, seq_len, seed, text_field)
-    k_scales, v_scales, scale_source = _layer_scales(lm, kv, fmt, scales, data.samples, progress, batch_size)
+    data = opts.samples(lm, source)
+    k_scales, v_scales, scale_source = _layer_scales(lm, kv, fmt, scales, data.samples, progress, opts)
     result = layer_sensitivity(
         lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor,
-        batch_size=batch_size,
+        batch_size=opts.batch_size,
     )  # fmt: skip
     report = {
         "model": lm.ref,
@@ -234,7 +237,7 @@ def _layer_scales(
     scales: str | None,
     samples: Sequence[torch.Tensor],
     progress: ProgressFn | None,
-    batch_size: int = 1,
+    opts: ObserveOptions,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], str]:
     """(k_scales, v_scales, where they came from): a scale file, minmax per tensor on the same samples for a
     calibratable format, else None per layer (the format's dynamic scales)."""
@@ -244,7 +247,5 @@ def _layer_scales(
     if scales:
         ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
         return list(ss.k_scales), list(ss.v_scales), f"scale file {scales}"
-    ks, vs, _ = observed_scales(
-        lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), progress, batch_size=batch_size
-    )
+    ks, vs, _ = observed_scales(lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), opts, progress)
     return list(ks), list(vs), "minmax per tensor on the same samples"
