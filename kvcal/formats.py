@@ -99,6 +99,7 @@ __all__ = [
     "KVFormat",
     "QTensor",
     "bits_per_element",
+    "check_scale",
     "dequantize",
     "e2m1_decode",
     "e2m1_encode",
@@ -145,7 +146,8 @@ _SMALL = 1 << 16
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A shared fp32 0-d tensor of `value` per device (the default scale): the same tensor at every write, so what
-    is cached on a scale tensor (its validation, the FP8 decode table) is computed once. Never modify it."""
+    the torch path remembers of a cache side's scale (`kvcal.kernels.fast.ScaleMemo`) is computed once. Never
+    modify it."""
     key = (f"scalar:{value!r}", torch.device(device))
     t = _CONST_CACHE.get(key)
     if t is None:
@@ -473,15 +475,16 @@ def finite_abs(x: torch.Tensor) -> torch.Tensor:
 
 
 def _static_scale(
-    scale: float | torch.Tensor | None, x: torch.Tensor, default: float | None
+    scale: float | torch.Tensor | None, x: torch.Tensor, default: float | None, checked: bool = False
 ) -> torch.Tensor | None:
     """A user scale as fp32 0-d, [H_kv] or [B, 1, 1, 1]; validated finite and positive (on CPU, to avoid a
-    device sync)."""
+    device sync) unless `checked`: the caller passes a tensor it validated before (`check_scale`; a cache passes
+    the same tensor at every write and validates it once)."""
     if scale is None:
         return None if default is None else _scalar(default, x.device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if s.numel() == 1:
-        s = s if s.dim() == 0 else s.reshape(())  # the same 0-d tensor at every write (see below)
+        s = s if s.dim() == 0 else s.reshape(())  # a 0-d tensor stays the same tensor
     elif s.dim() == 4 and x.dim() == 4 and s.shape[0] == x.shape[0] and s.shape[1:] == (1, 1, 1):
         pass  # one scale per sequence
     elif s.dim() != 1 or x.dim() < 3 or x.shape[1] != s.numel():
@@ -489,13 +492,15 @@ def _static_scale(
             f"a scale of shape {tuple(s.shape)} does not fit K/V of shape {tuple(x.shape)}: it must be one "
             "number, [H_kv] (per KV head) or [B, 1, 1, 1] (per sequence) for x [B, H_kv, T, D]"
         )
-    if s.device.type == "cpu" and getattr(s, "_kvcal_checked", None) != s._version:
-        if not bool(torch.isfinite(s).all() and (s > 0).all()):
-            raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
-        # a cache passes the same scale tensor at every write: check it once (its version counter guards
-        # against in-place changes)
-        s._kvcal_checked = s._version  # type: ignore[attr-defined]
+    if not checked and s.device.type == "cpu" and not bool(torch.isfinite(s).all() and (s > 0).all()):
+        raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
     return s
+
+
+def check_scale(scale: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`scale` for K/V x [B, H_kv, T, D] as the fp32 tensor quantize uses (0-d, [H_kv] or [B, 1, 1, 1]), validated
+    finite and positive (UsageError otherwise): pass it with `scale_checked=True` to skip the validation."""
+    return _static_scale(scale, x, None)  # type: ignore[return-value]
 
 
 def _bcast(s: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -662,12 +667,19 @@ def _quantize_mxfp4(xf: torch.Tensor) -> QTensor:
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
 
 
-def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor | None = None) -> QTensor:
+def quantize(
+    x: torch.Tensor,
+    fmt: str | KVFormat,
+    scale: float | torch.Tensor | None = None,
+    *,
+    scale_checked: bool = False,
+) -> QTensor:
     """Quantize x: [..., D] (cache layout [B, H_kv, T, D]) to `fmt`'s storage layout.
 
     `scale`: fp8_* — the static scale (x ~ codes * scale): float / 0-d / [H_kv] along dim 1 / [B, 1, 1, 1] per
     sequence, default 1.0; nvfp4 / nvfp4_4over6 — the global scale (same shapes), default
-    `nvfp4_dynamic_global(x)`; other formats ignore it."""
+    `nvfp4_dynamic_global(x)`; other formats ignore it. `scale_checked`: scale is a tensor `check_scale` returned
+    (or one computed positive and finite), not validated again."""
     f = get_format(fmt)
     if f.element == "auto":
         return QTensor(codes=x)
@@ -675,7 +687,8 @@ def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor |
         # the float32 detour changes nothing for bf16 input (the bounds are bf16 values): one op instead of three
         return QTensor(codes=x.clamp(-BF16_MAX, BF16_MAX))
     xf = _as_f32(x)
-    s = _static_scale(scale, xf, 1.0 if f.layout != "nvfp4" else None) if f.calibratable else None
+    default = 1.0 if f.layout != "nvfp4" else None
+    s = _static_scale(scale, xf, default, scale_checked) if f.calibratable else None
     return _quantize_f32(xf, f, s)
 
 
@@ -708,8 +721,10 @@ def quantize_kv(
     fmt: str | KVFormat,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    *,
+    scale_checked: bool = False,
 ) -> tuple[QTensor, QTensor]:
-    """(quantize(k, fmt, k_scale), quantize(v, fmt, v_scale)), bit for bit, with half the torch ops where that pays:
+    """(quantize(k, fmt, k_scale), quantize(v, fmt, v_scale)) (`scale_checked` as there), bit for bit, with half the torch ops where that pays:
     small K and V (a decode step's token) of the same shape are stacked and quantized in one pass (every step of
     every format is per element, per row or per block, so nothing mixes K with V; tests/test_formats_fast.py).
     nvfp4's dynamic global (a scale of None) is per tensor, so it quantizes K and V apart."""
@@ -722,9 +737,12 @@ def quantize_kv(
         or 2 * k.numel() > _SMALL
         or (f.calibratable and (k_scale is None or v_scale is None))
     ):
-        return quantize(k, f, k_scale), quantize(v, f, v_scale)
-    ks = _static_scale(k_scale, k, None) if f.calibratable else None
-    vs = _static_scale(v_scale, v, None) if f.calibratable else None
+        return (
+            quantize(k, f, k_scale, scale_checked=scale_checked),
+            quantize(v, f, v_scale, scale_checked=scale_checked),
+        )
+    ks = _static_scale(k_scale, k, None, scale_checked) if f.calibratable else None
+    vs = _static_scale(v_scale, v, None, scale_checked) if f.calibratable else None
     s = None if ks is None else _stack_scales(ks, vs)  # type: ignore[arg-type]
     q = _quantize_f32(_as_f32(torch.stack([k, v])), f, s)  # [2, B, H_kv, T, D]
     return tuple(  # type: ignore[return-value]

@@ -101,7 +101,7 @@ static inline float block_max(const float *x, int n) {
     return m;
 }
 
-/* saturating cast to float32's range (formats._to / reference._saturate); NaN stays */
+/* saturating cast to float32's range (formats._to / fast._saturate); NaN stays */
 static inline float sat(float y) {
     if (y > 3.4028234663852886e38f) return 3.4028234663852886e38f;
     if (y < -3.4028234663852886e38f) return -3.4028234663852886e38f;

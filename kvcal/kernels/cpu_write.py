@@ -36,7 +36,7 @@ import torch
 from kvcal import formats
 from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels.buffer import TokenBuffer
-from kvcal.kernels.reference import _dequantize
+from kvcal.kernels.fast import _dequantize
 
 SOURCE = Path(__file__).with_name("cpu_write.c")
 FLAGS = ("-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
