@@ -179,6 +179,10 @@ class KVFormat:
     # name. nvfp4_4over6 stores exactly nvfp4's codes + E4M3 block scales + global scale: only the choice of the
     # block scale differs, so every reader of nvfp4 reads it.
     layout: str = ""
+    codes_dtype: torch.dtype | None = None  # QTensor.codes (None: x itself, 'auto')
+    scales_dtype: torch.dtype | None = None  # QTensor.block_scales (None: none)
+    triton_kernel: int | None = None  # kvcal.kernels.triton_attention's FMT family of this layout
+    c_kernel: int | None = None  # kvcal/kernels/cpu_write.c's format id; None = not written by it
 
     def __post_init__(self) -> None:
         if not self.layout:
@@ -203,27 +207,44 @@ class KVFormat:
     def is_fp4(self) -> bool:
         return self.element == "e2m1"
 
+    def storage_widths(self, head_dim: int) -> tuple[int, int | None]:
+        """(codes, block scales) elements per token and KV head of the stored QTensor for head_dim (None: no block
+        scales)."""
+        if self.is_fp4:
+            return head_dim // 2, head_dim // self.block_size
+        if self.element == "int8":
+            return head_dim, 1
+        return head_dim, None
+
 
 # fmt: off
-# name, aliases, element, block, calibratable, max, (vLLM, SGLang, TRT-LLM names), description
+# name, aliases, element, block, calibratable, max, storage (codes dtype, block-scales dtype: `QTensor` as quantize
+# returns it; None = x itself / none), kernel ids (Triton's FMT family, cpu_write.c's format enum; None = not
+# written by that kernel), (vLLM, SGLang, TRT-LLM names), description. The kernels take their ids from here:
+# triton_attention.FMT_CODES, cpu_write (and cpu_write.c, whose enum the library's ABI check compares with it).
+_U8, _E4M3, _E5M2 = torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2
 _TABLE: tuple[tuple, ...] = (
-    ("auto", (), "auto", 0, False, None, ("auto", "auto", None), "the model's own dtype, untouched"),
-    ("bf16", ("bfloat16",), "bf16", 0, False, None, ("bfloat16", "bf16", None), "bfloat16 (a BF16 server)"),
-    ("fp8_e4m3", ("fp8", "fp8_e4m3fn", "e4m3"), "e4m3", 0, True, FP8_E4M3_MAX, ("fp8", "fp8_e4m3", "FP8"),
-     "FP8 E4M3FN +-448, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
-    ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, ("fp8_e5m2", "fp8_e5m2", None),
+    ("auto", (), "auto", 0, False, None, (None, None), (0, None), ("auto", "auto", None),
+     "the model's own dtype, untouched"),
+    ("bf16", ("bfloat16",), "bf16", 0, False, None, (torch.bfloat16, None), (0, 0), ("bfloat16", "bf16", None),
+     "bfloat16 (a BF16 server)"),
+    ("fp8_e4m3", ("fp8", "fp8_e4m3fn", "e4m3"), "e4m3", 0, True, FP8_E4M3_MAX, (_E4M3, None), (1, 1),
+     ("fp8", "fp8_e4m3", "FP8"), "FP8 E4M3FN +-448, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
+    ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, (_E5M2, None), (1, 2), ("fp8_e5m2", "fp8_e5m2", None),
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
-    ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, ("int8_per_token_head", None, None),
-     "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
-    ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, ("nvfp4", None, "NVFP4"),
+    ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),
+     ("int8_per_token_head", None, None), "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
+    ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, (_U8, _E4M3), (3, 4), ("nvfp4", None, "NVFP4"),
      "E2M1, 16-element blocks, E4M3 block scale x fp32 global scale"),
-    ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, ("nvfp4_4over6", None, None),
+    ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, (_U8, _E4M3), (3, 5),
+     ("nvfp4_4over6", None, None),
      "nvfp4 storage; per block the E4M3 scale of max/6 or max/4, whichever reconstructs with less squared error "
      "(vLLM's 4-over-6 scale search)"),
-    ("fp4_e2m1", ("kvfp4", "fp4_mx_block16"), "e2m1", 16, False, E2M1_MAX, (None, "fp4_e2m1", None),
+    ("fp4_e2m1", ("kvfp4", "fp4_mx_block16"), "e2m1", 16, False, E2M1_MAX, (_U8, _U8), (4, 7),
+     (None, "fp4_e2m1", None),
      "E2M1, 16-element blocks, UE8M0 power-of-two scale (SGLang's quantizer: ties away from zero; SGLang now also "
      "calls it fp4_mx_block16)"),
-    ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (None, None, None),
+    ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (_U8, _U8), (4, 6), (None, None, None),
      "E2M1, 32-element blocks, E8M0 shared exponent (OCP MX v1.0)"),
 )
 # fmt: on
@@ -231,9 +252,11 @@ _LAYOUTS = {"nvfp4_4over6": "nvfp4"}  # formats that share another one's storage
 FORMATS: dict[str, KVFormat] = {
     row[0]: KVFormat(
         *row[:6],
-        dict(zip(("vllm", "sglang", "trtllm"), row[6], strict=True)),
-        row[7],
+        dict(zip(("vllm", "sglang", "trtllm"), row[8], strict=True)),
+        row[9],
         _LAYOUTS.get(row[0], ""),
+        *row[6],
+        *row[7],
     )
     for row in _TABLE
 }
