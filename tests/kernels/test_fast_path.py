@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcal import formats
+from kvcal.kernels import cpu_write
 from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
 from kvcal.kernels.fast import Workspace, quantized_attention_fast
 from kvcal.kernels.reference import quantized_attention_ref
@@ -89,12 +90,17 @@ def test_fp8_attention_fast_equals_reference(scale: float | None) -> None:
 
 @pytest.mark.parametrize("fmt", [*QUANTIZED, PAIR])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_through_the_cache_equals_the_reference(fmt: str, window: int | None) -> None:
+def test_decode_through_the_cache_equals_the_reference(
+    fmt: str, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A cache layer (GQA 2, left padding) written by an odd prefill then single tokens: at every step the fast
     path over the layer's read (its workspaces) gives the reference's bits, also after the window moved. From the
     second step on, the formats cpu_write.c writes are written by it where it is built (the workspace then holds
     every token), so this also holds the C write to the plain reference inside the cache."""
     fk, fv = formats.kv_pair(fmt)
+    calls: list[int] = []
+    write = cpu_write.write_into
+    monkeypatch.setattr(cpu_write, "write_into", lambda *a: calls.append(1) or write(*a))
     k_scale = torch.tensor([0.05, 0.2]) if fk.calibratable else None
     plan = LayerPlan(index=0, fmt=fk, window=window, v_fmt=None if fv is fk else fv, k_scale=k_scale)
     cache = QuantizedKVCache([plan])
@@ -116,3 +122,5 @@ def test_decode_through_the_cache_equals_the_reference(fmt: str, window: int | N
         fast = quantized_attention_fast(q, read.k, read.v, read.fmt, workspaces=read.workspaces, **kw)
         assert _same(fast, ref), f"step at position {t0}"
     assert window is None or cache.layers[0].kept <= window
+    fused = cpu_write.library() is not None and fk is fv
+    assert len(calls) == (6 if fused else 0)  # every decode step, where the kernel is built
