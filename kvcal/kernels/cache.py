@@ -60,7 +60,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
-from kvcal.kernels import cpu_write
+from kvcal.kernels import cpu_write, fast
 from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.fast import Workspace, same_scale
 
@@ -351,17 +351,18 @@ class QuantizedLayer(CacheLayerMixin):
     def _write(
         self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None
     ) -> tuple[QTensor, QTensor]:
-        """Quantize the new K and V (in one call when they share a format: `formats.quantize_kv`)."""
+        """Quantize the new K and V (in one call when they share a format: `fast.quantize_kv`; the bits of
+        `formats.quantize`)."""
         k = self._prepare(key_states, "k", valid)
         k_scale = self._scale(k, "k", valid)
         v = self._prepare(value_states, "v", valid)
         v_scale = self._scale(v, "v", valid)
         fk, fv = self.plan.side_format("k"), self.plan.side_format("v")
         if fk is fv:
-            return formats.quantize_kv(k, v, fk, k_scale, v_scale, scale_checked=True)
+            return fast.quantize_kv(k, v, fk, k_scale, v_scale, scale_checked=True)
         return (
-            formats.quantize(k, fk, scale=k_scale, scale_checked=True),
-            formats.quantize(v, fv, scale=v_scale, scale_checked=True),
+            fast.quantize(k, fk, scale=k_scale, scale_checked=True),
+            fast.quantize(v, fv, scale=v_scale, scale_checked=True),
         )
 
     def update(
@@ -423,7 +424,7 @@ class QuantizedLayer(CacheLayerMixin):
         if (
             f.name not in cpu_write.FORMATS
             or self.plan.v_fmt not in (None, f)
-            or k.numel() * 2 > formats._SMALL
+            or k.numel() * 2 > fast.SMALL
             or k.shape != v.shape
             or k.dtype != v.dtype
             or cpu_write.library() is None
@@ -446,7 +447,7 @@ class QuantizedLayer(CacheLayerMixin):
             return None
         default = 1.0 if f.layout != "nvfp4" else None
         ks, vs = scales = tuple(
-            formats._static_scale(s, k, default, checked=True) if f.calibratable else None for s in fixed
+            formats.static_scale(s, k, default, checked=True) if f.calibratable else None for s in fixed
         )
         for side, s in zip(sides, scales, strict=True):
             if not same_scale(side.workspace.scale, s):  # type: ignore[arg-type]

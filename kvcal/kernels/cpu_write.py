@@ -7,7 +7,7 @@ at ~10 µs each on CPU, which made int8 and the FP4 formats decode at 0.7-0.8x `
 `reshape_and_cache` kernel does: codes and block scales written straight into the cache's storage, float32
 values straight into the workspace.
 
-Semantics: exactly the cache's torch write (K/V rounded to the input dtype, padding zeroed, `formats.quantize_kv`)
+Semantics: exactly the cache's torch write (K/V rounded to the input dtype, padding zeroed, `fast.quantize_kv`: `formats.quantize`'s bits)
 and the torch path's dequantization (`kvcal.kernels.fast`), bit for bit; the torch reference of `decode_write` is
 `decode_write_ref` in tests/kernels/test_cpu_write.py. Formats: those with a `c_kernel` id in formats' table.
 fp4_e2m1's block exponent comes from torch's log2, whose last bit depends on where an element sits in a vectorised
@@ -333,7 +333,7 @@ def decode_write(
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The C kernel on fresh storage: (K's QTensor, V's, K's float32 values, V's, non-finite counts of K / V).
     Same arguments and results as the torch reference, `decode_write_ref` in tests/kernels/test_cpu_write.py.
-    Scales: already validated (formats.check_scale)."""
+    Scales: already validated (formats.check_scale / static_scale)."""
     f = formats.get_format(fmt)
     bufs = tuple((TokenBuffer(), TokenBuffer(), TokenBuffer()) for _ in range(2))
     bad = write_into(f, k, v, k_scale, v_scale, valid, kv_input_dtype, bufs)  # type: ignore[arg-type]

@@ -1,4 +1,12 @@
-"""The torch path's fast dequantization and attention: what `kvcal.kernels.attention` runs on CPU.
+"""The torch path's fast quantization, dequantization and attention: what the cache and `kvcal.kernels.attention`
+run on CPU. Every function here returns the bits of its plain counterpart in `kvcal.formats` /
+`kvcal.kernels.reference` (tests/kernels/test_fast_path.py, tests/test_formats_fast.py).
+
+Quantize (`quantize`, `quantize_kv`: `formats.quantize`'s arguments). A decode step quantizes one token per K/V per
+layer, where each torch op's fixed overhead, not the arithmetic, is the cost: tensors up to `SMALL` elements round
+to E2M1 by one `torch.bucketize` over the signed midpoints instead of ~20 elementwise compares, and K and V of the
+formats with the most ops are stacked and quantized in one pass (every step of every format is per element, per
+row or per block, so nothing mixes K with V).
 
 `quantized_attention_fast` takes the arguments of `kvcal.kernels.reference.quantized_attention_ref` (plus the
 cache sides' `Workspace`s) and returns the same bits: it differs only in how it dequantizes (`dequantize_fast`),
@@ -30,6 +38,10 @@ from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.reference import P_TILE, attention_on_values
 
 T = TypeVar("T")
+
+# Tensors up to this many elements take the small-tensor paths (fewest torch ops); larger ones formats' own, which
+# are the fastest per element.
+SMALL = 1 << 16
 
 # 256-entry decode tables per (name, device): constants (they depend on nothing but the format).
 _LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -275,3 +287,130 @@ def quantized_attention_fast(
         sliding_window=sliding_window, softcap=softcap, sinks=sinks, key_padding=key_padding, q_scale=q_scale,
         p_tile=p_tile, compute_dtype=torch.float32,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize
+
+
+def _e2m1_tables() -> dict[str, torch.Tensor]:
+    """The constants of the small-tensor E2M1 path (`_e2m1_bucket`): boundaries per tie rule and the code of every
+    bucket."""
+    mids = torch.tensor(formats.E2M1_MIDPOINTS, dtype=torch.float32)
+    down = torch.nextafter(mids, torch.tensor(-float("inf")))  # one ulp below: a tie at this midpoint goes up
+    tables = {}
+    for ties in ("even", "away"):
+        up = torch.tensor([ties == "away" or i % 2 == 1 for i in range(len(mids))])  # tie goes to larger |y|
+        pos = torch.where(up, down, mids)  # y > b counts: at a tie y == mids[i], up needs b < y
+        # negative side, ascending: -mids[i] reversed; a tie going to larger |y| (more negative) must NOT count
+        neg = torch.where(up, -mids, torch.nextafter(-mids, torch.tensor(-float("inf")))).flip(0)
+        tables[f"bounds_{ties}"] = torch.cat([neg, pos])  # [14]
+        # bucket -> code: 0..6 are -6..-0.5 (sign bit | magnitude 7..1), 7 zero (+0), 8..14 0.5..6, 15 NaN
+        tables[f"codes_{ties}"] = torch.tensor(
+            [8 | (7 - k) for k in range(7)] + [0] + list(range(1, 8)) + [formats.E2M1_NAN], dtype=torch.uint8
+        )
+    tables["bucket_values"] = formats.E2M1_VALUES[tables["codes_even"].long()]  # bucket -> value (+0, NaN)
+    return tables
+
+
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    key = (f"e2m1:{name}", device)
+    if key not in _LUTS:
+        _LUTS[key] = _e2m1_tables()[name].to(device)
+    return _LUTS[key]
+
+
+def _e2m1_bucket(y: torch.Tensor, ties: str) -> torch.Tensor:
+    """int64 bucket of each element of y (any shape) on the signed E2M1 grid: 0 = -6, ..., 6 = -0.5, 7 = zero,
+    8 = 0.5, ..., 14 = 6, 15 = NaN — one torch.bucketize (count of boundaries strictly below y) over the 14
+    signed midpoints, each moved one float32 ulp down where a tie there goes to the larger value (so `b < y`
+    holds at the tie), and one where for NaN. Same codes as formats.e2m1_encode's compares."""
+    idx = torch.bucketize(y.float().contiguous(), _table(f"bounds_{ties}", y.device))
+    return torch.where(torch.isnan(y), 15, idx)
+
+
+def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """formats.e2m1_encode (same codes), by one bucketize for a small tensor."""
+    if y.numel() > SMALL or ties not in ("even", "away"):
+        return formats.e2m1_encode(y, ties)
+    return _table(f"codes_{ties}", y.device).take(_e2m1_bucket(y, ties))
+
+
+def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """formats.PLAIN_E2M1.round (the E2M1 value y rounds to, ties to even; NaN for NaN): one lookup by bucket."""
+    if y.numel() > SMALL:
+        return formats.PLAIN_E2M1.round(y)
+    return _table("bucket_values", y.device).take(_e2m1_bucket(y, "even"))
+
+
+SMALL_E2M1 = formats.E2M1Rounding(e2m1_encode, _e2m1_round)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | KVFormat,
+    scale: float | torch.Tensor | None = None,
+    *,
+    scale_checked: bool = False,
+) -> QTensor:
+    """formats.quantize (same arguments, same bits), with the small-tensor E2M1 rounding."""
+    f = formats.get_format(fmt)
+    if f.element in ("auto", "bf16") or x.numel() > SMALL:
+        return formats.quantize(x, f, scale, scale_checked=scale_checked)
+    xf = formats.as_f32(x)
+    default = 1.0 if f.layout != "nvfp4" else None
+    s = formats.static_scale(scale, xf, default, scale_checked) if f.calibratable else None
+    return formats.quantize_f32(xf, f, s, SMALL_E2M1)
+
+
+# Formats whose quantize_kv stacks K and V: those with the most torch ops per call (fp8 and bf16 have ~4, which
+# stacking would not reduce). Not fp4_e2m1: its log2 is vectorised on CPU, and an element in a vector's scalar tail
+# can get a log2 one ulp off the vectorised one, so its codes may depend on where the element sits in the tensor.
+_STACKED = frozenset({"int8_per_token_head", "nvfp4", "nvfp4_4over6", "mxfp4"})
+
+
+def quantize_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: str | KVFormat,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    *,
+    scale_checked: bool = False,
+) -> tuple[QTensor, QTensor]:
+    """(formats.quantize(k, fmt, k_scale), formats.quantize(v, fmt, v_scale)) (`scale_checked` as there), bit for
+    bit, with half the torch ops where that pays: small K and V [B, H_kv, T, D] (a decode step's token) of the same
+    shape are stacked and quantized in one pass. nvfp4's dynamic global (a scale of None) is per tensor, so it
+    quantizes K and V apart."""
+    f = formats.get_format(fmt)
+    if (
+        f.name not in _STACKED
+        or k.shape != v.shape
+        or k.dtype != v.dtype
+        or k.dim() != 4
+        or 2 * k.numel() > SMALL
+        or (f.calibratable and (k_scale is None or v_scale is None))
+    ):
+        return (
+            quantize(k, f, k_scale, scale_checked=scale_checked),
+            quantize(v, f, v_scale, scale_checked=scale_checked),
+        )
+    ks = formats.static_scale(k_scale, k, None, scale_checked) if f.calibratable else None
+    vs = formats.static_scale(v_scale, v, None, scale_checked) if f.calibratable else None
+    s = None if ks is None else _stack_scales(ks, vs)  # type: ignore[arg-type]
+    q = formats.quantize_f32(formats.as_f32(torch.stack([k, v])), f, s, SMALL_E2M1)  # [2, B, H_kv, T, D]
+    return tuple(  # type: ignore[return-value]
+        QTensor(
+            codes=q.codes[i], block_scales=None if q.block_scales is None else q.block_scales[i], scale=sc
+        )
+        for i, sc in ((0, ks), (1, vs))
+    )
+
+
+def _stack_scales(ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    """Validated 0-d / [H_kv] / [B, 1, 1, 1] scales of K and V -> [2, 1|B, 1|H_kv, 1, 1], against [2, B, H, T, D]."""
+    k4 = ks if ks.dim() == 4 else ks.reshape(1, -1, 1, 1)
+    v4 = vs if vs.dim() == 4 else vs.reshape(1, -1, 1, 1)
+    if ks is vs:
+        return k4.unsqueeze(0).expand(2, *k4.shape)
+    return torch.stack(torch.broadcast_tensors(k4, v4))

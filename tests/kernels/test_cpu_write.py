@@ -1,5 +1,5 @@
 """The fused CPU cache write (kvcal/kernels/cpu_write.c) against its torch reference (`decode_write_ref` below:
-the cache's torch write, formats.quantize_kv, and the plain `formats.dequantize`), bit for bit: stored codes and block scales byte-exact
+the cache's torch write with the plain `formats.quantize` and `formats.dequantize`), bit for bit: stored codes and block scales byte-exact
 (NaN codes included), float32 values exact (NaN where the reference has NaN), non-finite counts equal. Over random
 K/V with NaN, +-Inf, huge / tiny / subnormal values, all-zero tokens and padding, every scale shape, both input
 dtypes and the bf16 rounding of the K/V input dtype; raw float32 bit patterns by hypothesis; every float32 near an
@@ -42,7 +42,7 @@ def decode_write_ref(
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """Torch reference of `cpu_write.decode_write` (same arguments and results): what the cache's torch write
     stores (K/V [B, H_kv, T, D] rounded to `kv_input_dtype`, padding positions of `valid` [B, T] zeroed,
-    `formats.quantize_kv`), the float32 values of the plain `formats.dequantize` (what the torch path's attention
+    `formats.quantize` of each side), the float32 values of the plain `formats.dequantize` (what the torch path's attention
     reads: tests/kernels/test_fast_path.py), and the NaN/Inf count of the real tokens."""
     f = formats.get_format(fmt)
     counts = []
@@ -55,7 +55,7 @@ def decode_write_ref(
             bad = bad & valid[:, None, :, None]
         counts.append(int(bad.sum()))
         prepared.append(without_padding(x, valid))
-    qk, qv = formats.quantize_kv(prepared[0], prepared[1], f, k_scale, v_scale)
+    qk, qv = (formats.quantize(x, f, s) for x, s in zip(prepared, (k_scale, v_scale), strict=True))
     return qk, qv, formats.dequantize(qk, f), formats.dequantize(qv, f), (counts[0], counts[1])
 
 
@@ -88,7 +88,7 @@ def _check(ref: tuple, got: tuple) -> None:
 
 
 def _scale(fmt: str, kind: str, heads: int, batch: int, g: torch.Generator) -> torch.Tensor | None:
-    """A validated scale of `kind` (formats._static_scale's shapes), or None for formats without one."""
+    """A validated scale of `kind` (formats.static_scale's shapes), or None for formats without one."""
     f = formats.get_format(fmt)
     if not f.calibratable:
         return None
@@ -102,7 +102,7 @@ def _scale(fmt: str, kind: str, heads: int, batch: int, g: torch.Generator) -> t
         s = torch.exp(torch.randn(batch, 1, 1, 1, generator=g) * 4)
     else:  # extreme: products near float32's limits
         s = torch.tensor(1e36 if heads % 2 else 1e-30)
-    return formats._static_scale(s, torch.zeros(batch, heads, 1, 1), None)
+    return formats.static_scale(s, torch.zeros(batch, heads, 1, 1), None)
 
 
 def _kv(g: torch.Generator, shape: tuple[int, ...], spread: float, specials: bool) -> torch.Tensor:
@@ -147,7 +147,7 @@ def test_any_float32_bits(fmt: str, words: list[int], log_scale: float) -> None:
     x = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(2, 1, 1, 1, 64)
     s = None
     if formats.get_format(fmt).calibratable:
-        s = formats._static_scale(torch.tensor(2.0**log_scale), x[0], None)
+        s = formats.static_scale(torch.tensor(2.0**log_scale), x[0], None)
     _check(decode_write_ref(x[0], x[1], fmt, s, s), cpu_write.decode_write(x[0], x[1], fmt, s, s))
 
 
@@ -167,7 +167,7 @@ def test_every_rounding_boundary(fmt: str) -> None:
     near = torch.cat([near, -near])
     near = torch.nn.functional.pad(near, (0, -near.numel() % 128)).reshape(2, 1, -1, 1, 64)
     k, v = near[0], near[1]
-    s = formats._static_scale(None, k, 1.0) if fmt != "bf16" else None
+    s = formats.static_scale(None, k, 1.0) if fmt != "bf16" else None
     _check(decode_write_ref(k, v, fmt, s, s), cpu_write.decode_write(k, v, fmt, s, s))
     _check(  # the K/V input rounding to bf16 (float32 model, bf16 serving dtype) at the same boundaries
         decode_write_ref(k, v, "bf16", kv_input_dtype=torch.bfloat16),
