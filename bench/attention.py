@@ -4,9 +4,10 @@
     .venv/bin/python bench/attention.py --device cpu    # torch reference decode step vs SDPA on BF16 (ratios)
     .venv/bin/python bench/attention.py --device cuda --max-tokens 1048576   # a shorter GPU run
 
-CPU: the torch reference (`quantized_attention_ref`: dequantize, then float32 attention) for one decode step at 4k
-and 16k context, per format, against `torch.nn.functional.scaled_dot_product_attention` on BF16 K/V (ratio =
-reference time / SDPA time; the cost that CPU evaluation pays for seeing quantized K/V).
+CPU: the torch path (`kvcal.kernels.fast.quantized_attention_fast`, the plain reference's bits: table dequantize,
+then float32 attention; no workspace, so every token is dequantized) for one decode step at 4k and 16k context, per
+format, against `torch.nn.functional.scaled_dot_product_attention` on BF16 K/V (ratio = torch path time / SDPA
+time; the cost that CPU evaluation pays for seeing quantized K/V).
 
 CUDA: first a correctness sweep (every format, decode and prefill, GQA, softcap, sinks, windows, padding) of the
 Triton kernels against the reference at small sizes; then, for bf16, fp8_e4m3 and nvfp4 and batch x context from
@@ -43,6 +44,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 from kvcal import formats  # noqa: E402
 from kvcal.io import atomic_write_json  # noqa: E402
+from kvcal.kernels.fast import quantized_attention_fast  # noqa: E402
 from kvcal.kernels.reference import quantized_attention_ref  # noqa: E402
 
 # One attention layer of a Llama-3-8B-shaped model (also Mistral-7B, Qwen2.5-7B: 28/4 heads differ, same idea).
@@ -154,7 +156,7 @@ def bench_cpu(repeats: int, contexts: tuple[int, ...], threads: int) -> dict[str
                 vq = formats.quantize(v32, fmt, scale=_static_scale(fmt, v32))
                 kw = dict(scaling=scaling, q_start=tk - 1, k_start=0)
                 ref_ms = (
-                    timer(functools.partial(quantized_attention_ref, q32, kq, vq, fmt, **kw), repeats) * 1e3
+                    timer(functools.partial(quantized_attention_fast, q32, kq, vq, fmt, **kw), repeats) * 1e3
                 )
                 rows.append(
                     {

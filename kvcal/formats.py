@@ -87,6 +87,7 @@ Rounding and scales per format
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,12 @@ __all__ = [
     "FORMATS",
     "KVFormat",
     "QTensor",
+    "PLAIN_E2M1",
+    "E2M1Rounding",
+    "as_f32",
     "bits_per_element",
+    "check_scale",
+    "static_scale",
     "dequantize",
     "e2m1_decode",
     "e2m1_encode",
@@ -114,7 +120,7 @@ __all__ = [
     "parse_kv_input_dtype",
     "parse_kv_format",
     "quantize",
-    "quantize_kv",
+    "quantize_f32",
     "unpack_fp4",
 ]
 
@@ -137,15 +143,10 @@ E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _CONST_CACHE: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-# Tensors below this many elements take the small-tensor paths (fewest torch ops: a decode step quantizes one
-# token per K/V per layer, where each op's fixed overhead, not the arithmetic, is the cost); larger ones the paths
-# that are fastest per element. Both give the same bits (tests/test_formats_fast.py).
-_SMALL = 1 << 16
-
-
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A shared fp32 0-d tensor of `value` per device (the default scale): the same tensor at every write, so what
-    is cached on a scale tensor (its validation, the FP8 decode table) is computed once. Never modify it."""
+    the torch path remembers of a cache side's scale (`kvcal.kernels.fast.ScaleMemo`) is computed once. Never
+    modify it."""
     key = (f"scalar:{value!r}", torch.device(device))
     t = _CONST_CACHE.get(key)
     if t is None:
@@ -157,7 +158,7 @@ def _const(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     t = _CONST_CACHE.get(key)
     if t is None:
-        t = _CONST_CACHE[key] = ({"values": E2M1_VALUES} | _e2m1_tables())[name].to(device)
+        t = _CONST_CACHE[key] = _CONSTS[name]().to(device)
     return t
 
 
@@ -177,6 +178,10 @@ class KVFormat:
     # name. nvfp4_4over6 stores exactly nvfp4's codes + E4M3 block scales + global scale: only the choice of the
     # block scale differs, so every reader of nvfp4 reads it.
     layout: str = ""
+    codes_dtype: torch.dtype | None = None  # QTensor.codes (None: x itself, 'auto')
+    scales_dtype: torch.dtype | None = None  # QTensor.block_scales (None: none)
+    triton_kernel: int | None = None  # kvcal.kernels.triton_attention's FMT family of this layout
+    c_kernel: int | None = None  # kvcal/kernels/cpu_write.c's format id; None = not written by it
 
     def __post_init__(self) -> None:
         if not self.layout:
@@ -201,27 +206,44 @@ class KVFormat:
     def is_fp4(self) -> bool:
         return self.element == "e2m1"
 
+    def storage_widths(self, head_dim: int) -> tuple[int, int | None]:
+        """(codes, block scales) elements per token and KV head of the stored QTensor for head_dim (None: no block
+        scales)."""
+        if self.is_fp4:
+            return head_dim // 2, head_dim // self.block_size
+        if self.element == "int8":
+            return head_dim, 1
+        return head_dim, None
+
 
 # fmt: off
-# name, aliases, element, block, calibratable, max, (vLLM, SGLang, TRT-LLM names), description
+# name, aliases, element, block, calibratable, max, storage (codes dtype, block-scales dtype: `QTensor` as quantize
+# returns it; None = x itself / none), kernel ids (Triton's FMT family, cpu_write.c's format enum; None = not
+# written by that kernel), (vLLM, SGLang, TRT-LLM names), description. The kernels take their ids from here:
+# triton_attention.FMT_CODES, cpu_write (and cpu_write.c, whose enum the library's ABI check compares with it).
+_U8, _E4M3, _E5M2 = torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2
 _TABLE: tuple[tuple, ...] = (
-    ("auto", (), "auto", 0, False, None, ("auto", "auto", None), "the model's own dtype, untouched"),
-    ("bf16", ("bfloat16",), "bf16", 0, False, None, ("bfloat16", "bf16", None), "bfloat16 (a BF16 server)"),
-    ("fp8_e4m3", ("fp8", "fp8_e4m3fn", "e4m3"), "e4m3", 0, True, FP8_E4M3_MAX, ("fp8", "fp8_e4m3", "FP8"),
-     "FP8 E4M3FN +-448, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
-    ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, ("fp8_e5m2", "fp8_e5m2", None),
+    ("auto", (), "auto", 0, False, None, (None, None), (0, None), ("auto", "auto", None),
+     "the model's own dtype, untouched"),
+    ("bf16", ("bfloat16",), "bf16", 0, False, None, (torch.bfloat16, None), (0, 0), ("bfloat16", "bf16", None),
+     "bfloat16 (a BF16 server)"),
+    ("fp8_e4m3", ("fp8", "fp8_e4m3fn", "e4m3"), "e4m3", 0, True, FP8_E4M3_MAX, (_E4M3, None), (1, 1),
+     ("fp8", "fp8_e4m3", "FP8"), "FP8 E4M3FN +-448, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
+    ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, (_E5M2, None), (1, 2), ("fp8_e5m2", "fp8_e5m2", None),
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
-    ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, ("int8_per_token_head", None, None),
-     "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
-    ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, ("nvfp4", None, "NVFP4"),
+    ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),
+     ("int8_per_token_head", None, None), "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
+    ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, (_U8, _E4M3), (3, 4), ("nvfp4", None, "NVFP4"),
      "E2M1, 16-element blocks, E4M3 block scale x fp32 global scale"),
-    ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, ("nvfp4_4over6", None, None),
+    ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, (_U8, _E4M3), (3, 5),
+     ("nvfp4_4over6", None, None),
      "nvfp4 storage; per block the E4M3 scale of max/6 or max/4, whichever reconstructs with less squared error "
      "(vLLM's 4-over-6 scale search)"),
-    ("fp4_e2m1", ("kvfp4", "fp4_mx_block16"), "e2m1", 16, False, E2M1_MAX, (None, "fp4_e2m1", None),
+    ("fp4_e2m1", ("kvfp4", "fp4_mx_block16"), "e2m1", 16, False, E2M1_MAX, (_U8, _U8), (4, 7),
+     (None, "fp4_e2m1", None),
      "E2M1, 16-element blocks, UE8M0 power-of-two scale (SGLang's quantizer: ties away from zero; SGLang now also "
      "calls it fp4_mx_block16)"),
-    ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (None, None, None),
+    ("mxfp4", ("mx_fp4",), "e2m1", 32, False, E2M1_MAX, (_U8, _U8), (4, 6), (None, None, None),
      "E2M1, 32-element blocks, E8M0 shared exponent (OCP MX v1.0)"),
 )
 # fmt: on
@@ -229,9 +251,11 @@ _LAYOUTS = {"nvfp4_4over6": "nvfp4"}  # formats that share another one's storage
 FORMATS: dict[str, KVFormat] = {
     row[0]: KVFormat(
         *row[:6],
-        dict(zip(("vllm", "sglang", "trtllm"), row[6], strict=True)),
-        row[7],
+        dict(zip(("vllm", "sglang", "trtllm"), row[8], strict=True)),
+        row[9],
         _LAYOUTS.get(row[0], ""),
+        *row[6],
+        *row[7],
     )
     for row in _TABLE
 }
@@ -374,13 +398,11 @@ def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
     (+0, whatever its sign); NaN gets E2M1_NAN (8); +-Inf saturates to +-6."""
     if ties not in ("even", "away"):
         raise ValueError(f"ties must be 'even' or 'away', not {ties!r}")
-    if y.numel() <= _SMALL:
-        return _const(f"codes_{ties}", y.device).take(_e2m1_bucket(y, ties))
     a = y.abs().float()
     # magnitude code = number of midpoints below a. At a tie (a == midpoint i, between codes i and i+1) 'away' goes
     # up; 'even' goes up only to an even code, i.e. at the odd-indexed midpoints 0.75, 1.75, 3.5.
-    # (Seven elementwise compares: torch.bucketize is ~2x slower on a large CPU tensor; small ones take
-    # `_e2m1_bucket`, one op instead of ~20 — a decode step quantizes one token, where per-op overhead dominates.)
+    # (Seven elementwise compares: torch.bucketize is ~2x slower on a large CPU tensor; kvcal.kernels.fast takes it
+    # for a small one, one op instead of ~20, with the same codes.)
     mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
     for i, b in enumerate(E2M1_MIDPOINTS):
         mag += (a >= b) if (ties == "away" or i % 2 == 1) else (a > b)
@@ -388,40 +410,30 @@ def e2m1_encode(y: torch.Tensor, ties: str = "even") -> torch.Tensor:
     return torch.where(torch.isnan(y), E2M1_NAN, sign | mag).to(torch.uint8)
 
 
-def _e2m1_bucket(y: torch.Tensor, ties: str) -> torch.Tensor:
-    """int64 bucket of each element of y (any shape) on the signed E2M1 grid: 0 = -6, ..., 6 = -0.5, 7 = zero,
-    8 = 0.5, ..., 14 = 6, 15 = NaN — one torch.bucketize (count of boundaries strictly below y) over the 14
-    signed midpoints, each moved one float32 ulp down where a tie there goes to the larger value (so `b < y`
-    holds at the tie), and one where for NaN. Same codes as e2m1_encode's compares (tests/test_formats_fast.py)."""
-    idx = torch.bucketize(y.float().contiguous(), _const(f"bounds_{ties}", y.device))
-    return torch.where(torch.isnan(y), 15, idx)
-
-
-def _e2m1_tables() -> dict[str, torch.Tensor]:
-    """The constant tensors of the small-tensor E2M1 path (`_e2m1_bucket`): boundaries per tie rule and the code of
-    every bucket."""
-    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.float32)
-    down = torch.nextafter(mids, torch.tensor(-float("inf")))  # one ulp below: a tie at this midpoint goes up
-    tables = {}
-    for ties in ("even", "away"):
-        up = torch.tensor([ties == "away" or i % 2 == 1 for i in range(len(mids))])  # tie goes to larger |y|
-        pos = torch.where(up, down, mids)  # y > b counts: at a tie y == mids[i], up needs b < y
-        # negative side, ascending: -mids[i] reversed; a tie going to larger |y| (more negative) must NOT count
-        neg = torch.where(up, -mids, torch.nextafter(-mids, torch.tensor(-float("inf")))).flip(0)
-        tables[f"bounds_{ties}"] = torch.cat([neg, pos])  # [14]
-        # bucket -> code: 0..6 are -6..-0.5 (sign bit | magnitude 7..1), 7 zero (+0), 8..14 0.5..6, 15 NaN
-        tables[f"codes_{ties}"] = torch.tensor(
-            [8 | (7 - k) for k in range(7)] + [0] + list(range(1, 8)) + [E2M1_NAN], dtype=torch.uint8
-        )
-    tables["bucket_values"] = E2M1_VALUES[tables["codes_even"].long()]  # bucket -> value (+0 for zero, NaN)
+# constants of the spec, built per device on first use (`_const`)
+_CONSTS = {
+    "values": lambda: E2M1_VALUES,
     # nvfp4_4over6's two candidate denominators, as float32 reciprocals (1/4, 1/6)
-    tables["recip_4_6"] = torch.tensor([1.0 / 4.0, 1.0 / 6.0], dtype=torch.float32)
-    return tables
+    "recip_4_6": lambda: torch.tensor([1.0 / 4.0, 1.0 / 6.0], dtype=torch.float32),
+}
+
+
+@dataclass(frozen=True)
+class E2M1Rounding:
+    """How quantize rounds scaled values to E2M1: `encode(y, ties)` -> 4-bit codes (`e2m1_encode`) and `round(y)` ->
+    the E2M1 value y rounds to, ties to even (`e2m1_decode(e2m1_encode(y, 'even'))`). The spec's are
+    `PLAIN_E2M1`; kvcal.kernels.fast passes another pair with the same bits for small tensors."""
+
+    encode: Callable[[torch.Tensor, str], torch.Tensor]
+    round: Callable[[torch.Tensor], torch.Tensor]
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of 4-bit E2M1 codes (uint8, low 4 bits used); code 8 is NaN."""
     return _const("values", codes.device)[(codes & 0x0F).long()]
+
+
+PLAIN_E2M1 = E2M1Rounding(e2m1_encode, lambda y: e2m1_decode(e2m1_encode(y, ties="even")))
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -459,7 +471,7 @@ def e8m0_to_float(byte: torch.Tensor) -> torch.Tensor:
 # quantize / dequantize
 
 
-def _as_f32(x: torch.Tensor) -> torch.Tensor:
+def as_f32(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise UsageError(f"KV tensors must be floating point, got {x.dtype}")
     if x.dtype == torch.float64:
@@ -472,16 +484,17 @@ def finite_abs(x: torch.Tensor) -> torch.Tensor:
     return x.abs().nan_to_num_(nan=0.0, posinf=0.0)  # |x| has no -inf
 
 
-def _static_scale(
-    scale: float | torch.Tensor | None, x: torch.Tensor, default: float | None
+def static_scale(
+    scale: float | torch.Tensor | None, x: torch.Tensor, default: float | None, checked: bool = False
 ) -> torch.Tensor | None:
     """A user scale as fp32 0-d, [H_kv] or [B, 1, 1, 1]; validated finite and positive (on CPU, to avoid a
-    device sync)."""
+    device sync) unless `checked`: the caller passes a tensor it validated before (`check_scale`; a cache passes
+    the same tensor at every write and validates it once)."""
     if scale is None:
         return None if default is None else _scalar(default, x.device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     if s.numel() == 1:
-        s = s if s.dim() == 0 else s.reshape(())  # the same 0-d tensor at every write (see below)
+        s = s if s.dim() == 0 else s.reshape(())  # a 0-d tensor stays the same tensor
     elif s.dim() == 4 and x.dim() == 4 and s.shape[0] == x.shape[0] and s.shape[1:] == (1, 1, 1):
         pass  # one scale per sequence
     elif s.dim() != 1 or x.dim() < 3 or x.shape[1] != s.numel():
@@ -489,13 +502,15 @@ def _static_scale(
             f"a scale of shape {tuple(s.shape)} does not fit K/V of shape {tuple(x.shape)}: it must be one "
             "number, [H_kv] (per KV head) or [B, 1, 1, 1] (per sequence) for x [B, H_kv, T, D]"
         )
-    if s.device.type == "cpu" and getattr(s, "_kvcal_checked", None) != s._version:
-        if not bool(torch.isfinite(s).all() and (s > 0).all()):
-            raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
-        # a cache passes the same scale tensor at every write: check it once (its version counter guards
-        # against in-place changes)
-        s._kvcal_checked = s._version  # type: ignore[attr-defined]
+    if not checked and s.device.type == "cpu" and not bool(torch.isfinite(s).all() and (s > 0).all()):
+        raise UsageError("KV scales must be finite and positive; recalibrate or check the scale file")
     return s
+
+
+def check_scale(scale: float | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`scale` for K/V x [B, H_kv, T, D] as the fp32 tensor quantize uses (0-d, [H_kv] or [B, 1, 1, 1]), validated
+    finite and positive (UsageError otherwise): pass it with `scale_checked=True` to skip the validation."""
+    return static_scale(scale, x, None)  # type: ignore[return-value]
 
 
 def _bcast(s: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -518,7 +533,7 @@ def nvfp4_dynamic_global(x: torch.Tensor, valid: torch.Tensor | None = None) -> 
     x: [B, H_kv, T, D] -> one scale per sequence, [B, 1, 1, 1]; any other rank -> one 0-d scale. `valid`: [B, T]
     bool (True = a real token) leaves padding out of the amax. A sequence with no finite nonzero value gets 1.0
     (any scale stores its zeros exactly)."""
-    a = finite_abs(_as_f32(x))
+    a = finite_abs(as_f32(x))
     if x.dim() != 4:
         amax = a.amax() if a.numel() else a.new_zeros(())
     else:
@@ -530,7 +545,7 @@ def nvfp4_dynamic_global(x: torch.Tensor, valid: torch.Tensor | None = None) -> 
 
 
 def _quantize_fp8(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
-    """s: the validated scale (`_static_scale`)."""
+    """s: the validated scale (`static_scale`)."""
     dtype = torch.float8_e4m3fn if f.element == "e4m3" else torch.float8_e5m2
     m = f.max_value
     # clamp first: torch's float8 casts do not all saturate (e5m2 overflows to inf); clamp keeps NaN, and the
@@ -557,8 +572,8 @@ def _divide_blocks(xb: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, y, torch.where(torch.isnan(xb), xb, 0.0))
 
 
-def _quantize_nvfp4(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
-    """g: the validated global scale (`_static_scale`), None = dynamic."""
+def _quantize_nvfp4(xf: torch.Tensor, g: torch.Tensor | None, e2m1: E2M1Rounding) -> QTensor:
+    """g: the validated global scale (`static_scale`), None = dynamic."""
     xb = _blocks(xf, 16)  # [..., D/16, 16]
     bmax = finite_abs(xb).amax(dim=-1)  # [..., D/16]
     if g is None:
@@ -566,7 +581,7 @@ def _quantize_nvfp4(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
     gb = _bcast(g, xf.dim())
     bs = (bmax / (E2M1_MAX * gb)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # [..., D/16]
     y = _divide_blocks(xb, (bs.float() * gb).unsqueeze(-1))
-    codes = e2m1_encode(y, ties="even")
+    codes = e2m1.encode(y, "even")
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=bs, scale=g)
 
 
@@ -584,21 +599,13 @@ def _nvfp4_candidate(
     return sf, inv
 
 
-def _e2m1_round(y: torch.Tensor) -> torch.Tensor:
-    """e2m1_decode(e2m1_encode(y, 'even')): the E2M1 value y rounds to (NaN for NaN); one lookup by bucket for a
-    small tensor."""
-    if y.numel() <= _SMALL:
-        return _const("bucket_values", y.device).take(_e2m1_bucket(y, "even"))
-    return e2m1_decode(e2m1_encode(y, ties="even"))
-
-
-def _nvfp4_sq_error(xb: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+def _nvfp4_sq_error(xb: torch.Tensor, mult: torch.Tensor, e2m1: E2M1Rounding) -> torch.Tensor:
     """vLLM's `nvfp4_reconstruction_error` per block [..., nb]: sum of (e2m1_rne(x * mult) / mult - x)**2 (a block
     of multiplier 0 stores zeros), summed in the kernel's order: pairs (2i, 2i+1), then i = 0..7 in sequence.
     xb: [..., nb, 16] finite; mult: [..., nb] (or [2, ..., nb]: both candidates, xb broadcast)."""
     m = mult.unsqueeze(-1)
     deq = torch.where(m != 0, 1.0 / m, 0.0)
-    d = _e2m1_round(xb * m) * deq - xb
+    d = e2m1.round(xb * m) * deq - xb
     sq = d * d
     pair = sq[..., 0::2] + sq[..., 1::2]  # [..., nb, 8]
     first, *rest = pair.unbind(-1)
@@ -608,8 +615,8 @@ def _nvfp4_sq_error(xb: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
     return err
 
 
-def _quantize_nvfp4_4over6(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
-    """g: the validated global scale (`_static_scale`), None = dynamic."""
+def _quantize_nvfp4_4over6(xf: torch.Tensor, g: torch.Tensor | None, e2m1: E2M1Rounding) -> QTensor:
+    """g: the validated global scale (`static_scale`), None = dynamic."""
     # vLLM csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu `cvt_warp_fp16_to_fp4_4over6` (see the docstring)
     xb = _blocks(xf, 16)  # [..., D/16, 16]
     fin = xb.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # the choice never depends on NaN/Inf
@@ -620,12 +627,12 @@ def _quantize_nvfp4_4over6(xf: torch.Tensor, g: torch.Tensor | None) -> QTensor:
     # both candidates in one pass, dim 0 = (max/4, max/6): [2, ..., D/16]
     recip = _const("recip_4_6", xf.device).view((2,) + (1,) * bmax.dim())
     sf, mult = _nvfp4_candidate(bmax, sf_scale, recip)
-    err = _nvfp4_sq_error(fin, mult)
+    err = _nvfp4_sq_error(fin, mult, e2m1)
     use4 = err[0] < err[1]  # ties keep max/6
     bs = torch.where(use4, sf[0].view(torch.uint8), sf[1].view(torch.uint8)).view(torch.float8_e4m3fn)
     mult = torch.where(use4, mult[0], mult[1]).unsqueeze(-1)
     y = torch.where(mult != 0, xb * mult, torch.where(torch.isnan(xb), xb, 0.0))
-    codes = e2m1_encode(y, ties="even")
+    codes = e2m1.encode(y, "even")
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=bs, scale=g)
 
 
@@ -640,17 +647,17 @@ def fp4_e2m1_exponent(bmax: torch.Tensor) -> torch.Tensor:
     return (bmax / E2M1_MAX).clamp_(min=FP4_E2M1_MIN_RATIO).log2_().ceil_()
 
 
-def _quantize_fp4_e2m1(xf: torch.Tensor) -> QTensor:
+def _quantize_fp4_e2m1(xf: torch.Tensor, e2m1: E2M1Rounding) -> QTensor:
     # SGLang KVFP4QuantizeUtil.batched_quantize, float32
     xb = _blocks(xf, 16)
     bmax = finite_abs(xb).amax(dim=-1)  # [..., D/16]
     scale_exp = fp4_e2m1_exponent(bmax)  # [..., D/16]
     y = xb / exp2_int(scale_exp).unsqueeze(-1)
-    codes = e2m1_encode(y, ties="away")
+    codes = e2m1.encode(y, "away")
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(scale_exp + 127).to(torch.uint8))
 
 
-def _quantize_mxfp4(xf: torch.Tensor) -> QTensor:
+def _quantize_mxfp4(xf: torch.Tensor, e2m1: E2M1Rounding) -> QTensor:
     # OCP MX v1.0 shared exponent floor(log2(amax)) - emax_elem, exact via frexp (amax = m * 2**e, m in [0.5, 1)
     # -> floor(log2(amax)) = e - 1)
     xb = _blocks(xf, 32)
@@ -658,29 +665,40 @@ def _quantize_mxfp4(xf: torch.Tensor) -> QTensor:
     _, e = torch.frexp(bmax)
     shared = torch.where(bmax > 0, e - 1 - 2, torch.full_like(e, -127)).clamp(-127, 127)
     y = xb / exp2_int(shared).unsqueeze(-1)
-    codes = e2m1_encode(y, ties="even")
+    codes = e2m1.encode(y, "even")
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
 
 
-def quantize(x: torch.Tensor, fmt: str | KVFormat, scale: float | torch.Tensor | None = None) -> QTensor:
+def quantize(
+    x: torch.Tensor,
+    fmt: str | KVFormat,
+    scale: float | torch.Tensor | None = None,
+    *,
+    scale_checked: bool = False,
+) -> QTensor:
     """Quantize x: [..., D] (cache layout [B, H_kv, T, D]) to `fmt`'s storage layout.
 
     `scale`: fp8_* — the static scale (x ~ codes * scale): float / 0-d / [H_kv] along dim 1 / [B, 1, 1, 1] per
     sequence, default 1.0; nvfp4 / nvfp4_4over6 — the global scale (same shapes), default
-    `nvfp4_dynamic_global(x)`; other formats ignore it."""
+    `nvfp4_dynamic_global(x)`; other formats ignore it. `scale_checked`: scale is a tensor `check_scale` returned
+    (or one computed positive and finite), not validated again."""
     f = get_format(fmt)
     if f.element == "auto":
         return QTensor(codes=x)
     if f.element == "bf16" and x.dtype == torch.bfloat16:
         # the float32 detour changes nothing for bf16 input (the bounds are bf16 values): one op instead of three
         return QTensor(codes=x.clamp(-BF16_MAX, BF16_MAX))
-    xf = _as_f32(x)
-    s = _static_scale(scale, xf, 1.0 if f.layout != "nvfp4" else None) if f.calibratable else None
-    return _quantize_f32(xf, f, s)
+    xf = as_f32(x)
+    default = 1.0 if f.layout != "nvfp4" else None
+    s = static_scale(scale, xf, default, scale_checked) if f.calibratable else None
+    return quantize_f32(xf, f, s)
 
 
-def _quantize_f32(xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None) -> QTensor:
-    """quantize's body: xf float32, s the validated scale of a calibratable format (ignored by the others)."""
+def quantize_f32(
+    xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None, e2m1: E2M1Rounding = PLAIN_E2M1
+) -> QTensor:
+    """quantize's body: xf float32 [..., D] (`as_f32`), s the scale of a calibratable format as `static_scale`
+    returns it (ignored by the others), E2M1 rounding by `e2m1`."""
     if f.element == "bf16":
         return QTensor(codes=xf.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16))
     if f.element in ("e4m3", "e5m2"):
@@ -688,60 +706,12 @@ def _quantize_f32(xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None) -> QTen
     if f.element == "int8":
         return _quantize_int8(xf)
     if f.name == "nvfp4":
-        return _quantize_nvfp4(xf, s)
+        return _quantize_nvfp4(xf, s, e2m1)
     if f.name == "nvfp4_4over6":
-        return _quantize_nvfp4_4over6(xf, s)
+        return _quantize_nvfp4_4over6(xf, s, e2m1)
     if f.name == "fp4_e2m1":
-        return _quantize_fp4_e2m1(xf)
-    return _quantize_mxfp4(xf)
-
-
-# Formats whose quantize_kv stacks K and V: those with the most torch ops per call (fp8 and bf16 have ~4, which
-# stacking would not reduce). Not fp4_e2m1: its log2 is vectorised on CPU, and an element in a vector's scalar tail
-# can get a log2 one ulp off the vectorised one, so its codes may depend on where the element sits in the tensor.
-_STACKED = frozenset({"int8_per_token_head", "nvfp4", "nvfp4_4over6", "mxfp4"})
-
-
-def quantize_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    fmt: str | KVFormat,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-) -> tuple[QTensor, QTensor]:
-    """(quantize(k, fmt, k_scale), quantize(v, fmt, v_scale)), bit for bit, with half the torch ops where that pays:
-    small K and V (a decode step's token) of the same shape are stacked and quantized in one pass (every step of
-    every format is per element, per row or per block, so nothing mixes K with V; tests/test_formats_fast.py).
-    nvfp4's dynamic global (a scale of None) is per tensor, so it quantizes K and V apart."""
-    f = get_format(fmt)
-    if (
-        f.name not in _STACKED
-        or k.shape != v.shape
-        or k.dtype != v.dtype
-        or k.dim() != 4
-        or 2 * k.numel() > _SMALL
-        or (f.calibratable and (k_scale is None or v_scale is None))
-    ):
-        return quantize(k, f, k_scale), quantize(v, f, v_scale)
-    ks = _static_scale(k_scale, k, None) if f.calibratable else None
-    vs = _static_scale(v_scale, v, None) if f.calibratable else None
-    s = None if ks is None else _stack_scales(ks, vs)  # type: ignore[arg-type]
-    q = _quantize_f32(_as_f32(torch.stack([k, v])), f, s)  # [2, B, H_kv, T, D]
-    return tuple(  # type: ignore[return-value]
-        QTensor(
-            codes=q.codes[i], block_scales=None if q.block_scales is None else q.block_scales[i], scale=sc
-        )
-        for i, sc in ((0, ks), (1, vs))
-    )
-
-
-def _stack_scales(ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
-    """Validated 0-d / [H_kv] / [B, 1, 1, 1] scales of K and V -> [2, 1|B, 1|H_kv, 1, 1], against [2, B, H, T, D]."""
-    k4 = ks if ks.dim() == 4 else ks.reshape(1, -1, 1, 1)
-    v4 = vs if vs.dim() == 4 else vs.reshape(1, -1, 1, 1)
-    if ks is vs:
-        return k4.unsqueeze(0).expand(2, *k4.shape)
-    return torch.stack(torch.broadcast_tensors(k4, v4))
+        return _quantize_fp4_e2m1(xf, e2m1)
+    return _quantize_mxfp4(xf, e2m1)
 
 
 def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Every attention read goes through the quantized cache, prefill included: `QuantizedKVCache.update` hands the
 attention the layer's K/V storage (codes + scales, `cache.KVRead` on placeholder tensors) and this function runs
-the torch reference (dequantize, exact float32 attention) or the Triton kernel (dequantization inside the kernel)
+the torch path (`kvcal.kernels.fast`: dequantize, exact float32 attention, the reference's bits) or the Triton kernel (dequantization inside the kernel)
 on it. When a model running kvcal attention is called WITHOUT a kvcal cache (lm-eval's plain `model(input_ids)`
 makes transformers create its own DynamicCache), the K/V tensors it is given are quantized on the fly with the
 layer's format and scales: identical to a fresh kvcal cache for a single forward (loglikelihood scoring).
@@ -27,7 +27,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.kernels.cache import KVRead, LayerPlan, NonFiniteCount, QuantizedLayer
-from kvcal.kernels.reference import quantized_attention_ref
+from kvcal.kernels.fast import quantized_attention_fast
 
 ATTN_NAME = "kvcal"
 
@@ -177,7 +177,9 @@ def kvcal_attention_forward(
 
         out = quantized_attention_triton(query, read.k, read.v, read.fmt, **kwargs_attn)
     else:
-        out = quantized_attention_ref(query, read.k, read.v, read.fmt, **kwargs_attn)
+        out = quantized_attention_fast(
+            query, read.k, read.v, read.fmt, workspaces=read.workspaces, **kwargs_attn
+        )
     # out: [B, H_q, Tq, D] -> transformers' layout [B, Tq, H_q, D]
     return out.transpose(1, 2).contiguous(), None
 

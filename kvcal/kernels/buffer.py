@@ -10,7 +10,7 @@ the back (crop) moves indices only; a buffer left mostly empty by a drop is comp
 Views handed out stay valid until the next append/crop: tokens already written are never rewritten in place (crop
 then append does rewrite positions past the crop, which is why `QuantizedLayer` invalidates the torch path's
 workspace on crop). The cache stores codes and block scales in these (`kvcal.kernels.cache`), and the torch path
-keeps its float32 values of them in one (`kvcal.kernels.reference.Workspace`).
+keeps its float32 values of them in one (`kvcal.kernels.fast.Workspace`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ full-precision copy. Each write quantizes only the new tokens and appends their 
 into storage with spare room (`kvcal.kernels.buffer.TokenBuffer`: amortized O(1) per decode step, no copy of
 everything stored), as an engine writes new slots of its paged cache; nothing already stored is re-quantized.
 (The torch reference attention keeps, beside the stored codes, the float32 values it has already
-dequantized, so a decode step dequantizes only the new tokens: `reference.Workspace`, one per layer and K/V. That
-is the CPU path's workspace, not cache storage; the Triton path never fills it.)
+dequantized, so a decode step dequantizes only the new tokens: `fast.Workspace`, one per layer and K/V, handed to
+the attention in `KVRead`. That is the CPU path's workspace, not cache storage; the Triton path never fills it.)
 
 What `update` returns: transformers calls `past_key_values.update(k, v, layer_idx)` and passes the result straight
 to the attention function. We return two zero-stride placeholders of the right shape and dtype
@@ -60,9 +60,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
-from kvcal.kernels import cpu_write
+from kvcal.kernels import cpu_write, fast
 from kvcal.kernels.buffer import TokenBuffer
-from kvcal.kernels.reference import Workspace, incremental, same_scale
+from kvcal.kernels.fast import Workspace, same_scale
 
 # nvfp4 global scale when no scale file is given: name -> what it is (LayerPlan.nvfp4_global)
 NVFP4_GLOBALS: dict[str, str] = {
@@ -191,6 +191,8 @@ class KVRead:
     layer: int
     window: int | None = None
     v_fmt: KVFormat | None = None  # V's format when a K/V pair differs
+    # the torch path's workspaces of the cache sides k and v are read from (their first token at k_start)
+    workspaces: tuple[Workspace, Workspace] | None = None
 
 
 class _Side:
@@ -205,13 +207,12 @@ class _Side:
         self.block_scales = TokenBuffer(None if q is None else q.block_scales)
         self.workspace = Workspace()
 
-    def append(self, new: QTensor, first: int) -> QTensor:
-        """Store new's tokens after the kept ones; the QTensor of all of them (views), whose first token is at
-        absolute position `first`, marked for incremental dequantization. The static/global scale is the
-        new write's (the same for every write of a sequence, see QuantizedLayer._scale)."""
+    def append(self, new: QTensor) -> QTensor:
+        """Store new's tokens after the kept ones; the QTensor of all of them (views). The static/global scale is
+        the new write's (the same for every write of a sequence, see QuantizedLayer._scale)."""
         codes = self.codes.append(new.codes)
         bs = None if new.block_scales is None else self.block_scales.append(new.block_scales)
-        return incremental(QTensor(codes=codes, block_scales=bs, scale=new.scale), self.workspace, first)
+        return QTensor(codes=codes, block_scales=bs, scale=new.scale)
 
     def view(self, scale: torch.Tensor | None) -> QTensor | None:
         codes = self.codes.view()
@@ -309,7 +310,13 @@ class QuantizedLayer(CacheLayerMixin):
         for which, s in self._scales.items():
             if s is not None:
                 s = torch.as_tensor(s, dtype=torch.float32).to(self.device)
-                self._scales[which] = s.reshape(()) if s.numel() == 1 else s
+                s = s.reshape(()) if s.numel() == 1 else s
+                # validated once here: every write passes this tensor (or a scale computed positive and finite:
+                # nvfp4's per-sequence global, a first-batch scale) with scale_checked
+                x = key_states if which == "k" else value_states
+                self._scales[which] = (
+                    formats.check_scale(s, x) if self.plan.side_format(which).calibratable else s
+                )
         self.is_initialized = True
 
     def _scale(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor | None:
@@ -344,15 +351,19 @@ class QuantizedLayer(CacheLayerMixin):
     def _write(
         self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None
     ) -> tuple[QTensor, QTensor]:
-        """Quantize the new K and V (in one call when they share a format: `formats.quantize_kv`)."""
+        """Quantize the new K and V (in one call when they share a format: `fast.quantize_kv`; the bits of
+        `formats.quantize`)."""
         k = self._prepare(key_states, "k", valid)
         k_scale = self._scale(k, "k", valid)
         v = self._prepare(value_states, "v", valid)
         v_scale = self._scale(v, "v", valid)
         fk, fv = self.plan.side_format("k"), self.plan.side_format("v")
         if fk is fv:
-            return formats.quantize_kv(k, v, fk, k_scale, v_scale)
-        return formats.quantize(k, fk, scale=k_scale), formats.quantize(v, fv, scale=v_scale)
+            return fast.quantize_kv(k, v, fk, k_scale, v_scale, scale_checked=True)
+        return (
+            fast.quantize(k, fk, scale=k_scale, scale_checked=True),
+            fast.quantize(v, fv, scale=v_scale, scale_checked=True),
+        )
 
     def update(
         self,
@@ -377,8 +388,8 @@ class QuantizedLayer(CacheLayerMixin):
             full_k, full_v = fused
         else:
             new_k, new_v = self._write(key_states, value_states, valid)
-            full_k = self._sides["k"].append(new_k, k_start)  # [B, H_kv, kept + T_new, D]: kept + new tokens
-            full_v = self._sides["v"].append(new_v, k_start)
+            full_k = self._sides["k"].append(new_k)  # [B, H_kv, kept + T_new, D]: kept + new tokens
+            full_v = self._sides["v"].append(new_v)
         self.cumulative_length += t_new
         self._keep(full_k, full_v)
         read = KVRead(
@@ -390,6 +401,7 @@ class QuantizedLayer(CacheLayerMixin):
             layer=self.plan.index,
             window=self.plan.window,
             v_fmt=self.plan.v_fmt,
+            workspaces=(self._sides["k"].workspace, self._sides["v"].workspace),
         )
         tk = kept_before + t_new
         return _placeholder(key_states, tk, read), _placeholder(value_states, tk, read)
@@ -412,7 +424,7 @@ class QuantizedLayer(CacheLayerMixin):
         if (
             f.name not in cpu_write.FORMATS
             or self.plan.v_fmt not in (None, f)
-            or k.numel() * 2 > formats._SMALL
+            or k.numel() * 2 > fast.SMALL
             or k.shape != v.shape
             or k.dtype != v.dtype
             or cpu_write.library() is None
@@ -435,7 +447,7 @@ class QuantizedLayer(CacheLayerMixin):
             return None
         default = 1.0 if f.layout != "nvfp4" else None
         ks, vs = scales = tuple(
-            formats._static_scale(s, k, default) if f.calibratable else None for s in fixed
+            formats.static_scale(s, k, default, checked=True) if f.calibratable else None for s in fixed
         )
         for side, s in zip(sides, scales, strict=True):
             if not same_scale(side.workspace.scale, s):  # type: ignore[arg-type]
@@ -443,7 +455,7 @@ class QuantizedLayer(CacheLayerMixin):
         kin = self.plan.kv_input_dtype
         if not (cpu_write.supports(f, k, kin, ks) and cpu_write.supports(f, v, kin, vs)):  # type: ignore[arg-type]
             return None
-        for side in sides:  # what the read would drop before appending (reference.dequantize_fast)
+        for side in sides:  # what the read would drop before appending (fast.dequantize_fast)
             side.workspace.drop_before(k_start)
         bad = cpu_write.write_into(
             f,
@@ -463,7 +475,7 @@ class QuantizedLayer(CacheLayerMixin):
         for side, s in zip(sides, scales, strict=True):
             side.workspace.scale = s  # type: ignore[assignment]
             q = QTensor(codes=side.codes.view(), block_scales=side.block_scales.view(), scale=s)  # type: ignore[arg-type]
-            out.append(incremental(q, side.workspace, k_start))
+            out.append(q)
         return out[0], out[1]
 
     def _fixed_scale(self, which: str, device: torch.device) -> torch.Tensor | None | bool:

@@ -2,9 +2,9 @@
  * values the torch path's attention reads, in ONE call per layer (an engine's `reshape_and_cache`).
  *
  * The numeric spec is kvcal/formats.py (`quantize`, `dequantize`); the torch reference of this kernel is
- * `kvcal.kernels.cpu_write.decode_write_ref`, and tests/kernels/test_cpu_write.py checks this file against it bit
- * for bit. Every float32 operation below is the one torch performs there, in the same order (compiled with
- * -ffp-contract=off, no fast-math: no fused multiply-add, no reassociation). Why a C kernel: a decode step writes
+ * `decode_write_ref` in tests/kernels/test_cpu_write.py, which checks this file against it bit for bit. Every
+ * float32 operation below is the one torch performs there, in the same order (compiled with -ffp-contract=off, no
+ * fast-math: no fused multiply-add, no reassociation). Why a C kernel: a decode step writes
  * one token per layer, and the eager torch ops of a quantize + dequantize (25-60 of them for FP4) cost ~10 us each
  * on CPU, more than the step's attention.
  *
@@ -13,9 +13,11 @@
  * are stored as zeros and not counted as non-finite, as `cache.without_padding` stores them.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+/* format ids: kvcal/formats.py's `c_kernel` column (kvcal_format_id below lets cpu_write.py compare them) */
 enum { F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6, F_FP4_E2M1 = 7 };
 enum { IN_F32 = 0, IN_BF16 = 1 };
 
@@ -101,7 +103,7 @@ static inline float block_max(const float *x, int n) {
     return m;
 }
 
-/* saturating cast to float32's range (formats._to / reference._saturate); NaN stays */
+/* saturating cast to float32's range (formats._to / fast._saturate); NaN stays */
 static inline float sat(float y) {
     if (y > 3.4028234663852886e38f) return 3.4028234663852886e38f;
     if (y < -3.4028234663852886e38f) return -3.4028234663852886e38f;
@@ -124,6 +126,36 @@ typedef struct {
     int64_t gb, gh;
     const float *exps; /* fp4_e2m1: torch's log2 of the block ratios, contiguous [B, H, T, D/16] */
 } side_t;
+
+/* The ABI cpu_write.py checks before it uses this library: out[0] = sizeof(side_t), out[1..20] = the byte offsets
+ * of its fields in declaration order (ctypes' _Side must equal them); returns how many values it wrote (21), or -1
+ * when n is too small. */
+int kvcal_side_layout(int64_t *out, int n) {
+    const int64_t v[21] = {
+        sizeof(side_t),
+        offsetof(side_t, x),     offsetof(side_t, xb),    offsetof(side_t, xh),     offsetof(side_t, xt),
+        offsetof(side_t, codes), offsetof(side_t, cb),    offsetof(side_t, ch),     offsetof(side_t, ct),
+        offsetof(side_t, scales), offsetof(side_t, sb),   offsetof(side_t, sh),     offsetof(side_t, st),
+        offsetof(side_t, vals),  offsetof(side_t, vb),    offsetof(side_t, vh),     offsetof(side_t, vt),
+        offsetof(side_t, scale), offsetof(side_t, gb),    offsetof(side_t, gh),     offsetof(side_t, exps),
+    };
+    if (n < 21) return -1;
+    for (int i = 0; i < 21; i++) out[i] = v[i];
+    return 21;
+}
+
+/* This kernel's id of a format (kvcal/formats.py's canonical name) or input dtype ("in:float32", "in:bfloat16");
+ * -1 for a name it does not know. */
+int kvcal_format_id(const char *name) {
+    static const struct { const char *name; int id; } ids[] = {
+        {"bf16", F_BF16}, {"fp8_e4m3", F_E4M3}, {"fp8_e5m2", F_E5M2}, {"int8_per_token_head", F_INT8},
+        {"nvfp4", F_NVFP4}, {"nvfp4_4over6", F_NVFP4_4OVER6}, {"mxfp4", F_MXFP4}, {"fp4_e2m1", F_FP4_E2M1},
+        {"in:float32", IN_F32}, {"in:bfloat16", IN_BF16},
+    };
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++)
+        if (strcmp(ids[i].name, name) == 0) return ids[i].id;
+    return -1;
+}
 
 /* the new K or V row as stored: rounded to the K/V input dtype, padding zeroed; returns its non-finite count */
 static int64_t load_row(const side_t *s, int in_dtype, int round_bf16, int64_t b, int64_t h, int64_t t, int D,

@@ -1,4 +1,4 @@
-"""The fused CPU cache write (`cpu_write.c`) and its torch reference.
+"""The fused CPU cache write (`cpu_write.c`): a decode step's quantize + dequantize in one C call per layer.
 
 A decode step writes one token per layer into the cache. On the torch path that is a quantize (`formats.quantize`)
 plus a dequantize of the new token into the attention's workspace: 10-60 eager torch ops per layer for K and V,
@@ -7,17 +7,21 @@ at ~10 µs each on CPU, which made int8 and the FP4 formats decode at 0.7-0.8x `
 `reshape_and_cache` kernel does: codes and block scales written straight into the cache's storage, float32
 values straight into the workspace.
 
-`decode_write_ref` (torch: `formats.quantize_kv` + the torch path's dequantization) is the semantics;
-`decode_write` (C) takes the same arguments and returns the same tensors, bit for bit
-(tests/kernels/test_cpu_write.py). Formats: every quantized one (`FORMATS`). fp4_e2m1's block exponent comes
-from torch's log2, whose last bit depends on where an element sits in a vectorised loop, so no scalar C loop can
-promise the same exponent: for it the kernel computes each block's max / 6 (floored at 1e-10), torch the log2 of
-those (one op per side, on a tensor of the shape `formats.fp4_e2m1_exponent` computes it on), and the kernel
-the rest.
+Semantics: exactly the cache's torch write (K/V rounded to the input dtype, padding zeroed, `fast.quantize_kv`: `formats.quantize`'s bits)
+and the torch path's dequantization (`kvcal.kernels.fast`), bit for bit; the torch reference of `decode_write` is
+`decode_write_ref` in tests/kernels/test_cpu_write.py. Formats: those with a `c_kernel` id in formats' table.
+fp4_e2m1's block exponent comes from torch's log2, whose last bit depends on where an element sits in a vectorised
+loop, so no scalar C loop can promise the same exponent: for it the kernel computes each block's max / 6 (floored
+at 1e-10), torch the log2 of those (one op per side, on a tensor of the shape `formats.fp4_e2m1_exponent` computes
+it on), and the kernel the rest.
 
-The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
-operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Without a C compiler, or with
-KVCAL_CPU_WRITE=0, `library()` is None and the cache writes with torch ops (same results, slower).
+Build. The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
+operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Before its first use the
+library's ABI is checked: it reports sizeof and the field offsets of its `side_t` and its format ids, which must
+equal ctypes' `_Side` and formats' `c_kernel` column. `library()` is None — and the cache writes with torch ops,
+same results, slower — with KVCAL_CPU_WRITE=0, without a C compiler (CC, cc or gcc on PATH), or when the build,
+the load or the ABI check fails; the last three warn once (RuntimeWarning with the compiler's message and how to
+silence it). `status()` says which, in one line (the kernel tests print it).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -36,23 +41,14 @@ import torch
 from kvcal import formats
 from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels.buffer import TokenBuffer
-from kvcal.kernels.reference import _dequantize
 
 SOURCE = Path(__file__).with_name("cpu_write.c")
 FLAGS = ("-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
-# format name -> the C kernel's format id (cpu_write.c enum)
-FORMATS: dict[str, int] = {
-    "bf16": 0,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 2,
-    "int8_per_token_head": 3,
-    "nvfp4": 4,
-    "nvfp4_4over6": 5,
-    "mxfp4": 6,
-    "fp4_e2m1": 7,
-}
+# format name -> the C kernel's format id: formats' `c_kernel` column (the ABI check compares cpu_write.c's enum)
+FORMATS: dict[str, int] = {f.name: f.c_kernel for f in formats.FORMATS.values() if f.c_kernel is not None}
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024  # cpu_write.c's row buffer
+SILENCE = "set KVCAL_CPU_WRITE=0 to write with torch ops without trying to build it"
 
 
 class _Side(ctypes.Structure):
@@ -83,34 +79,113 @@ class _Side(ctypes.Structure):
     ]
 
 
-@cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, then reused from kvcal's cache folder), or None: KVCAL_CPU_WRITE=0,
-    no C compiler, or a failed build (the cache then writes with torch ops)."""
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, source: Path, out: Path) -> str | None:
+    """Compile `source` into the shared library `out` (atomically: a concurrent build replaces it with the same
+    bytes); None, or why it failed (the compiler's own message)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        try:
+            res = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+        except OSError as exc:
+            return f"{cc} could not run: {exc}"
+        if res.returncode != 0:
+            msg = (res.stderr or res.stdout).strip()
+            return f"{cc} exited with {res.returncode}: {msg[-2000:]}"
+        os.replace(tmp, out)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def abi_mismatch(lib: ctypes.CDLL, side: type[ctypes.Structure] | None = None) -> str | None:
+    """None when the library's side_t and format ids are what this module passes, else what differs. `side`: the
+    ctypes struct to compare with (default `_Side`)."""
+    side = side or _Side
+    try:
+        layout, ids = lib.kvcal_side_layout, lib.kvcal_format_id
+    except AttributeError as exc:
+        return f"the library exports no ABI report ({exc})"
+    layout.restype, layout.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    ids.restype, ids.argtypes = ctypes.c_int, [ctypes.c_char_p]
+    buf = (ctypes.c_int64 * 64)()
+    n = layout(buf, 64)
+    theirs = list(buf[:n]) if n > 0 else []
+    ours = [ctypes.sizeof(side), *(getattr(side, name).offset for name, _ in side._fields_)]
+    if theirs != ours:
+        return f"side_t is (sizeof, offsets) {theirs} in C but {ours} in ctypes"
+    want = {**FORMATS, **{f"in:{str(d).removeprefix('torch.')}": i for d, i in _IN_DTYPES.items()}}
+    got = {name: ids(name.encode()) for name in want}
+    if got != want:
+        return f"format ids differ: C {got}, kvcal.formats {want}"
+    return None
+
+
+def open_library(source: Path = SOURCE) -> tuple[ctypes.CDLL | None, str]:
+    """(the kernel built from `source` and checked, or None; one line saying which: "compiled: PATH" or "skipped:
+    REASON"). Warns (RuntimeWarning) when a build, the load or the ABI check fails — not when switched off or
+    without a compiler."""
     if os.environ.get("KVCAL_CPU_WRITE", "1") == "0":
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        return None, "skipped: KVCAL_CPU_WRITE=0"
+    cc = _compiler()
     if cc is None:
-        return None
+        return None, "skipped: no C compiler (CC, cc or gcc on PATH)"
     from kvcal.models import cache_root
 
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     tag = hashlib.sha256(src + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
     out = cache_root() / "cpu_write" / f"cpu_write-{tag}.so"
-    try:
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            try:
-                subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True)
-                os.replace(tmp, out)  # atomic: a concurrent build replaces it with the same bytes
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    why = None if out.exists() else _build(cc, source, out)
+    lib = None
+    if why is None:
+        try:
+            lib = ctypes.CDLL(str(out))
+        except OSError as exc:
+            why = f"{out} did not load: {exc}"
+    if lib is not None:
+        bad = abi_mismatch(lib)
+        if bad is not None:
+            why, lib = f"{out} refused, its ABI differs from cpu_write.py's: {bad}", None
+    if why is not None:
+        warnings.warn(
+            f"kvcal: the fused CPU cache write is off, the cache writes with torch ops (same results, slower): "
+            f"{why}\n({SILENCE})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None, f"skipped: {why.splitlines()[0]}"
+    _declare(lib)  # type: ignore[arg-type]
+    return lib, f"compiled: {out}"
+
+
+@cache
+def _opened() -> tuple[ctypes.CDLL | None, str]:
+    return open_library()
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled, ABI-checked kernel (built on first use, then reused from kvcal's cache folder), or None (the
+    cache then writes with torch ops; see the module docstring). Built, checked and warned about once."""
+    return _opened()[0]
+
+
+def status() -> str:
+    """One line: "compiled: PATH" or "skipped: REASON" (what `library()` found)."""
+    return _opened()[1]
+
+
+def reload() -> None:
+    """Forget what `library()` found: the next call looks again (KVCAL_CPU_WRITE, the compiler, the build)."""
+    _opened.cache_clear()
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvcal_write
     fn.restype = ctypes.c_int
     fn.argtypes = [
@@ -130,7 +205,6 @@ def library() -> ctypes.CDLL | None:
     ratio = lib.kvcal_block_ratio
     ratio.restype = ctypes.c_int
     ratio.argtypes = [*fn.argtypes[1:11], ctypes.c_void_p, ctypes.c_void_p]
-    return lib
 
 
 def supports(
@@ -166,26 +240,6 @@ def _scale_strides(s: torch.Tensor, x: torch.Tensor) -> tuple[int, int] | None:
     if s.dim() == 4 and s.shape[0] == x.shape[0] and s.is_contiguous():
         return 1, 0
     return None
-
-
-def storage_widths(fmt: KVFormat, d: int) -> tuple[int, int | None]:
-    """(code elements, block-scale elements) per token and head of `fmt` for head_dim d."""
-    if fmt.is_fp4:
-        return d // 2, d // fmt.block_size
-    if fmt.element == "int8":
-        return d, 1
-    return d, None
-
-
-def storage_dtypes(fmt: KVFormat) -> tuple[torch.dtype, torch.dtype | None]:
-    """(codes dtype, block-scale dtype) of `fmt`'s storage, as formats.quantize returns them."""
-    if fmt.element == "bf16":
-        return torch.bfloat16, None
-    if fmt.element in ("e4m3", "e5m2"):
-        return (torch.float8_e4m3fn if fmt.element == "e4m3" else torch.float8_e5m2), None
-    if fmt.element == "int8":
-        return torch.int8, torch.float32
-    return torch.uint8, (torch.float8_e4m3fn if fmt.layout == "nvfp4" else torch.uint8)
 
 
 def _buffer_side(
@@ -224,12 +278,12 @@ def write_into(
         if valid.stride(-1) != 1:
             valid = valid.contiguous()
     b, h, t, d = k.shape
-    cdt, sdt = storage_dtypes(fmt)
-    cw, sw = storage_widths(fmt, d)
+    cdt, sdt = fmt.codes_dtype, fmt.scales_dtype  # formats' table
+    cw, sw = fmt.storage_widths(d)
     sides = []
     for x, s, (cbuf, sbuf, vbuf) in ((k, k_scale, buffers[0]), (v, v_scale, buffers[1])):
         xs = x.stride()
-        c = _buffer_side(x, cbuf, cdt, cw, t)
+        c = _buffer_side(x, cbuf, cdt, cw, t)  # type: ignore[arg-type]
         sc = (0, 0, 0, 0) if sdt is None else _buffer_side(x, sbuf, sdt, sw, t)  # type: ignore[arg-type]
         vl = _buffer_side(x, vbuf, torch.float32, d, t)
         g = (0, 0, 0) if s is None else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
@@ -278,7 +332,8 @@ def decode_write(
     kv_input_dtype: torch.dtype | None = None,
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The C kernel on fresh storage: (K's QTensor, V's, K's float32 values, V's, non-finite counts of K / V).
-    Same arguments and results as `decode_write_ref`. Scales: already validated (formats._static_scale)."""
+    Same arguments and results as the torch reference, `decode_write_ref` in tests/kernels/test_cpu_write.py.
+    Scales: already validated (formats.check_scale / static_scale)."""
     f = formats.get_format(fmt)
     bufs = tuple((TokenBuffer(), TokenBuffer(), TokenBuffer()) for _ in range(2))
     bad = write_into(f, k, v, k_scale, v_scale, valid, kv_input_dtype, bufs)  # type: ignore[arg-type]
@@ -286,32 +341,3 @@ def decode_write(
     for (cb, sb, vb), s in zip(bufs, (k_scale, v_scale), strict=True):
         out.append((QTensor(codes=cb.view(), block_scales=sb.view(), scale=s), vb.view()))
     return out[0][0], out[1][0], out[0][1], out[1][1], bad
-
-
-def decode_write_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    fmt: str | KVFormat,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    valid: torch.Tensor | None = None,
-    kv_input_dtype: torch.dtype | None = None,
-) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """Torch reference of `decode_write`: what the cache's eager write stores (K/V rounded to `kv_input_dtype`,
-    padding positions of `valid` [B, T] zeroed, `formats.quantize_kv`) and the float32 values the torch path's
-    attention reads (`reference._dequantize`), with the NaN/Inf count of the real tokens."""
-    from kvcal.kernels.cache import without_padding  # cache imports this module
-
-    f = formats.get_format(fmt)
-    counts = []
-    prepared = []
-    for x in (k, v):
-        if kv_input_dtype is not None and x.dtype != kv_input_dtype:
-            x = x.to(kv_input_dtype)
-        bad = ~torch.isfinite(x)
-        if valid is not None:
-            bad = bad & valid[:, None, :, None]
-        counts.append(int(bad.sum()))
-        prepared.append(without_padding(x, valid))
-    qk, qv = formats.quantize_kv(prepared[0], prepared[1], f, k_scale, v_scale)
-    return qk, qv, _dequantize(qk, f), _dequantize(qv, f), (counts[0], counts[1])

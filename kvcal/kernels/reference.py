@@ -1,9 +1,12 @@
 """Torch reference for attention over a quantized KV cache: the semantics every kernel must reproduce.
 
 `quantized_attention_ref` dequantizes the stored K/V (`kvcal.formats.dequantize`) and computes exact attention in
-float32 (or float64 with `compute_dtype`, used to measure the reference's own rounding error). The Triton kernels
+float32 (or float64 with `compute_dtype`, used to measure the reference's own rounding error). It is plain on
+purpose: no lookup tables, no memos, nothing kept between calls. The Triton kernels
 (`kvcal.kernels.triton_attention.quantized_attention_triton`) take the SAME arguments and must match it within a
-small multiple of the reference's float32-vs-float64 error.
+small multiple of the reference's float32-vs-float64 error; the torch path the runtime runs on CPU
+(`kvcal.kernels.fast.quantized_attention_fast`) takes them too and returns the same bits (it dequantizes through
+tables and a per-cache-side workspace, then calls `attention_on_values` here).
 
 Semantics (fixed here; the kernels follow this docstring, not transformers' eager code):
 
@@ -50,20 +53,11 @@ unrounded P. Sinks, softcap, masks and empty rows as above.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from kvcal.errors import UsageError
-from kvcal.kernels.buffer import TokenBuffer
-
-T = TypeVar("T")
-
-# Lookup tables for fast FP4 dequantization, per device: byte -> (low-nibble value, high-nibble value), and
-# E8M0 byte -> 2**(byte - 127).
-_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 # Logit elements per chunk in the explicit (softcap / sinks) path: query rows are processed in chunks so the
 # [B, H, rows, Tk] float buffer stays near 2**25 elements (128 MiB in float32) whatever the batch and context.
@@ -194,233 +188,6 @@ def attention_dense(
     return out.masked_fill(~has_key, 0.0)
 
 
-def _lut(name: str, device: torch.device) -> torch.Tensor:
-    """256-entry decode tables per device: 'fp4' byte -> (low-nibble, high-nibble) E2M1 values [256, 2];
-    'e8m0' byte -> 2**(byte - 127) [256]; an FP8 dtype's name ('float8_e4m3fn', 'float8_e5m2') -> the float32
-    value of every byte [256] (exact: FP8 -> float32 is exact)."""
-    from kvcal import formats
-
-    key = (name, device)
-    if key not in _LUTS:
-        b = torch.arange(256)
-        if name == "fp4":
-            e = formats.E2M1_VALUES
-            _LUTS[key] = torch.stack([e[b & 0x0F], e[b >> 4]], dim=-1).to(device)  # [256, 2]
-        elif name == "e8m0":
-            _LUTS[key] = formats.e8m0_to_float(b.to(torch.uint8)).to(device)  # [256]
-        else:
-            _LUTS[key] = b.to(torch.uint8).view(getattr(torch, name)).float().to(device)  # [256]
-    return _LUTS[key]
-
-
-def _bcast_scale(s: torch.Tensor, ndim: int) -> torch.Tensor:
-    """0-d, [H_kv] or [B, 1, 1, 1] scale -> broadcastable against codes [B, H_kv, T, D']."""
-    return s if s.dim() in (0, ndim) else s.reshape((1, -1) + (1,) * (ndim - 2))
-
-
-def _fp8_values(c: torch.Tensor) -> torch.Tensor:
-    """float32 values of FP8 codes (any shape), by table lookup: CPU torch converts FP8 element by element,
-    several times slower than a gather."""
-    lut = _lut(str(c.dtype).removeprefix("torch."), c.device)
-    # int first: c may be a strided slice of the cache, which reshape would copy
-    return lut.index_select(0, c.view(torch.uint8).int().reshape(-1)).view(c.shape)
-
-
-def _fp8_scaled(c: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
-    """FP8 codes [B, H_kv, T, D] times a 0-d / [1] / [H_kv] scale, saturated to float32's range, as ONE gather
-    from a [H, 256] table of code value x scale (the same float32 product per element as c.float() * scale, and
-    the clamp applied to the 256 products instead of every element). None for other scale shapes."""
-    s = torch.ones((), device=c.device) if scale is None else scale.float()
-    heads = s.numel()
-    if s.dim() > 1 or (heads > 1 and (c.dim() != 4 or c.shape[1] != heads)):
-        return None
-    table = _fp8_table(c, s, cache_on=scale)  # [H * 256]
-    idx = c.view(torch.uint8).int()
-    if heads > 1:
-        idx = idx + torch.arange(0, 256 * heads, 256, dtype=torch.int32, device=c.device)[:, None, None]
-    return table.index_select(0, idx.reshape(-1)).view(c.shape)
-
-
-def _fp8_table(c: torch.Tensor, s: torch.Tensor, cache_on: torch.Tensor | None) -> torch.Tensor:
-    """[H * 256] float32: value of every code of c's FP8 dtype times each of the H scales s, saturated. Kept on
-    the scale tensor `cache_on` (a layer's static scale is the same tensor at every write; its version counter
-    guards against in-place changes), or per device for the default scale 1.0 (cache_on None)."""
-    name = str(c.dtype).removeprefix("torch.")
-    if cache_on is None:
-        key = (f"{name}*1", c.device)
-        if key not in _LUTS:
-            _LUTS[key] = _fp8_table(c, s, cache_on=s)
-        return _LUTS[key]
-    fi = torch.finfo(torch.float32)
-    return _kept_on(
-        cache_on,
-        "_kvcal_fp8_table",
-        (name, c.device),
-        lambda: (_lut(name, c.device)[None, :] * s.reshape(-1, 1)).clamp_(fi.min, fi.max).reshape(-1),
-    )
-
-
-def _kept_on(t: torch.Tensor, attr: str, key: object, compute: Callable[[], T]) -> T:
-    """compute(), remembered on the tensor t (attribute `attr`) for `key` until t changes in place: a layer's
-    static scale is the same tensor at every read, and its version counter moves with any in-place change.
-    Inference tensors have no version counter: computed every time."""
-    kept = getattr(t, attr, None)
-    if kept is not None and kept[0] == key and kept[1] == t._version:
-        return kept[2]
-    value = compute()
-    if not t.is_inference():
-        setattr(t, attr, (key, t._version, value))
-    return value
-
-
-_F32_HALF = torch.finfo(torch.float32).max / 2
-# Elements below which FP8 codes are cast (`.float()`, exact) rather than looked up: the table wins on a large tensor
-# (CPU torch converts FP8 element by element), the cast on a decode step's token (fewer ops)
-_FEW = 1 << 12
-_ONE = torch.ones(())
-
-
-def _scale_bound(scale: torch.Tensor, factor: float) -> float:
-    """max |scale| * factor as a Python float, kept on the scale tensor (`_kept_on`), so a decode step reads no
-    data for it."""
-    return _kept_on(
-        scale,
-        "_kvcal_bound",
-        factor,
-        lambda: float(scale.float().abs().amax()) * factor if scale.numel() else 0.0,
-    )
-
-
-def _saturate(y: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
-    """formats' saturating cast of y to float32's range; skipped (an identity) when `bound`, an upper bound of
-    |y| computed from the scales, shows no element can be out of range."""
-    fi = torch.finfo(torch.float32)
-    b = float(bound)
-    if math.isfinite(b) and b < _F32_HALF:
-        return y
-    return y.clamp_(fi.min, fi.max)
-
-
-def _dequantize(q, f) -> torch.Tensor:
-    """dequantize_fast without the incremental memo: every token of q."""
-    from kvcal import formats
-
-    c = q.codes
-    if f.element in ("auto", "bf16"):
-        return c if c.dtype == torch.float32 else c.float()  # exact: no overflow possible
-    fi = torch.finfo(torch.float32)
-    if f.element in ("e4m3", "e5m2"):
-        if c.numel() <= _FEW and (q.scale is None or _scale_bound(q.scale, f.max_value) < _F32_HALF):
-            # a decode step's new token: the cast is exact and the product the table's, and the scale shows no
-            # product can overflow (so no clamp): two ops instead of the table's five
-            s = _ONE if q.scale is None else _bcast_scale(q.scale.float(), c.dim())
-            return c.float() * s
-        y = _fp8_scaled(c, q.scale)
-        if y is not None:
-            return y
-        s = q.scale.float() if q.scale is not None else torch.tensor(1.0, device=c.device)
-        return (_fp8_values(c) * _bcast_scale(s, c.dim())).clamp_(fi.min, fi.max)
-    if f.element == "int8":
-        y = c.float() * q.block_scales
-        y = y.masked_fill_(c == formats.INT8_NAN, math.nan)
-        return y.clamp_(fi.min, fi.max)
-    # .int() before flattening: codes read from the cache are a strided slice, and reshape would copy them first
-    vals = _lut("fp4", c.device).index_select(0, c.int().reshape(-1))  # [N, 2] (code 8 -> NaN)
-    vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
-    bs = q.block_scales
-    if f.layout == "nvfp4":  # nvfp4, nvfp4_4over6: E4M3 block scales x the global scale
-        fp8_bs = bs.element_size() == 1 and bs.is_floating_point()
-        bsf = _fp8_values(bs) if fp8_bs and bs.numel() > _FEW else bs.float()  # exact either way
-        g = q.scale.float()
-        eff = bsf * _bcast_scale(g, c.dim())
-        # |E4M3| <= 448 bounds |eff| by 448 |g| without reading eff (a per-tensor / per-head global is the same
-        # tensor at every read, so its bound is computed once: `_scale_bound`)
-        bound = _scale_bound(q.scale, 448.0 * 6.0)
-    else:
-        eff = _lut("e8m0", c.device).index_select(0, bs.int().reshape(-1)).view(bs.shape)
-        bound = None
-    y = (vals * eff.unsqueeze(-1)).flatten(-2)
-    if bound is None or not bound < _F32_HALF:
-        bound = eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(())  # |E2M1| <= 6
-    return _saturate(y, bound)
-
-
-# Incremental dequantization of the cache's stored tokens (torch path). `QuantizedLayer` appends each write's codes
-# to its storage, and stored codes never change, so the float32 values of the tokens a read shares with the previous
-# read need not be computed again. Each cache side (a layer's K or V) owns a `Workspace`: the float32 values of its
-# tokens by absolute position, in a `TokenBuffer` (appends amortized O(1), no torch.cat of everything per step).
-# `incremental(q, ws, first)` marks the QTensor a read gets (tokens first.. of the cache); `dequantize_fast(q)`
-# dequantizes only the tokens ws does not hold yet, appends them, and returns a view. Bit-identical
-# (dequantization is elementwise). The workspace is the torch path's, not cache storage: 4 bytes per element of
-# what it has read (Triton reads codes, never dequantizes, and never fills it); the cache gives a side a new one
-# when its stored tokens change other than by appending (crop, batch re-index, reset).
-_WS = "_kvcal_workspace"  # on a cache QTensor: (Workspace, absolute position of its first token)
-
-
-class Workspace:
-    """The float32 values of one cache side's tokens first .. first + len(values) - 1, dequantized as `fmt` with
-    `scale` (see above)."""
-
-    __slots__ = ("first", "fmt", "scale", "values")
-
-    def __init__(self) -> None:
-        self.values = TokenBuffer()  # float32 [B, H_kv, capacity, D]
-        self.first = 0
-        self.fmt: str | None = None
-        self.scale: torch.Tensor | None = None
-
-    def drop_before(self, first: int) -> None:
-        """Forget the values of positions before `first` (a sliding layer's window moved on)."""
-        if first > self.first:
-            self.values.keep_last(len(self.values) - (first - self.first))
-            self.first = first
-
-
-def incremental(q, ws: Workspace, first: int):
-    """Mark the QTensor `q` (the cache side's tokens first .. first + T - 1) as read through `ws`; returns q."""
-    setattr(q, _WS, (ws, first))
-    return q
-
-
-def same_scale(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a is b or (a.shape == b.shape and bool(torch.equal(a, b)))
-
-
-def _tail(q, n: int):
-    """The QTensor of q's tokens n.. (dim -2 of codes and block scales)."""
-    bs = None if q.block_scales is None else q.block_scales[..., n:, :]
-    return type(q)(codes=q.codes[..., n:, :], block_scales=bs, scale=q.scale)
-
-
-def dequantize_fast(q, fmt) -> torch.Tensor:
-    """float32 values of a QTensor, bit-identical to `kvcal.formats.dequantize(q, fmt)` (a test checks it), but
-    cheaper: FP8 and FP4 decoded through 256-entry lookup tables (FP8's scale and saturation folded into the
-    table), the saturating clamp skipped where the scales show it cannot change anything, and for the cache's
-    own storage only the tokens its workspace does not hold yet (see `incremental`). The torch path reads the
-    whole cache for every attention call, so this is its main cost. The result may be shared: do not modify it."""
-    from kvcal import formats
-
-    f = formats.get_format(fmt)
-    mark = getattr(q, _WS, None)
-    if mark is None:
-        return _dequantize(q, f)
-    ws, a0 = mark
-    a1 = a0 + q.codes.shape[-2]
-    vals = ws.values
-    held = vals.data is not None and vals.data.shape[:-2] == q.codes.shape[:-2] and ws.fmt == f.name
-    if not (held and ws.first <= a0 <= ws.first + len(vals) and same_scale(ws.scale, q.scale)):
-        ws.values, ws.first, ws.fmt = TokenBuffer(), a0, f.name  # start over: nothing held is valid for q
-        vals = ws.values
-    ws.scale = q.scale  # equal values; the newest tensor makes the next `is` check succeed
-    ws.drop_before(a0)
-    have = ws.first + len(vals)
-    if have < a1:
-        return vals.append(_dequantize(_tail(q, have - a0), f))
-    return vals.data[..., vals.start : vals.start + (a1 - a0), :]  # a read of fewer tokens than held
-
-
 # FP8 attention (vLLM's FlashAttention-3 path with an fp8 KV cache; see `quantize_query` and `attention_p_fp8`).
 FP8_E4M3_MAX = 448.0
 # FA3 computes P = exp2(s * scale_log2 - (m * scale_log2 - Max_offset)) with Max_offset = 8 for FP8, i.e. the
@@ -527,10 +294,38 @@ def quantized_attention_ref(
     """
     from kvcal import formats  # lazy: the formats floor is imported only when attention runs
 
-    f = formats.get_format(fmt) if isinstance(fmt, str) else fmt
+    f = formats.get_format(fmt)
     fv = f if v_fmt is None else formats.get_format(v_fmt)
-    kd = dequantize_fast(k, f).to(compute_dtype)  # [B, H_kv, Tk, D]
-    vd = dequantize_fast(v, fv).to(compute_dtype)
+    kd = formats.dequantize(k, f)  # [B, H_kv, Tk, D] float32, the spec's values
+    vd = formats.dequantize(v, fv)
+    return attention_on_values(
+        q, kd, vd, scaling=scaling, q_start=q_start, k_start=k_start, causal=causal,
+        sliding_window=sliding_window, softcap=softcap, sinks=sinks, key_padding=key_padding, q_scale=q_scale,
+        p_tile=p_tile, compute_dtype=compute_dtype,
+    )  # fmt: skip
+
+
+def attention_on_values(
+    q: torch.Tensor,
+    kd: torch.Tensor,
+    vd: torch.Tensor,
+    *,
+    scaling: float,
+    q_start: int,
+    k_start: int,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None,
+    q_scale: float | None = None,
+    p_tile: int | None = P_TILE,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """quantized_attention_ref after dequantization: q [B, H_q, Tq, D] over the float32 values kd, vd
+    [B, H_kv, Tk, D] of the stored K/V (the fast path, `kvcal.kernels.fast`, dequantizes its own way and calls
+    this too). Returns [B, H_q, Tq, D] in q.dtype."""
+    kd, vd = kd.to(compute_dtype), vd.to(compute_dtype)
     if q_scale is not None:
         return _fp8_attention_ref(
             q, kd, vd, q_scale=q_scale, p_tile=p_tile, scaling=scaling, q_start=q_start, k_start=k_start,

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from kvcal.errors import UsageError
+from kvcal.formats import FORMATS
 
 try:  # triton is a Linux-only dependency; the module imports without it and says so when called
     import triton
@@ -73,16 +74,8 @@ FMT_FP8 = 1  # fp8_e4m3 / fp8_e5m2: float8 codes, fp32 scale 0-d, [H_kv] or [B, 
 FMT_INT8 = 2  # int8_per_token_head: int8 codes, fp32 scale per (token, head)
 FMT_NVFP4 = 3  # packed E2M1, E4M3 block scales, fp32 global scale 0-d, [H_kv] or [B, 1, 1, 1]
 FMT_MXFP4 = 4  # packed E2M1, E8M0 block scales (fp4_e2m1: 16, mxfp4: 32)
-FMT_CODES: dict[str, int] = {
-    "auto": FMT_PLAIN,
-    "bf16": FMT_PLAIN,
-    "fp8_e4m3": FMT_FP8,
-    "fp8_e5m2": FMT_FP8,
-    "int8_per_token_head": FMT_INT8,
-    "nvfp4": FMT_NVFP4,
-    "fp4_e2m1": FMT_MXFP4,
-    "mxfp4": FMT_MXFP4,
-}
+# storage layout -> family: formats' `triton_kernel` column (a format sharing another's layout reads as that one)
+FMT_CODES: dict[str, int] = {f.name: f.triton_kernel for f in FORMATS.values() if f.layout == f.name}  # type: ignore[misc]
 
 # Rows (Tq * G) up to which the decode path (small BLOCK_M, split-K) is used.
 _DECODE_MAX_ROWS = 64

@@ -101,3 +101,14 @@ def batch() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """(seed=1, length=13, pad=4) -> two prompts, the second left-padded by `pad` tokens:
     input_ids, attention_mask [2, length]."""
     return _batch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fused_cpu_write_status(request: pytest.FixtureRequest) -> None:
+    """Say once per run whether the fused CPU write (kvcal/kernels/cpu_write.c) is built and used here, or why not
+    (its tests then skip with that reason, shown by -ra): "fused CPU write: compiled: PATH" / "skipped: REASON"."""
+    from kvcal.kernels import cpu_write
+
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\nfused CPU write: {cpu_write.status()}")

@@ -1,13 +1,17 @@
-"""The fused CPU cache write (kvcal/kernels/cpu_write.c) against its torch reference (`decode_write_ref`:
-formats.quantize_kv + the torch path's dequantization), bit for bit: stored codes and block scales byte-exact
+"""The fused CPU cache write (kvcal/kernels/cpu_write.c) against its torch reference (`decode_write_ref` below:
+the cache's torch write with the plain `formats.quantize` and `formats.dequantize`), bit for bit: stored codes and block scales byte-exact
 (NaN codes included), float32 values exact (NaN where the reference has NaN), non-finite counts equal. Over random
 K/V with NaN, +-Inf, huge / tiny / subnormal values, all-zero tokens and padding, every scale shape, both input
 dtypes and the bf16 rounding of the K/V input dtype; raw float32 bit patterns by hypothesis; every float32 near an
-FP8 rounding boundary; fp4_e2m1's exponent near every power of two; and inside the cache: a model's decode with the kernel equals its decode without."""
+FP8 rounding boundary; fp4_e2m1's exponent near every power of two; and inside the cache: a model's decode with the
+kernel equals its decode without. And the build is honest: a failed build or a library whose ABI differs from
+cpu_write.py's warns and is refused (tests that build their own library use a fresh KVCAL_CACHE)."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,13 +20,44 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcal import formats
+from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels import cpu_write
+from kvcal.kernels.cache import without_padding
 from kvcal.kernels.runtime import KVRuntime
 
 pytestmark = pytest.mark.skipif(
     cpu_write.library() is None,
-    reason="no C compiler here (or KVCAL_CPU_WRITE=0): the cache writes with torch ops",
+    reason=f"fused CPU write {cpu_write.status()}: the cache writes with torch ops",
 )
+
+
+def decode_write_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: str | KVFormat,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    kv_input_dtype: torch.dtype | None = None,
+) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """Torch reference of `cpu_write.decode_write` (same arguments and results): what the cache's torch write
+    stores (K/V [B, H_kv, T, D] rounded to `kv_input_dtype`, padding positions of `valid` [B, T] zeroed,
+    `formats.quantize` of each side), the float32 values of the plain `formats.dequantize` (what the torch path's attention
+    reads: tests/kernels/test_fast_path.py), and the NaN/Inf count of the real tokens."""
+    f = formats.get_format(fmt)
+    counts = []
+    prepared = []
+    for x in (k, v):
+        if kv_input_dtype is not None and x.dtype != kv_input_dtype:
+            x = x.to(kv_input_dtype)
+        bad = ~torch.isfinite(x)
+        if valid is not None:
+            bad = bad & valid[:, None, :, None]
+        counts.append(int(bad.sum()))
+        prepared.append(without_padding(x, valid))
+    qk, qv = (formats.quantize(x, f, s) for x, s in zip(prepared, (k_scale, v_scale), strict=True))
+    return qk, qv, formats.dequantize(qk, f), formats.dequantize(qv, f), (counts[0], counts[1])
+
 
 FORMATS = list(cpu_write.FORMATS)
 
@@ -53,7 +88,7 @@ def _check(ref: tuple, got: tuple) -> None:
 
 
 def _scale(fmt: str, kind: str, heads: int, batch: int, g: torch.Generator) -> torch.Tensor | None:
-    """A validated scale of `kind` (formats._static_scale's shapes), or None for formats without one."""
+    """A validated scale of `kind` (formats.static_scale's shapes), or None for formats without one."""
     f = formats.get_format(fmt)
     if not f.calibratable:
         return None
@@ -67,7 +102,7 @@ def _scale(fmt: str, kind: str, heads: int, batch: int, g: torch.Generator) -> t
         s = torch.exp(torch.randn(batch, 1, 1, 1, generator=g) * 4)
     else:  # extreme: products near float32's limits
         s = torch.tensor(1e36 if heads % 2 else 1e-30)
-    return formats._static_scale(s, torch.zeros(batch, heads, 1, 1), None)
+    return formats.static_scale(s, torch.zeros(batch, heads, 1, 1), None)
 
 
 def _kv(g: torch.Generator, shape: tuple[int, ...], spread: float, specials: bool) -> torch.Tensor:
@@ -98,7 +133,7 @@ def test_matches_the_torch_reference(fmt: str, dtype: torch.dtype, scale: str) -
         kin = torch.bfloat16 if i % 2 else None
         ks, vs = _scale(fmt, scale, h, b, g), _scale(fmt, scale, h, b, g)
         args: tuple[Any, ...] = (k, v, fmt, ks, vs, valid, kin)
-        _check(cpu_write.decode_write_ref(*args), cpu_write.decode_write(*args))
+        _check(decode_write_ref(*args), cpu_write.decode_write(*args))
 
 
 @settings(max_examples=60, deadline=None)
@@ -112,8 +147,8 @@ def test_any_float32_bits(fmt: str, words: list[int], log_scale: float) -> None:
     x = torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(2, 1, 1, 1, 64)
     s = None
     if formats.get_format(fmt).calibratable:
-        s = formats._static_scale(torch.tensor(2.0**log_scale), x[0], None)
-    _check(cpu_write.decode_write_ref(x[0], x[1], fmt, s, s), cpu_write.decode_write(x[0], x[1], fmt, s, s))
+        s = formats.static_scale(torch.tensor(2.0**log_scale), x[0], None)
+    _check(decode_write_ref(x[0], x[1], fmt, s, s), cpu_write.decode_write(x[0], x[1], fmt, s, s))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "bf16"])
@@ -132,10 +167,10 @@ def test_every_rounding_boundary(fmt: str) -> None:
     near = torch.cat([near, -near])
     near = torch.nn.functional.pad(near, (0, -near.numel() % 128)).reshape(2, 1, -1, 1, 64)
     k, v = near[0], near[1]
-    s = formats._static_scale(None, k, 1.0) if fmt != "bf16" else None
-    _check(cpu_write.decode_write_ref(k, v, fmt, s, s), cpu_write.decode_write(k, v, fmt, s, s))
+    s = formats.static_scale(None, k, 1.0) if fmt != "bf16" else None
+    _check(decode_write_ref(k, v, fmt, s, s), cpu_write.decode_write(k, v, fmt, s, s))
     _check(  # the K/V input rounding to bf16 (float32 model, bf16 serving dtype) at the same boundaries
-        cpu_write.decode_write_ref(k, v, "bf16", kv_input_dtype=torch.bfloat16),
+        decode_write_ref(k, v, "bf16", kv_input_dtype=torch.bfloat16),
         cpu_write.decode_write(k, v, "bf16", kv_input_dtype=torch.bfloat16),
     )
 
@@ -151,7 +186,7 @@ def test_fp4_e2m1_exponent_near_powers_of_two() -> None:
     x[..., 0] = near  # the block max of block 0; the other elements small
     x[..., 1:16] = near[:, None] * 0.3
     x[1] = -x[1]
-    _check(cpu_write.decode_write_ref(x[0], x[1], "fp4_e2m1"), cpu_write.decode_write(x[0], x[1], "fp4_e2m1"))
+    _check(decode_write_ref(x[0], x[1], "fp4_e2m1"), cpu_write.decode_write(x[0], x[1], "fp4_e2m1"))
 
 
 def test_supports_only_what_it_implements() -> None:
@@ -168,13 +203,80 @@ def test_supports_only_what_it_implements() -> None:
 
 def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCAL_CPU_WRITE", "0")
-    cpu_write.library.cache_clear()
+    cpu_write.reload()
     try:
-        assert cpu_write.library() is None
+        assert cpu_write.library() is None and cpu_write.status() == "skipped: KVCAL_CPU_WRITE=0"
     finally:
         monkeypatch.delenv("KVCAL_CPU_WRITE")
-        cpu_write.library.cache_clear()
-    assert cpu_write.library() is not None
+        cpu_write.reload()
+    assert cpu_write.library() is not None and cpu_write.status().startswith("compiled: ")
+
+
+def test_the_library_reports_the_abi_cpu_write_py_passes() -> None:
+    """The loaded library's side_t (sizeof, 20 offsets) equals ctypes' _Side and its format ids formats' c_kernel
+    column; a ctypes struct that lost a field is a mismatch, named."""
+    lib = cpu_write.library()
+    assert cpu_write.abi_mismatch(lib) is None  # type: ignore[arg-type]
+    assert cpu_write.FORMATS == {
+        f.name: f.c_kernel for f in formats.FORMATS.values() if f.c_kernel is not None
+    }
+    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"}  # every quantized format
+
+    class Short(ctypes.Structure):
+        _fields_ = [f for f in cpu_write._Side._fields_ if f[0] != "exps"]
+
+    assert "side_t is (sizeof, offsets)" in cpu_write.abi_mismatch(lib, Short)  # type: ignore[arg-type,operator]
+
+
+def _edited_source(tmp_path: Path, old: str, new: str) -> Path:
+    src = cpu_write.SOURCE.read_text()
+    assert old in src
+    out = tmp_path / "cpu_write.c"
+    out.write_text(src.replace(old, new, 1))
+    return out
+
+
+def test_a_build_with_another_abi_is_refused_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library whose side_t has one more field, or whose format enum moved, is refused: a RuntimeWarning that
+    names the difference and KVCAL_CPU_WRITE=0, and no library (the torch write)."""
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    for old, new, what in (
+        ("    const float *exps;", "    int64_t extra;\n    const float *exps;", "side_t is"),
+        ("F_MXFP4 = 6, F_FP4_E2M1 = 7", "F_MXFP4 = 7, F_FP4_E2M1 = 6", "format ids differ"),
+    ):
+        src = _edited_source(tmp_path, old, new)
+        with pytest.warns(RuntimeWarning, match="KVCAL_CPU_WRITE=0") as rec:
+            lib, line = cpu_write.open_library(src)
+        assert lib is None and line.startswith("skipped: ") and what in line
+        assert len(rec) == 1 and what in str(rec[0].message)
+
+
+def test_a_failed_build_warns_once_with_the_compilers_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    src = _edited_source(
+        tmp_path, "static inline float sat(float y) {", "static inline float sat(float y) { oops"
+    )
+    with pytest.warns(RuntimeWarning) as rec:
+        lib, line = cpu_write.open_library(src)
+    assert lib is None and len(rec) == 1
+    msg = str(rec[0].message)
+    assert "oops" in msg and "error" in msg and "KVCAL_CPU_WRITE=0" in msg  # the compiler's own words
+    assert line.startswith("skipped: ") and "exited with" in line
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="could not run"):
+        assert cpu_write.open_library(src)[0] is None
+
+
+def test_without_a_compiler_it_is_skipped_silently(monkeypatch: pytest.MonkeyPatch, recwarn: Any) -> None:
+    """No compiler on PATH is an ordinary machine, not a failure: no warning, a stated reason."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent-dir")
+    assert cpu_write.open_library() == (None, "skipped: no C compiler (CC, cc or gcc on PATH)")
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 @pytest.mark.parametrize(

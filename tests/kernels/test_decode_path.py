@@ -1,5 +1,5 @@
 """The torch path's decode-step dequantization: FP8 by table lookup, and only the tokens written since the last
-read (`reference.incremental`: the cache side's `Workspace`). Both must give exactly `kvcal.formats.dequantize`'s values, step after step,
+read (`kvcal.kernels.fast`: the cache side's `Workspace`, handed to the attention in `KVRead.workspaces`). Both must give exactly `kvcal.formats.dequantize`'s values, step after step,
 whatever the format, scale, sliding window, padding or batch re-indexing.
 """
 
@@ -13,7 +13,7 @@ import torch
 from kvcal import formats
 from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
-from kvcal.kernels.reference import _WS, dequantize_fast
+from kvcal.kernels.fast import dequantize_fast
 
 FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "mxfp4"]
 
@@ -28,7 +28,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     "scale",
     [None, torch.tensor(0.37), torch.tensor([0.37]), torch.tensor([0.5, 2.0**-20, 3.0]), torch.tensor(1e38)],
 )
-@pytest.mark.parametrize("tokens", [7, 100])  # a few elements are cast, many looked up (reference._FEW)
+@pytest.mark.parametrize("tokens", [7, 100])  # a few elements are cast, many looked up (fast._FEW)
 def test_fp8_table_is_bit_identical(fmt: str, scale: torch.Tensor | None, tokens: int) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, tokens, 32, generator=g) * torch.logspace(-8, 3, 32)
@@ -76,12 +76,13 @@ def _decode(cache: QuantizedKVCache, fmt: str, steps: list[int], mask: torch.Ten
             cache.set_attention_mask(mask[:, : cache.layers[0].cumulative_length + n])
         kph, _ = cache.update(k, v, 0)
         read = kph.kvcal_read
-        ws, first = getattr(read.k, _WS)
+        ws, first = read.workspaces[0], read.k_start
         held = ws.first + len(ws.values)
         reused += len(ws.values) > 0 and ws.first <= first < held  # the workspace holds this read's start
-        for q in (read.k, read.v):
-            assert _same(dequantize_fast(q, fmt), formats.dequantize(q, fmt))
-            assert _same(dequantize_fast(q, fmt), formats.dequantize(q, fmt))  # the memo: same values again
+        for q, side_ws in ((read.k, read.workspaces[0]), (read.v, read.workspaces[1])):
+            assert _same(dequantize_fast(q, fmt, side_ws, first), formats.dequantize(q, fmt))
+            # the memo: same values again
+            assert _same(dequantize_fast(q, fmt, side_ws, first), formats.dequantize(q, fmt))
     return reused
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvcal import formats
-from kvcal.kernels.reference import dequantize_fast, quantized_attention_ref
+from kvcal.kernels.fast import dequantize_fast
+from kvcal.kernels.reference import quantized_attention_ref
 from kvcal.kernels.runtime import KVRuntime
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,8 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.kernels.reference import attention_dense, dequantize_fast, quantized_attention_ref, visibility_mask
+from kvcal.kernels.fast import dequantize_fast
+from kvcal.kernels.reference import attention_dense, quantized_attention_ref, visibility_mask
 
 
 def naive_attention(q, k, v, *, scaling, q_start, k_start, causal, window, softcap, sinks, key_padding):
