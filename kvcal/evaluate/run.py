@@ -341,6 +341,7 @@ def environment(device: str) -> dict[str, Any]:
         "kvcal_git_dirty": dirty,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "host": platform.node(),  # the report compares speeds only of runs from one host (kvcal.report.speed)
         "processor": platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
@@ -516,7 +517,8 @@ def _run_tasks(
         return None
     say(f"loading {recorded.model} ({recorded.dtype}, {recorded.device}, kv {recorded.kv_format})")
     lm = _make_lm(config, recorded)
-    lm.forward_timer = timer = ForwardTimer(lm.model)  # prefill / decode forwards, TTFT (kvcal.evaluate.timing)
+    # prefill / decode forwards and TTFT (kvcal.evaluate.timing); the LM marks its generate calls
+    lm.forward_timer = timer = ForwardTimer(lm.model)
     try:
         for task in pending:
             say(f"{task}: running")

@@ -42,6 +42,11 @@ def mult(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds, 4 significant digits ('12.34 ms')."""
+    return "n/a" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.4g} ms"
+
+
 def _accuracy_like(r: MetricResult) -> bool:
     return r.higher_is_better and abs(r.base) <= 1
 
