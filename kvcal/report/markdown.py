@@ -301,7 +301,7 @@ def speed_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
               "vs baseline", "TPOT"]  # fmt: skip
     rows = [
         [r.task, f"`{r.config}`", fmt.sig(r.prefill_tokens_per_s), fmt.mult(r.prefill_vs_baseline),
-         fmt.ms(r.ttft_s_median), fmt.sig(r.decode_tokens_per_s), fmt.mult(r.decode_vs_baseline), fmt.ms(r.tpot_s)]
+         fmt.duration(r.ttft_s_median), fmt.sig(r.decode_tokens_per_s), fmt.mult(r.decode_vs_baseline), fmt.duration(r.tpot_s)]
         for r in (cmp.speed.rows if cmp.speed else [])
     ]  # fmt: skip
     return header, rows

@@ -42,9 +42,11 @@ def mult(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
-def ms(seconds: float | None) -> str:
-    """Seconds as milliseconds, 4 significant digits ('12.34 ms')."""
-    return "n/a" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.4g} ms"
+def duration(seconds: float | None) -> str:
+    """A time, 4 significant digits: milliseconds below a second ('12.34 ms'), else seconds ('22.28 s')."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    return f"{seconds * 1e3:.4g} ms" if abs(seconds) < 1 else f"{seconds:.4g} s"
 
 
 def _accuracy_like(r: MetricResult) -> bool:
