@@ -127,13 +127,12 @@ def _summary_table(cmp: Comparison) -> Table:
     from kvcal.report.numbers import capacity_heading
 
     table = Table(title=f"{cmp.model} vs baseline {cmp.baseline}", show_lines=False)
-    for col in ("configuration", capacity_heading(cmp.context), "throughput", "gate", "verdict"):
+    for col in ("configuration", capacity_heading(cmp.context), "gate", "verdict"):
         table.add_column(col, overflow="fold")
     for c in cmp.configs[1:]:
         table.add_row(
             c.label,
             "n/a" if c.capacity is None else f"{c.capacity:.2f}x",
-            "n/a" if c.throughput_ratio is None else f"{c.throughput_ratio:.2f}x",
             _GATE_STYLE[cmp.config_gate(c.label)],
             cmp.config_verdict(c.label),
         )

@@ -26,6 +26,7 @@ from lm_eval.models.huggingface import HFLM
 
 from kvcal import models, parallel
 from kvcal.errors import UsageError
+from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.formats import parse_kv_format
 from kvcal.placement import Placement
 
@@ -45,6 +46,9 @@ class KvcalLM(HFLM):
     force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
     kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
     calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention)."""
+
+    # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
+    forward_timer: ForwardTimer | None = None
 
     def __init__(
         self,
@@ -191,7 +195,8 @@ class KvcalLM(HFLM):
         if self.runtime is not None:
             # context: [B, T] left-padded; generate keeps the attention mask, the cache holds quantized K/V.
             generation_kwargs["past_key_values"] = self.runtime.new_cache()
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        with generate_call(self.forward_timer, int(context.shape[0])):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def activate_runtime(self) -> None:
         """(Re)install this LM's KV configuration on its model. A model carries one KVRuntime at a time, so

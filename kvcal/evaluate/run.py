@@ -23,9 +23,11 @@ from typing import Any
 from kvcal import __version__, models, parallel
 from kvcal.capacity import run_capacity
 from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.git_probe import quiet_git_probe
 from kvcal.evaluate.runstore import RunStore
 from kvcal.evaluate.spec import EvalConfig, EvalSpec, as_spec, run_dir_name
 from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, resolve_tasks, task_manager_for
+from kvcal.evaluate.timing import FORWARDS_KEY, ForwardTimer, ForwardTotals, run_timing
 from kvcal.rundir import ENV, METRICS, RESULTS, RunConfig
 
 __all__ = ["EvalConfig", "EvalSpec", "record_config", "run_dir_name", "run_eval", "task_plan"]
@@ -156,6 +158,7 @@ def environment(device: str) -> dict[str, Any]:
         "kvcal_git_dirty": dirty,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "host": platform.node(),  # the report compares speeds only of runs from one host (kvcal.report.speed)
         "processor": platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "device": device,
@@ -260,25 +263,6 @@ def _seeds(seed: int) -> dict[str, int]:
     }
 
 
-class _TokenCounter:
-    """Counts the tokens every forward of the model processes (prefill and decode steps)."""
-
-    def __init__(self, model: Any) -> None:
-        self.tokens = 0
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, _module: Any, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-            self.tokens += int(ids.shape[0] * ids.shape[1]) if ids is not None else 0
-        else:
-            self.tokens += int(ids.numel())
-
-    def close(self) -> None:
-        self._handle.remove()
-
-
 def run_eval(config: EvalSpec | EvalConfig, progress: Callable[[str], None] | None = None) -> Path:
     """Evaluate `config` (a spec, or options that `eval_spec` parses) into its run directory and return the
     directory. A complete directory with the same config is returned untouched; an interrupted one resumes
@@ -352,27 +336,33 @@ def _run_tasks(
         return None
     say(f"loading {recorded.model} ({recorded.dtype}, {recorded.device}, kv {recorded.kv_format})")
     lm = _make_lm(config, recorded)
-    counter = _TokenCounter(lm.model)
+    # prefill / decode forwards and TTFT (kvcal.evaluate.timing); the LM marks its generate calls
+    lm.forward_timer = timer = ForwardTimer(lm.model)
     try:
         for task in pending:
             say(f"{task}: running")
-            t0, tok0 = time.perf_counter(), counter.tokens
+            timer.take()  # start the task's totals afresh
+            t0 = time.perf_counter()
             if task == KL_TASK:
                 part, samples = _run_kl_task(lm, config, recorded, dist)
             else:
-                part, samples = _run_lm_eval_task(lm, plan, task, config)
-            mine = (counter.tokens - tok0, _nonfinite_kv(lm, task, False, _silent))
-            shared = parallel.gather_objects(mine, dist)  # every rank's (tokens, non-finite counts)
+                with quiet_git_probe():  # lm-eval's `git describe` prints "fatal: ..." outside a checkout
+                    part, samples = _run_lm_eval_task(lm, plan, task, config)
+            mine = (timer.take().to_record(), _nonfinite_kv(lm, task, False, _silent))
+            shared = parallel.gather_objects(mine, dist)  # every rank's (forward totals, non-finite counts)
             if part is None or shared is None:
                 continue  # not rank 0: it holds the task's results
-            tokens = sum(n for n, _ in shared)
-            part["kvcal_task_metrics"] = {"wall_s": time.perf_counter() - t0, "tokens": tokens}
+            forwards = ForwardTotals.merge([ForwardTotals.from_record(f) for f, _ in shared])
+            part[FORWARDS_KEY] = forwards.to_record()
+            part["kvcal_task_metrics"] = {"wall_s": time.perf_counter() - t0, "tokens": forwards.tokens}
+            part["kvcal_task_metrics"].update(forwards.summary())
             part["kvcal_task_metrics"]["nonfinite_kv"] = _check_nonfinite(
                 _sum_nonfinite([{"nonfinite_kv": c} for _, c in shared]), task, config.strict, say
             )
             store.save_task(task, part, samples)
     finally:
-        counter.close()
+        timer.close()
+        lm.forward_timer = None
     return lm
 
 
@@ -396,13 +386,15 @@ def _results(parts: list[dict[str, Any]], config: EvalSpec, recorded: RunConfig,
 
 
 def _metrics(parts: list[dict[str, Any]], plan: TaskPlan, recorded: RunConfig) -> dict[str, Any]:
-    """metrics.json: time, tokens, peak memory, and the cache's capacity as `kvcal capacity` counts it."""
+    """metrics.json: emulation wall time and tokens, prefill / decode timing (TTFT, TPOT), peak memory, and the
+    cache's capacity as `kvcal capacity` counts it (docs/run-directory.md)."""
     wall = sum(p.get("kvcal_task_metrics", {}).get("wall_s", 0.0) for p in parts)
     tokens = sum(p.get("kvcal_task_metrics", {}).get("tokens", 0) for p in parts)
     metrics: dict[str, Any] = {
         "wall_s": wall,
         "tokens": tokens,
         "tokens_per_s": tokens / wall if wall > 0 else None,
+        **run_timing(parts),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_gpu_bytes": _peak_gpu(recorded.device),
         "per_task": {t: p.get("kvcal_task_metrics") for t, p in zip(plan.names, parts, strict=True)},

@@ -6,7 +6,7 @@ samples both runs scored. Which metrics are judged: kvcal.report.metrics. The st
 Significance, the gate and the sentences: kvcal.report.verdicts.
 
 Steps: load the run directories -> check they are of one model -> group them into configurations -> pick the
-baseline -> capacity and throughput -> measure every (configuration, task, metric, filter) -> judge.
+baseline -> capacity -> measure every (configuration, task, metric, filter) -> judge.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvcal.report import longcontext, stats
 from kvcal.report.longcontext import PasskeyGrid, PositionCurve
 from kvcal.report.metrics import MetricSpec, arrays, metric_specs
 from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, load_run
+from kvcal.report.speed import EmulationSpeed, emulation_speed
 from kvcal.report.verdicts import (
     HOLM,
     NO_CORRECTION,
@@ -54,8 +55,6 @@ class Configuration:
     scales: str
     skip: str
     capacity: float | None = None  # tokens that fit vs BF16 (x)
-    tokens_per_s: float | None = None
-    throughput_ratio: float | None = None  # tokens/s vs the baseline's
 
     def run_for(self, task: str) -> Run | None:
         return next((r for r in self.runs if task in r.samples), None)
@@ -89,6 +88,14 @@ class Comparison:
     sliding_layers: bool | None = None  # the model has sliding layers (None: its config is not readable)
     positions: list[PositionCurve] = field(default_factory=list)  # KL by position, one per configuration
     passkey: list[PasskeyGrid] = field(default_factory=list)  # passkey accuracy by (length, depth)
+    # kvcal's emulation speed of runs timed side by side (kvcal.report.speed); None: nothing comparable
+    speed: EmulationSpeed | None = None
+
+    @property
+    def by_position(self) -> list[PositionCurve]:
+        """The KL-by-position curves a report shows: none when every configuration has a single bucket (a
+        one-point curve has no position to compare)."""
+        return self.positions if longcontext.shows_position(self.positions) else []
 
     @property
     def max_drop(self) -> float:
@@ -176,6 +183,8 @@ class Comparison:
             out["kl_by_position"] = [c.to_dict() for c in self.positions]
         if self.passkey:
             out["passkey_by_cell"] = [g.to_dict() for g in self.passkey]
+        if self.speed is not None:
+            out["emulation_speed"] = self.speed.to_dict()
         return out
 
     def _gate_dict(self) -> dict[str, Any]:
@@ -204,8 +213,6 @@ class Comparison:
             "skip_layers": c.skip,
             "runs": [str(r.path) for r in c.runs],
             "capacity_vs_bf16": c.capacity,
-            "tokens_per_s": c.tokens_per_s,
-            "throughput_vs_baseline": c.throughput_ratio,
             "is_baseline": is_base,
             "verdict": "baseline" if is_base else self.config_verdict(c.label),
             "gate": self.config_gate(c.label),
@@ -266,11 +273,6 @@ def _capacity_of(run: Run, context: int | None = None) -> float | None:
         except (KvcalError, ValueError):
             pass
     v = run.metrics.get("capacity_multiplier_vs_bf16")
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def _tokens_per_s(run: Run) -> float | None:
-    v = run.metrics.get("tokens_per_s")
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -360,14 +362,9 @@ def _baseline_first(configs: list[Configuration], baseline: str) -> list[Configu
     return found + [c for c in configs if c is not found[0]]
 
 
-def _add_capacity_and_throughput(configs: list[Configuration], context: int | None = None) -> None:
+def _add_capacity(configs: list[Configuration], context: int | None = None) -> None:
     for c in configs:
         c.capacity = next((v for v in (_capacity_of(r, context) for r in c.runs) if v is not None), None)
-        c.tokens_per_s = next((v for v in map(_tokens_per_s, c.runs) if v is not None), None)
-    base = configs[0].tokens_per_s
-    for c in configs:
-        if base and c.tokens_per_s is not None:
-            c.throughput_ratio = c.tokens_per_s / base
 
 
 def _capacity_context(
@@ -616,7 +613,7 @@ def compare_runs(
     model = _one_model(runs)
     configs = _baseline_first(_configurations(runs), baseline)
     ctx, ctx_source, sliding = _capacity_context(configs, context, context_source, _warn)
-    _add_capacity_and_throughput(configs, ctx)
+    _add_capacity(configs, ctx)
     results = _compare_configs(configs, settings, resampling, _warn)
     judge(results, settings)
     _unmatched_policy_warnings(results, settings.policy, _warn)
@@ -633,4 +630,5 @@ def compare_runs(
             [(c.label, c.runs) for c in configs], alpha, multiple_testing == HOLM, _warn
         ),
         passkey=[g for c in configs for g in longcontext.passkey_grids(c.label, c.runs, _warn)],
+        speed=emulation_speed([(c.label, c.runs) for c in configs], base_tasks),
     )  # fmt: skip

@@ -19,8 +19,10 @@ from kvcal.report.markdown import (
     passkey_tasks,
     position_intro,
     position_table,
+    speed_table,
 )
 from kvcal.report.plots import forest_png, kl_position_png, pareto_png, passkey_png
+from kvcal.report.speed import speed_heading, speed_intro
 from kvcal.report.verdicts import MetricResult
 
 e = html.escape
@@ -75,7 +77,7 @@ def _head(cmp: Comparison) -> list[str]:
 
 def _summary(cmp: Comparison) -> list[str]:
     out = ["<h2>Summary</h2><table><tr><th>configuration</th><th>kv format</th><th>scales</th><th>skip layers</th>"
-           f"<th>{e(fmt.capacity_heading(cmp.context))}</th><th>throughput vs baseline</th><th>gate</th>"
+           f"<th>{e(fmt.capacity_heading(cmp.context))}</th><th>gate</th>"
            "<th>verdict</th></tr>"]  # fmt: skip
     for c in cmp.configs:
         gate = cmp.config_gate(c.label)
@@ -84,7 +86,7 @@ def _summary(cmp: Comparison) -> list[str]:
         cls = "fail" if gate == "FAIL" else ("worse" if worse else _ROW_CLASS.get(gate, ""))
         out.append(
             f"<tr class='{cls}'><td><code>{e(c.label)}</code></td><td>{e(c.kv_format)}</td><td>{e(c.scales)}</td>"
-            f"<td>{e(c.skip)}</td><td>{fmt.mult(c.capacity)}</td><td>{fmt.mult(c.throughput_ratio)}</td>"
+            f"<td>{e(c.skip)}</td><td>{fmt.mult(c.capacity)}</td>"
             f"<td>{e(gate)}</td><td>{e(verdict)}</td></tr>"
         )
     return out + ["</table>"]
@@ -150,14 +152,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _long_context(cmp: Comparison) -> list[str]:
     out: list[str] = []
-    if cmp.positions:
+    if cmp.by_position:
         out += ["<h2>KL by position</h2>", f"<p class='note'>{e(position_intro(cmp))}</p>"]
         out += _img("KL by position", kl_position_png(cmp)) + _table(*position_table(cmp))
         out += ["<p><b>Does the damage grow with position?</b></p><ul>"]
         out += [
             f"<li class='{'worse' if c.growth.verdict == lc.GROWS else ''}'><code>{e(c.config)}</code>: "
             f"{e(lc.growth_sentence(c.growth, cmp.alpha))}</li>"
-            for c in cmp.positions
+            for c in cmp.by_position
         ]
         out.append("</ul>")
     for task in passkey_tasks(cmp):
@@ -169,10 +171,21 @@ def _long_context(cmp: Comparison) -> list[str]:
     return out
 
 
+def _speed(cmp: Comparison) -> list[str]:
+    if cmp.speed is None:
+        return []
+    out = [f"<h2>{e(speed_heading(cmp.speed))}</h2>", f"<p class='note'>{e(speed_intro())}</p>"]
+    out += _table(*speed_table(cmp))
+    if cmp.speed.left_out:
+        out += ["<p class='note'>Not shown:</p><ul class='note'>"]
+        out += [f"<li>{e(w)}</li>" for w in cmp.speed.left_out] + ["</ul>"]
+    return out
+
+
 def render_html(cmp: Comparison) -> str:
     """One self-contained HTML page: summary, plots (embedded PNG data URIs), per-task tables, long-context
     curves and heatmaps, warnings."""
-    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _long_context(cmp)
+    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         out += ["<h2>Warnings</h2><ul>", *(f"<li>{e(w)}</li>" for w in cmp.warnings), "</ul>"]
     out += ["<h2>How to read this report</h2><ul class='note'>"]

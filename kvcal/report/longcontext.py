@@ -233,6 +233,11 @@ def bucket_interval(b: Bucket, n_windows: int, alpha: float) -> tuple[float, flo
     return stats.t_interval(b.kl, b.kl_stderr, n_windows, alpha)
 
 
+def shows_position(curves: Sequence[PositionCurve]) -> bool:
+    """Whether KL by position says anything: some configuration has more than one position bucket."""
+    return any(len(c.buckets) > 1 for c in curves)
+
+
 def position_curves(
     configs: Sequence[tuple[str, list[Run]]], alpha: float, holm: bool, warn: Warn
 ) -> list[PositionCurve]:

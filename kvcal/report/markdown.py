@@ -8,6 +8,7 @@ from kvcal import __version__
 from kvcal.report import longcontext as lc
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
+from kvcal.report.speed import speed_heading, speed_intro
 from kvcal.report.verdicts import MetricResult
 
 
@@ -74,14 +75,14 @@ def _summary(cmp: Comparison) -> list[str]:
         "## Summary",
         "",
         f"| configuration | kv format | scales | skip layers | {fmt.capacity_heading(cmp.context)} | "
-        "throughput vs baseline | gate | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "gate | verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in cmp.configs:
         verdict = "baseline" if c.label == cmp.baseline else cmp.config_verdict(c.label)
         lines.append(
             f"| `{c.label}` | {c.kv_format} | {c.scales} | {c.skip} | {fmt.mult(c.capacity)} | "
-            f"{fmt.mult(c.throughput_ratio)} | {cmp.config_gate(c.label)} | {_esc(verdict)} |"
+            f"{cmp.config_gate(c.label)} | {_esc(verdict)} |"
         )
     return lines + [""]
 
@@ -151,9 +152,10 @@ def how_to_read(cmp: Comparison) -> list[str]:
         f"- **insufficient data**: fewer than {cmp.min_samples} paired samples (--min-samples): no test, no "
         "interval, never FAIL; the gate does not fail on it but lists it.",
         "- **tokens vs BF16**: KV-cache tokens that fit in the same memory as a BF16 cache (skipped layers stay at "
-        f"16 bits){context_words(cmp)}. **throughput**: measured tokens/s relative to the baseline run (same "
-        "machine assumed).",
-    ] + _long_context_notes(cmp)
+        f"16 bits){context_words(cmp)}.",
+        *_long_context_notes(cmp),
+        *_speed_notes(cmp),
+    ]
 
 
 def context_words(cmp: Comparison) -> str:
@@ -174,7 +176,7 @@ def context_words(cmp: Comparison) -> str:
 
 def _long_context_notes(cmp: Comparison) -> list[str]:
     out = []
-    if cmp.positions:
+    if cmp.by_position:
         out.append(
             "- **KL by position**: kvcal's `kl` averaged over the tokens whose 1-based position (of the "
             f"predicting token) falls in each bucket; [{1 - cmp.alpha:.0%} t interval] over windows. *Grows* "
@@ -279,10 +281,10 @@ def passkey_tasks(cmp: Comparison) -> list[str]:
 
 def _long_context(cmp: Comparison) -> list[str]:
     lines: list[str] = []
-    if cmp.positions:
+    if cmp.by_position:
         lines += ["## KL by position", "", position_intro(cmp), "", *_table(*position_table(cmp)), ""]
         lines += ["Does the damage grow with position?", ""]
-        lines += [f"- `{c.config}`: {lc.growth_sentence(c.growth, cmp.alpha)}" for c in cmp.positions]
+        lines += [f"- `{c.config}`: {lc.growth_sentence(c.growth, cmp.alpha)}" for c in cmp.by_position]
         lines.append("")
     for task in passkey_tasks(cmp):
         lines += [f"## {task} by length and depth", "", passkey_intro(cmp, task), ""]
@@ -290,9 +292,43 @@ def _long_context(cmp: Comparison) -> list[str]:
     return lines
 
 
+# ---- emulation speed (kvcal.report.speed): a table shared with the HTML report ---------------------------------
+
+
+def speed_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the emulation speed: a row per (task, configuration) timed beside the baseline."""
+    header = ["task", "configuration", "prefill tokens/s", "vs baseline", "TTFT (median)", "decode tokens/s",
+              "vs baseline", "TPOT"]  # fmt: skip
+    rows = [
+        [r.task, f"`{r.config}`", fmt.sig(r.prefill_tokens_per_s), fmt.mult(r.prefill_vs_baseline),
+         fmt.duration(r.ttft_s_median), fmt.sig(r.decode_tokens_per_s), fmt.mult(r.decode_vs_baseline), fmt.duration(r.tpot_s)]
+        for r in (cmp.speed.rows if cmp.speed else [])
+    ]  # fmt: skip
+    return header, rows
+
+
+def _speed(cmp: Comparison) -> list[str]:
+    if cmp.speed is None:
+        return []
+    lines = [f"## {speed_heading(cmp.speed)}", "", speed_intro(), "", *_table(*speed_table(cmp)), ""]
+    if cmp.speed.left_out:
+        lines += ["Not shown:", "", *(f"- {_esc(w)}" for w in cmp.speed.left_out), ""]
+    return lines
+
+
+def _speed_notes(cmp: Comparison) -> list[str]:
+    if cmp.speed is None:
+        return []
+    return [
+        "- **emulation speed**: kvcal's own quantized-cache emulation timed per forward (metrics.json's prefill "
+        "and decode fields), shown only for runs of one task on the baseline's device and host; not the speed "
+        "of a serving engine, and not controlled for other load on the machine."
+    ]
+
+
 def render_markdown(cmp: Comparison) -> str:
     """The report as Markdown."""
-    lines = _header(cmp) + _gate_lists(cmp) + _summary(cmp) + _tasks(cmp) + _long_context(cmp)
+    lines = _header(cmp) + _gate_lists(cmp) + _summary(cmp) + _tasks(cmp) + _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in cmp.warnings] + [""]
     lines += ["## How to read this report", ""] + how_to_read(cmp) + [""]

@@ -42,6 +42,13 @@ def mult(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def duration(seconds: float | None) -> str:
+    """A time, 4 significant digits: milliseconds below a second ('12.34 ms'), else seconds ('22.28 s')."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    return f"{seconds * 1e3:.4g} ms" if abs(seconds) < 1 else f"{seconds:.4g} s"
+
+
 def _accuracy_like(r: MetricResult) -> bool:
     return r.higher_is_better and abs(r.base) <= 1
 

@@ -177,7 +177,7 @@ def kl_position_png(cmp: Comparison) -> str | None:
     """KL vs position (log x: each bucket at its last position), one curve per configuration with its t
     interval over windows as error bars. A configuration whose KL is 0 everywhere (the BF16 baseline measured
     against a BF16 cache) is left out so that the y axis can be logarithmic."""
-    curves = [c for c in cmp.positions if any(b.kl > 0 for b in c.buckets)]
+    curves = [c for c in cmp.by_position if any(b.kl > 0 for b in c.buckets)]
     if not curves:
         return None
     plt = _pyplot()

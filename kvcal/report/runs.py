@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.rundir import COMPLETE, CONFIG, METRICS, RESULTS, RunConfig, samples_file
+from kvcal.rundir import COMPLETE, CONFIG, ENV, METRICS, RESULTS, RunConfig, samples_file
 
 # Where a sweep keeps its scale files, next to the run directories: never a run directory itself.
 _SWEEP_SCALES_DIR = "scales"
@@ -41,6 +41,8 @@ class Run:
     samples: dict[str, dict[tuple[str, str], Record]] = field(default_factory=dict)
     # task -> metric names in the order the records list them
     metric_order: dict[str, list[str]] = field(default_factory=dict)
+    # env.json (device, gpu, host, versions): only the speed section reads it; {} when missing or unreadable
+    env: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_format(self) -> str:
@@ -132,6 +134,15 @@ def _read_json(p: Path, name: str, required: bool) -> dict[str, Any]:
     return obj
 
 
+def _read_env(p: Path) -> dict[str, Any]:
+    """env.json, or {} when it is missing or unreadable: it describes where the run ran (the report's speed
+    section compares only runs from one machine) and never makes a run unusable."""
+    try:
+        return _read_json(p, ENV, required=False)
+    except BadRunError:
+        return {}
+
+
 def _is_value(v: Any) -> bool:
     if isinstance(v, (bool, int, float)):
         return True
@@ -199,6 +210,7 @@ def load_run(path: str | Path) -> Run:
         config=config,
         results=_read_json(p, RESULTS, required=True),
         metrics=_read_json(p, METRICS, required=False),
+        env=_read_env(p),
     )
     if not config.tasks:
         raise BadRunError(f"run {p} is corrupt: {CONFIG} lists no tasks")

@@ -24,7 +24,7 @@ from kvcal.report import html as html_report
 from kvcal.report import longcontext as lc
 from kvcal.report.html import render_html
 from kvcal.report.markdown import render_markdown
-from kvcal.report.plots import capacity_axis_label
+from kvcal.report.plots import capacity_axis_label, kl_position_png
 from kvcal.rundir import CONFIG, RESULTS
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]
@@ -166,9 +166,31 @@ def test_runs_without_long_context_keys_keep_their_report(tmp_path: Path, write_
     assert c.positions == [] and c.passkey == [] and c.context is None
     md = render_markdown(c)
     assert "KL by position" not in md and "passkey" not in md and "@" not in md
-    assert "| tokens vs BF16 | throughput vs baseline |" in md
+    assert "| tokens vs BF16 | gate | verdict |" in md
     d = c.to_dict()
     assert not {"kl_by_position", "passkey_by_cell", "capacity_context"} & set(d)
+
+
+def test_one_bucket_everywhere_skips_the_by_position_section(tmp_path: Path, write_run, kl_records) -> None:  # noqa: ANN001
+    # windows of <= 512 tokens: one bucket per run, nothing to compare along positions
+    _kl_run(write_run, kl_records, tmp_path, "m__bf16", "bf16", [[0.0] * 4])
+    _kl_run(write_run, kl_records, tmp_path, "m__fp8", "fp8_e4m3", [FLAT[0]])
+    _kl_run(write_run, kl_records, tmp_path, "m__nvfp4", "nvfp4", [GROWING[0]])
+    c = cmpmod.compare_runs([tmp_path], n_boot=N_BOOT)
+    assert [len(p.buckets) for p in c.positions] == [1, 1, 1] and c.by_position == []
+    md, page = render_markdown(c), render_html(c)
+    assert "KL by position" not in md and "nothing to compare" not in md
+    assert "KL by position" not in page and "nothing to compare" not in page
+    assert kl_position_png(c) is None
+    assert [p["config"] for p in c.to_dict()["kl_by_position"]] == [
+        "m__bf16",
+        "m__fp8",
+        "m__nvfp4",
+    ]  # JSON keeps them
+    # one configuration with two buckets brings the section back, with every curve
+    _kl_run(write_run, kl_records, tmp_path, "m__nvfp4", "nvfp4", GROWING[:2])
+    c2 = cmpmod.compare_runs([tmp_path], n_boot=N_BOOT)
+    assert len(c2.by_position) == 3 and "## KL by position" in render_markdown(c2)
 
 
 def test_malformed_kl_by_position_is_left_out_with_a_warning(tmp_path: Path, write_run, kl_records) -> None:  # noqa: ANN001
