@@ -72,7 +72,9 @@ class Study:
 def _unknown(keys: set[str], allowed: set[str], where: str) -> None:
     extra = sorted(keys - allowed)
     if extra:
-        raise UsageError(f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(allowed))})")
+        raise UsageError(
+            f"{where}: unknown key(s) {', '.join(extra)} (allowed: {', '.join(sorted(allowed))})"
+        )
 
 
 def output_of(command: str) -> str:
@@ -172,7 +174,11 @@ def make_runs(study: Study, root: Path) -> None:
 
 
 # Options whose value config.yaml records as given (after parsing): a run directory must match its command.
-_RECORDED = {"--limit": ("limit", int), "--kl-seq-len": ("kl_seq_len", int), "--skip-layers": ("skip_layers", str)}
+_RECORDED = {
+    "--limit": ("limit", int),
+    "--kl-seq-len": ("kl_seq_len", int),
+    "--skip-layers": ("skip_layers", str),
+}
 
 
 def _disagreements(command: str, recorded: dict[str, Any]) -> list[str]:
@@ -223,7 +229,9 @@ def _environment(dirs: Sequence[Path]) -> str:
         except (OSError, ValueError):
             seen["(no env.json)"] = None
             continue
-        rev = str(env.get("kvcal_git_revision") or "unknown")[:7] + (" (dirty)" if env.get("kvcal_git_dirty") else "")
+        rev = str(env.get("kvcal_git_revision") or "unknown")[:7] + (
+            " (dirty)" if env.get("kvcal_git_dirty") else ""
+        )
         device = env.get("gpu") or f"{env.get('device', '?')} ({env.get('processor', '?')})"
         seen[f"kvcal {env.get('kvcal_version', '?')} at commit `{rev}` on {device}, torch "
              f"{(env.get('versions') or {}).get('torch', '?')}, {env.get('torch_threads', '?')} threads"] = None  # fmt: skip
@@ -332,8 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT_DIR, help="folder of the study pages")
     ap.add_argument("--root", action="append", default=[], metavar="STUDY=DIR",
                     help="where a study's runs are (default: its manifest `root`, relative to the current folder)")  # fmt: skip
-    ap.add_argument("--make", action="store_true", help="run the commands of missing or incomplete runs first")
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page differs from its runs")
+    ap.add_argument(
+        "--make", action="store_true", help="run the commands of missing or incomplete runs first"
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when a page differs from its runs"
+    )
     args = ap.parse_args(argv)
     try:
         studies = load_manifest(args.manifest)

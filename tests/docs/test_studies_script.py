@@ -36,7 +36,10 @@ def _kl_run(d: Path, kv_format: str, kl: np.ndarray, limit: int = 12, seq_len: i
     cfg = RunConfig(model="tiny", model_dir="/nonexistent/tiny", kv_format=kv_format, tasks=["kl"], limit=limit,
                     kl_seq_len=seq_len)  # fmt: skip
     (d / CONFIG).write_text(yaml.safe_dump(cfg.to_dict()))
-    recs = [{"doc_id": i, "kl": float(k), "top1_agree": 1.0, "nll": 3.0, "n_tokens": seq_len} for i, k in enumerate(kl)]
+    recs = [
+        {"doc_id": i, "kl": float(k), "top1_agree": 1.0, "nll": 3.0, "n_tokens": seq_len}
+        for i, k in enumerate(kl)
+    ]
     (d / samples_file("kl")).write_text("".join(json.dumps(r) + "\n" for r in recs))
     (d / RESULTS).write_text(json.dumps({"results": {"kl": {"alias": "kl"}}, "configs": {}, "n-shot": {},
                                          "versions": {}, "n-samples": {}}))  # fmt: skip
@@ -55,8 +58,10 @@ def _manifest(tmp_path: Path, root: Path, extra: dict | None = None) -> Path:
         "title": "Tiny study",
         "about": "Two configurations.",
         "root": str(root),
-        "runs": [{"name": "bf16", "command": CMD.format(fmt="bf16", name="bf16")},
-                 {"name": "fp8", "command": CMD.format(fmt="fp8", name="fp8")}],  # fmt: skip
+        "runs": [
+            {"name": "bf16", "command": CMD.format(fmt="bf16", name="bf16")},
+            {"name": "fp8", "command": CMD.format(fmt="fp8", name="fp8")},
+        ],  # fmt: skip
         "compare": {"baseline": "bf16"},
         **(extra or {}),
     }
@@ -84,7 +89,10 @@ def test_page_holds_compares_numbers_and_each_rows_command(studies: ModuleType, 
     row = next(line for line in page.splitlines() if line.startswith("| `fp8` | R2 | ") and "±" in line)
     assert f"{kl.score:.4g} ± {kl.score_se:.2g}" in row and f"{kl.ci_low:+.4g}, {kl.ci_high:+.4g}" in row
     # R2's command, with the study's root, and the compare command of every difference
-    assert f"| R2 | `fp8` | `kvcal eval tiny --kv-format fp8 --tasks kl --limit 12 --kl-seq-len 64 -o {runs}/runs/fp8` |" in page
+    assert (
+        f"| R2 | `fp8` | `kvcal eval tiny --kv-format fp8 --tasks kl --limit 12 --kl-seq-len 64 -o {runs}/runs/fp8` |"
+        in page
+    )
     assert f"`kvcal compare {runs}/runs/bf16 {runs}/runs/fp8 --baseline bf16 --json`" in page
     assert "commit `abcdef0`" in page
     # regenerated from the same runs: up to date
