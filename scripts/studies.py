@@ -7,7 +7,7 @@ that made each one (its `-o` is the run directory), the commands run before them
 compare_runs, the function `kvcal compare RUNS --json` calls, with the same options) and writes the tables with,
 for every row, the command that produced it.
 
-    python scripts/studies.py                        # every study of the manifest
+    python scripts/studies.py                        # every study of the manifest whose runs are there
     python scripts/studies.py demo --root demo=/work/baseline/before/demo
     python scripts/studies.py demo --make            # first run the commands of missing or incomplete runs
     python scripts/studies.py --check                # exit 1 when a written study differs from its runs
@@ -46,6 +46,10 @@ ROOT = "{root}"  # placeholder in the manifest's commands: the study's folder (i
 _STUDY_KEYS = {"title", "about", "root", "setup", "runs", "compare", "notes"}
 _RUN_KEYS = {"name", "command"}
 _COMPARE_KEYS = {"baseline", "max_drop", "context", "min_samples", "alpha", "bootstrap", "seed"}
+
+
+class MissingRunsError(KvcalError):
+    """A study's run directory is missing or incomplete (exit 1; skipped when every study is regenerated)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ def check_runs(study: Study, root: Path) -> list[Path]:
             )
         dirs.append(d)
     if missing:
-        raise KvcalError(
+        raise MissingRunsError(
             f"study {study.name}: run directories missing or incomplete: {', '.join(missing)}; make them with "
             f"`python scripts/studies.py {study.name} --make` (or the commands in docs/studies/manifest.yaml)"
         )
@@ -365,7 +369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             root = Path(roots.get(name, study.root))
             if args.make:
                 make_runs(study, root)
-            page = build(study, root, shown_root=study.root)
+            try:
+                page = build(study, root, shown_root=study.root)
+            except MissingRunsError as e:
+                if args.studies:  # asked for by name: its runs must be there
+                    raise
+                print(f"skipped: {e}", file=sys.stderr)  # every study: regenerate those whose runs are here
+                continue
             target = args.out / f"{name}.md"
             if args.check:
                 if not target.exists() or target.read_text(encoding="utf-8") != page:
