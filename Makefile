@@ -11,7 +11,7 @@ TORCH_WHEEL := $(wildcard /opt/wheels/torch-2.13.0+cpu-cp311-cp311-*.whl)
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 DEMO_OUT ?= demo-out
 
-.PHONY: demo test lint install models clean-venv
+.PHONY: demo test lint install models studies clean-venv
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ lint: $(STAMP)
 
 demo: $(STAMP) $(MODELS_STAMP)
 	$(OFFLINE) bash scripts/demo.sh $(DEMO_OUT)
+
+# docs/studies/*.md from the run directories of docs/studies/manifest.yaml (not part of `make test`; the runs must
+# exist: `scripts/studies.py STUDY --make` runs their commands).
+studies: $(STAMP)
+	$(OFFLINE) $(PY) scripts/studies.py
 
 clean-venv:
 	rm -rf $(VENV)
