@@ -14,6 +14,8 @@ from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
     JsonOpt,
+    ManifestDtypeOpt,
+    ManifestSeqLenOpt,
     ModelArg,
     NumSamplesOpt,
     ObserveBatchOpt,
@@ -35,12 +37,7 @@ def drift_cmd(
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
     num_samples: NumSamplesOpt = 32,
-    seq_len: Annotated[
-        int | None,
-        typer.Option(
-            "--seq-len", help="Tokens per sequence (at most); default: the scale file's calibration.seq_len."
-        ),
-    ] = None,
+    seq_len: ManifestSeqLenOpt = None,
     seed: SeedOpt = 0,
     max_clip: Annotated[
         float,
@@ -61,14 +58,7 @@ def drift_cmd(
     force: Annotated[
         bool, typer.Option("--force", help="Check a scale file calibrated on another checkpoint anyway.")
     ] = False,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--dtype",
-            help="Model dtype (float32, bfloat16, float16, auto); default: the one the scales were calibrated "
-            "in (manifest calibration.dtype). Another one warns: K/V differ even on the calibration text.",
-        ),
-    ] = None,
+    dtype: ManifestDtypeOpt = None,
     kv_input_dtype: Annotated[
         str | None,
         typer.Option(

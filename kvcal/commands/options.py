@@ -37,6 +37,19 @@ DtypeOpt = Annotated[
         help="Model dtype: float32, bfloat16 or float16; eval also takes auto (the checkpoint's own).",
     ),
 ]
+# drift reads what calibration did from the scale file: --dtype and --seq-len default to the manifest's
+ManifestDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        help="Model dtype (float32, bfloat16, float16, auto); default: the one the scales were calibrated "
+        "in (manifest calibration.dtype). Another one warns: K/V differ even on the calibration text.",
+    ),
+]
+ManifestSeqLenOpt = Annotated[
+    int | None,
+    typer.Option("--seq-len", help="Tokens per sequence (at most); default: the scale file's calibration.seq_len."),
+]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or mps.")]
 # accelerate's big-model dispatch (kvcal.placement): calibrate, eval, sensitivity
 DeviceMapOpt = Annotated[

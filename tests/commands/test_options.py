@@ -118,8 +118,15 @@ def test_shared_options_read_the_same_everywhere(alias: object) -> None:
     assert len(found) >= 2, f"{long_flag} is shared by fewer than two commands"
     for name, param in found:
         assert set(param.opts) == flags, name
-        if name != "capacity":  # capacity's --kv-format is the repeatable KvFormatsOpt
-            assert param.help == help_text, name
+        if name == "capacity":  # capacity's --kv-format is the repeatable KvFormatsOpt
+            continue
+        if (name, long_flag) in FROM_MANIFEST:  # drift: the default is what the scale file's calibration used
+            assert param.help == _flags_and_help(FROM_MANIFEST[name, long_flag])[1], name
+            continue
+        assert param.help == help_text, name
+
+
+FROM_MANIFEST = {("drift", "--dtype"): options.ManifestDtypeOpt, ("drift", "--seq-len"): options.ManifestSeqLenOpt}
 
 
 def test_every_eval_config_field_has_an_option() -> None:
