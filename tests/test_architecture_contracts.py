@@ -77,6 +77,12 @@ def _plant(path: Path, line: str) -> None:
             ["kvcal.io is not allowed to import rich"],
             id="rich-in-library-code-breaks-the-forbidden-contract",
         ),
+        pytest.param(
+            "report/stats.py",
+            "from kvcal.report import compare  # noqa: F401",
+            ["No cycles are allowed in kvcal.report"],
+            id="an-import-circle-breaks-no-cycles",
+        ),
     ],
 )
 def test_planted_import_breaks_a_contract(
