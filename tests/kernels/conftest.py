@@ -24,6 +24,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from kvcal import formats
+from kvcal.formats import QTensor
+from kvcal.kernels.cache import LayerPlan, QuantizedKVCache, new_token_padding
+
 WINDOW = 6
 COMMON: dict[str, Any] = dict(
     vocab_size=96,
@@ -101,3 +105,150 @@ def batch() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """(seed=1, length=13, pad=4) -> two prompts, the second left-padded by `pad` tokens:
     input_ids, attention_mask [2, length]."""
     return _batch
+
+
+# ------------------------------------------------------- what a padded batch stores, row by row (issue 21)
+
+
+class RecordingKVCache(QuantizedKVCache):
+    """kvcal's own QuantizedKVCache that also keeps, for every write, the K/V it was given, which of the new
+    tokens were real, and what it stored for them (cloned: later writes reuse the buffers). Nothing is replaced:
+    the forward runs through the real cache, the recording only lets a test replay each row alone."""
+
+    def __init__(self, plans: list[LayerPlan], nonfinite: Any = None) -> None:
+        super().__init__(plans, nonfinite)
+        # (layer, K [B, H_kv, T_new, D], V, valid [B, T_new] bool or None, stored K, stored V of the T_new tokens)
+        self.writes: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, QTensor, QTensor]] = []
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t_new = key_states.shape[-2]
+        valid = new_token_padding(self.attention_mask, self.layers[layer_idx].cumulative_length, t_new)
+        k, v = key_states.clone(), value_states.clone()
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        read = out[0].kvcal_read  # type: ignore[attr-defined]
+        new = slice(read.k.codes.shape[-2] - t_new, None)  # the tokens of this write: the last t_new read
+        self.writes.append(
+            (layer_idx, k, v, valid, _tokens(read.k, new, clone=True), _tokens(read.v, new, True))
+        )
+        return out
+
+
+def _tokens(q: QTensor, pos: slice | torch.Tensor, clone: bool = False, row: int | None = None) -> QTensor:
+    """Token positions `pos` (of dim -2) of q, optionally one batch row; a per-sequence scale [B, 1, 1, 1]
+    follows the row, a per-tensor scale is kept."""
+    rows = slice(None) if row is None else slice(row, row + 1)
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t[rows][:, :, pos]
+        return t.clone() if clone else t
+
+    s = q.scale
+    if s is not None and s.dim() == 4:
+        s = s[rows]
+    if clone and s is not None:
+        s = s.clone()
+    return QTensor(codes=take(q.codes), block_scales=take(q.block_scales), scale=s)  # type: ignore[arg-type]
+
+
+def _bytes(t: torch.Tensor | None) -> bytes | None:
+    return None if t is None else t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _same_bytes(a: QTensor, b: QTensor) -> bool:
+    return all(
+        _bytes(x) == _bytes(y)
+        for x, y in ((a.codes, b.codes), (a.block_scales, b.block_scales), (a.scale, b.scale))
+    )
+
+
+def _check_rows_stored_alone(cache: RecordingKVCache) -> int:
+    """Every row of every recorded batch write stored exactly (byte for byte: codes, block scales, scale) what a
+    fresh cache stores when that row's real tokens are written alone, write after write; its padding is stored as
+    zeros. Returns the number of (layer, row, write) checked (so a caller can see the check was not vacuous)."""
+    checked = 0
+    for layer_idx, plan in enumerate(cache.plans):
+        writes = [w for w in cache.writes if w[0] == layer_idx]
+        if not writes:
+            continue
+        for row in range(writes[0][1].shape[0]):
+            alone = QuantizedKVCache([plan])
+            for _, k, v, valid, got_k, got_v in writes:
+                real = torch.ones(k.shape[-2], dtype=torch.bool) if valid is None else valid[row].cpu()
+                if not bool(real.any()):
+                    continue
+                idx = real.nonzero().flatten()
+                ak, av = alone.update(k[row : row + 1][:, :, idx], v[row : row + 1][:, :, idx], 0)
+                read = ak.kvcal_read  # type: ignore[attr-defined]
+                mine = slice(read.k.codes.shape[-2] - len(idx), None)
+                for got, want, fmt in (
+                    (got_k, read.k, plan.side_format("k")),
+                    (got_v, read.v, plan.side_format("v")),
+                ):
+                    assert _same_bytes(_tokens(got, idx, row=row), _tokens(want, mine)), (
+                        layer_idx,
+                        row,
+                        fmt.name,
+                    )
+                    pad = (~real).nonzero().flatten()
+                    if len(pad):
+                        stored = formats.dequantize(_tokens(got, pad, row=row), fmt)
+                        assert torch.equal(stored, torch.zeros_like(stored)), (layer_idx, row, fmt.name)
+                checked += 1
+    return checked
+
+
+class KVRecorder:
+    """Makes a KVRuntime hand out RecordingKVCaches (its `new_cache`, for this test only) and checks them."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.caches: list[RecordingKVCache] = []
+        self.runtime = runtime
+        runtime.new_cache = (
+            self.new_cache
+        )  # the adapter's _model_call asks the runtime for each forward's cache
+
+    def new_cache(self) -> RecordingKVCache:
+        cache = RecordingKVCache(self.runtime.plans, self.runtime.nonfinite)
+        self.caches.append(cache)
+        return cache
+
+    def check_rows_stored_alone(self) -> int:
+        """`_check_rows_stored_alone` over every cache handed out; the number of checks."""
+        return sum(_check_rows_stored_alone(c) for c in self.caches)
+
+
+@pytest.fixture(scope="session")
+def kv_recorder() -> Callable[[Any], KVRecorder]:
+    """(runtime) -> a KVRecorder: the runtime's caches record every write; `.check_rows_stored_alone()` asserts
+    each row of a padded batch stored, byte for byte, what the same row's real K/V store when written alone."""
+    return KVRecorder
+
+
+def _storage_amplification(err_fmt: float, err_bf16: float) -> float:
+    """How many times more a format's storage moves a score than BF16 storage would under the same float32
+    perturbation of K/V (a batch's different matmul rounding), from the two formats' own errors, measured on the
+    machine on the same inputs: err_X = |score with X storage - score with float32 storage|.
+
+    Why this ratio: a perturbation changes what is stored only where it pushes an element across a rounding
+    boundary of the storage grid, and then by one grid step s (s = 2^-8..2^-7 |x| for BF16, up to amax/3 of the
+    block for E2M1, a whole block when an E4M3 block scale flips). One such flip moves the score in proportion to
+    s; many flips of random sign in proportion to sqrt(s * their rate), i.e. sqrt(s) — so r = s_fmt / s_bf16 bounds
+    both regimes. The storage's own rounding error (<= s/2 per element, every element) moves the score in
+    proportion to s as well, so err_fmt / err_bf16 measures r on these very K/V, with the format's grid, its
+    subnormal block scales and its scale policy included — no constant measured on one CPU. At least 1: a format
+    as fine as BF16 is held to the baseline's own difference."""
+    assert err_bf16 > 0, (
+        "BF16 storage left the scores unchanged: nothing to measure the amplification against"
+    )
+    return max(1.0, err_fmt / err_bf16)
+
+
+@pytest.fixture(scope="session")
+def storage_amplification() -> Callable[[float, float], float]:
+    """(err_fmt, err_bf16) -> the format's amplification of a float32 perturbation relative to BF16 storage
+    (see `_storage_amplification`)."""
+    return _storage_amplification

@@ -8,6 +8,7 @@ and through a tiny model (same padded length, so the same attention code path) i
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -131,24 +132,69 @@ def _scoring_batch(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.T
     return seqs, ids, mask
 
 
-@pytest.mark.parametrize(("fmt", "policy"), CASES)
-def test_scoring_logits_per_sequence_equal_at_batch_1_and_4(
-    fmt: str, policy: str, kv_model: Callable[..., torch.nn.Module]
-) -> None:
-    """Each row of a right-padded batch of 4 == the same row scored alone (padded to the same length): exact."""
+def _scoring_model(kv_model: Callable[..., torch.nn.Module]) -> torch.nn.Module:
     model = kv_model("gemma3", head_dim=32)  # sliding + full layers; head_dim 32 fits every block size
     with torch.no_grad():  # the sequences' K are made to differ in scale, so a shared scale would show
         model.model.embed_tokens.weight.mul_(torch.linspace(0.2, 5.0, 96)[:, None])
+    return model
+
+
+@pytest.mark.parametrize(("fmt", "policy"), CASES)
+def test_scoring_batch_stores_each_row_as_if_alone(
+    fmt: str, policy: str, kv_model: Callable[..., torch.nn.Module], kv_recorder: Callable[..., Any]
+) -> None:
+    """What kvcal owns, through a model's real forward: in a right-padded batch of 4, every layer stores for each
+    row, byte for byte, what the row's own K/V store when written alone, and zeros for its padding. Exact on any
+    CPU: both writes quantize the same K/V (the batch's), whatever rounding the CPU's matmuls did upstream."""
+    model = _scoring_model(kv_model)
     rt = KVRuntime(model, fmt, impl="torch", nvfp4_global=policy)
+    rec = kv_recorder(rt)
     _, ids, mask = _scoring_batch(seed=1)
     with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=rt.new_cache())
+    assert rec.check_rows_stored_alone() == 3 * 4  # layers x rows
+
+
+def _batch_difference(
+    model: torch.nn.Module, rt: KVRuntime, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """(logits of the batch [4, T, V], max |row i at batch 4 - row i alone| over the real positions)."""
+    with torch.no_grad():
         together = model(ids, attention_mask=mask, past_key_values=rt.new_cache()).logits
+        worst = 0.0
         for i in range(4):
             alone = model(
                 ids[i : i + 1], attention_mask=mask[i : i + 1], past_key_values=rt.new_cache()
             ).logits
             n = int(mask[i].sum())
-            assert torch.equal(together[i, :n], alone[0, :n]), (fmt, i)
+            worst = max(worst, float((together[i, :n] - alone[0, :n]).abs().max()))
+    return together, worst
+
+
+@pytest.mark.parametrize(("fmt", "policy"), CASES)
+def test_scoring_logits_per_sequence_at_batch_1_and_4_within_float32_rounding(
+    fmt: str,
+    policy: str,
+    kv_model: Callable[..., torch.nn.Module],
+    storage_amplification: Callable[[float, float], float],
+) -> None:
+    """Each row of a right-padded batch of 4 against the same row scored alone (padded to the same length): the
+    storage is exact (above), what is left is the CPU's float32 matmul rounding, which differs with the batch on
+    some CPUs (not on others: 0 here on AMD EPYC). The bound is derived on the machine: the float32 and BF16
+    caches' own batch difference, times the format's amplification measured here (see the `storage_amplification` fixture)."""
+    model = _scoring_model(kv_model)
+    _, ids, mask = _scoring_batch(seed=1)
+    real = mask.bool()
+    out, diff = {}, {}
+    for name, f, pol in (("auto", "auto", "one"), ("bf16", "bf16", "one"), ("fmt", fmt, policy)):
+        out[name], diff[name] = _batch_difference(
+            model, KVRuntime(model, f, impl="torch", nvfp4_global=pol), ids, mask
+        )
+    amp = storage_amplification(
+        float((out["fmt"] - out["auto"])[real].abs().max()),
+        float((out["bf16"] - out["auto"])[real].abs().max()),
+    )
+    assert diff["fmt"] <= amp * max(diff["auto"], diff["bf16"]), (fmt, diff, amp)
 
 
 @pytest.mark.parametrize(("fmt", "policy"), [("nvfp4", "per_sequence"), ("int8_per_token_head", "one")])
