@@ -197,29 +197,75 @@ def test_scoring_logits_per_sequence_at_batch_1_and_4_within_float32_rounding(
     assert diff["fmt"] <= amp * max(diff["auto"], diff["bf16"]), (fmt, diff, amp)
 
 
+def _generate(model: torch.nn.Module, rt: KVRuntime, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=rt.new_cache(),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+
+
+def _generation_difference(
+    model: torch.nn.Module, rt: KVRuntime, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[Any, list[Any], float]:
+    """(batch-4 output, the four rows' outputs alone, max |score at batch 4 - alone| over the steps where the
+    row's tokens agree so far)."""
+    together = _generate(model, rt, ids, mask)
+    alone = [_generate(model, rt, ids[i : i + 1], mask[i : i + 1]) for i in range(4)]
+    worst = 0.0
+    for i, a in enumerate(alone):
+        for t, (x, y) in enumerate(zip(together.scores, a.scores, strict=True)):
+            worst = max(worst, float((x[i] - y[0]).abs().max()))
+            if together.sequences[i, ids.shape[1] + t] != a.sequences[0, ids.shape[1] + t]:
+                break
+    return together, alone, worst
+
+
 @pytest.mark.parametrize(("fmt", "policy"), [("nvfp4", "per_sequence"), ("int8_per_token_head", "one")])
-def test_generation_per_sequence_equal_at_batch_1_and_4(
-    fmt: str, policy: str, kv_model: Callable[..., torch.nn.Module]
+def test_generation_per_sequence_at_batch_1_and_4(
+    fmt: str,
+    policy: str,
+    kv_model: Callable[..., torch.nn.Module],
+    kv_recorder: Callable[..., Any],
+    storage_amplification: Callable[[float, float], float],
 ) -> None:
-    """Left-padded generate(): each row's tokens at batch 4 == the row alone with the same left padding, and its
-    scores within float32 rounding (generate() itself is not bitwise batch-invariant: its position ids and
-    last-token head differ by ~1e-7 between batch 1 and 4 with any cache, bf16 included)."""
+    """Left-padded generate(), prefill and decode writes: every row stores exactly what it stores alone (exact,
+    what kvcal owns); its scores at batch 4 and alone differ by no more than the float32 / BF16 caches' own
+    difference times the format's measured amplification (generate() itself is not bitwise batch-invariant: its
+    position ids and last-token head differ between batch 1 and 4 with any cache, bf16 included); its greedy
+    tokens agree unless the two best scores lie within that bound."""
     model = kv_model("llama", head_dim=32)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(torch.linspace(0.2, 5.0, 96)[:, None])
-    KVRuntime(model, fmt, impl="torch", nvfp4_global=policy)  # generate() without a cache uses the runtime's
     seqs, _, _ = _scoring_batch(seed=2)
     ids = torch.zeros(4, 13, dtype=torch.long)
     mask = torch.zeros(4, 13, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, 13 - len(s) :], mask[i, 13 - len(s) :] = s, 1
-    kw = dict(
-        max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    out, diff = {}, {}
+    for name, f, pol in (("auto", "auto", "one"), ("bf16", "bf16", "one"), ("fmt", fmt, policy)):
+        rt = KVRuntime(model, f, impl="torch", nvfp4_global=pol)
+        rec = kv_recorder(rt) if name == "fmt" else None
+        out[name], alone, diff[name] = _generation_difference(model, rt, ids, mask)
+        if rec is not None:  # the batch's cache and the rows' own: prefill + 3 decode writes per layer
+            assert rec.check_rows_stored_alone() == 3 * 4 * 4 * 2  # layers x rows x writes x (batch, alone)
+    first = lambda o: o.scores[0]  # noqa: E731  [4, V]: the prefill's last position, same tokens for every cache
+    amp = storage_amplification(
+        float((first(out["fmt"]) - first(out["auto"])).abs().max()),
+        float((first(out["bf16"]) - first(out["auto"])).abs().max()),
     )
-    with torch.no_grad():
-        together = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        for i in range(4):
-            alone = model.generate(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1], **kw)
-            assert together.sequences[i].tolist() == alone.sequences[0].tolist()
-            for a, b in zip(together.scores, alone.scores, strict=True):
-                assert (a[i] - b[0]).abs().max() <= 1e-5 * max(1.0, b[0].abs().max().item()), (fmt, i)
+    bound = amp * max(diff["auto"], diff["bf16"])
+    assert diff["fmt"] <= bound, (fmt, diff, amp)
+    for i, a in enumerate(alone):  # the format's runs
+        for t, y in enumerate(a.scores):
+            pos = ids.shape[1] + t
+            if out["fmt"].sequences[i, pos] != a.sequences[0, pos]:  # only where the best two are that close
+                top2 = y[0].topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * bound, (fmt, i, t)
+                break
