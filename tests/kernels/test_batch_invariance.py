@@ -8,6 +8,7 @@ and through a tiny model (same padded length, so the same attention code path) i
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -131,49 +132,154 @@ def _scoring_batch(seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.T
     return seqs, ids, mask
 
 
-@pytest.mark.parametrize(("fmt", "policy"), CASES)
-def test_scoring_logits_per_sequence_equal_at_batch_1_and_4(
-    fmt: str, policy: str, kv_model: Callable[..., torch.nn.Module]
-) -> None:
-    """Each row of a right-padded batch of 4 == the same row scored alone (padded to the same length): exact."""
+def _scoring_model(kv_model: Callable[..., torch.nn.Module]) -> torch.nn.Module:
     model = kv_model("gemma3", head_dim=32)  # sliding + full layers; head_dim 32 fits every block size
     with torch.no_grad():  # the sequences' K are made to differ in scale, so a shared scale would show
         model.model.embed_tokens.weight.mul_(torch.linspace(0.2, 5.0, 96)[:, None])
+    return model
+
+
+@pytest.mark.parametrize(("fmt", "policy"), CASES)
+def test_scoring_batch_stores_each_row_as_if_alone(
+    fmt: str, policy: str, kv_model: Callable[..., torch.nn.Module], kv_recorder: Callable[..., Any]
+) -> None:
+    """What kvcal owns, through a model's real forward: in a right-padded batch of 4, every layer stores for each
+    row, byte for byte, what the row's own K/V store when written alone, and zeros for its padding. Exact on any
+    CPU: both writes quantize the same K/V (the batch's), whatever rounding the CPU's matmuls did upstream."""
+    model = _scoring_model(kv_model)
     rt = KVRuntime(model, fmt, impl="torch", nvfp4_global=policy)
+    rec = kv_recorder(rt)
     _, ids, mask = _scoring_batch(seed=1)
     with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=rt.new_cache())
+    assert rec.check_rows_stored_alone() == 3 * 4  # layers x rows
+
+
+def _batch_difference(
+    model: torch.nn.Module, rt: KVRuntime, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """(logits of the batch [4, T, V], max |row i at batch 4 - row i alone| over the real positions)."""
+    with torch.no_grad():
         together = model(ids, attention_mask=mask, past_key_values=rt.new_cache()).logits
+        worst = 0.0
         for i in range(4):
             alone = model(
                 ids[i : i + 1], attention_mask=mask[i : i + 1], past_key_values=rt.new_cache()
             ).logits
             n = int(mask[i].sum())
-            assert torch.equal(together[i, :n], alone[0, :n]), (fmt, i)
+            worst = max(worst, float((together[i, :n] - alone[0, :n]).abs().max()))
+    return together, worst
+
+
+@pytest.mark.parametrize(("fmt", "policy"), CASES)
+def test_scoring_logits_per_sequence_at_batch_1_and_4_within_float32_rounding(
+    fmt: str,
+    policy: str,
+    kv_model: Callable[..., torch.nn.Module],
+    batch_bound: Callable[[float, float, float], float],
+) -> None:
+    """Each row of a right-padded batch of 4 against the same row scored alone (padded to the same length): the
+    storage is exact (above), what is left is the CPU's float32 matmul rounding, which differs with the batch on
+    some CPUs (0 on others). The bound is derived on the machine (the `batch_bound` fixture): the float32 and
+    BF16 caches' own batch difference, and the format's response to rounding its K/V input to BF16."""
+    model = _scoring_model(kv_model)
+    _, ids, mask = _scoring_batch(seed=1)
+    real = mask.bool()
+    out, diff = {}, {}
+    for name, f, pol, kin in (
+        ("auto", "auto", "one", None),
+        ("bf16", "bf16", "one", None),
+        ("fmt", fmt, policy, None),
+        ("fmt_bf16_input", fmt, policy, "bfloat16"),
+    ):
+        rt = KVRuntime(model, f, impl="torch", nvfp4_global=pol, kv_input_dtype=kin)
+        out[name], diff[name] = _batch_difference(model, rt, ids, mask)
+    gap = lambda x, y: float((out[x] - out[y])[real].abs().max())  # noqa: E731  batch 4, real positions
+    bound = batch_bound(gap("fmt", "fmt_bf16_input"), max(diff["auto"], diff["bf16"]), gap("bf16", "auto"))
+    assert diff["fmt"] <= bound, (fmt, diff, bound)
+
+
+def _generate(model: torch.nn.Module, rt: KVRuntime, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=rt.new_cache(),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+
+
+def _generation_difference(
+    model: torch.nn.Module, rt: KVRuntime, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[Any, list[Any], float]:
+    """(batch-4 output, the four rows' outputs alone, max |score at batch 4 - alone| over the steps where the
+    row's tokens agree so far)."""
+    together = _generate(model, rt, ids, mask)
+    alone = [_generate(model, rt, ids[i : i + 1], mask[i : i + 1]) for i in range(4)]
+    worst = max(_score_gap(together, a, ids.shape[1], row=i) for i, a in enumerate(alone))
+    return together, alone, worst
+
+
+def _score_gap(a: Any, b: Any, prompt: int, row: int | None = None) -> float:
+    """max |score of a - score of b| over the rows (or a's `row` against b's only row) and the steps up to and
+    including the first where their greedy tokens differ (after it they continue different texts)."""
+    worst = 0.0
+    for i in range(a.sequences.shape[0]) if row is None else [row]:
+        j = i if row is None else 0
+        for t, (x, y) in enumerate(zip(a.scores, b.scores, strict=True)):
+            worst = max(worst, float((x[i] - y[j]).abs().max()))
+            if a.sequences[i, prompt + t] != b.sequences[j, prompt + t]:
+                break
+    return worst
 
 
 @pytest.mark.parametrize(("fmt", "policy"), [("nvfp4", "per_sequence"), ("int8_per_token_head", "one")])
-def test_generation_per_sequence_equal_at_batch_1_and_4(
-    fmt: str, policy: str, kv_model: Callable[..., torch.nn.Module]
+def test_generation_per_sequence_at_batch_1_and_4(
+    fmt: str,
+    policy: str,
+    kv_model: Callable[..., torch.nn.Module],
+    kv_recorder: Callable[..., Any],
+    batch_bound: Callable[[float, float, float], float],
 ) -> None:
-    """Left-padded generate(): each row's tokens at batch 4 == the row alone with the same left padding, and its
-    scores within float32 rounding (generate() itself is not bitwise batch-invariant: its position ids and
-    last-token head differ by ~1e-7 between batch 1 and 4 with any cache, bf16 included)."""
+    """Left-padded generate(), prefill and decode writes: every row stores exactly what it stores alone (exact,
+    what kvcal owns); its scores at batch 4 and alone differ by no more than the float32 / BF16 caches' own
+    difference and the format's response to BF16 rounding of its input (`batch_bound`; generate() itself is not bitwise batch-invariant: its
+    position ids and last-token head differ between batch 1 and 4 with any cache, bf16 included); its greedy
+    tokens agree unless the two best scores lie within that bound."""
     model = kv_model("llama", head_dim=32)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(torch.linspace(0.2, 5.0, 96)[:, None])
-    KVRuntime(model, fmt, impl="torch", nvfp4_global=policy)  # generate() without a cache uses the runtime's
     seqs, _, _ = _scoring_batch(seed=2)
     ids = torch.zeros(4, 13, dtype=torch.long)
     mask = torch.zeros(4, 13, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, 13 - len(s) :], mask[i, 13 - len(s) :] = s, 1
-    kw = dict(
-        max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    out, diff = {}, {}
+    for name, f, pol, kin in (
+        ("auto", "auto", "one", None),
+        ("bf16", "bf16", "one", None),
+        ("fmt_bf16_input", fmt, policy, "bfloat16"),
+        ("fmt", fmt, policy, None),
+    ):
+        rt = KVRuntime(model, f, impl="torch", nvfp4_global=pol, kv_input_dtype=kin)
+        rec = kv_recorder(rt) if name == "fmt" else None
+        out[name], alone, diff[name] = _generation_difference(model, rt, ids, mask)
+        if rec is not None:  # the batch's cache and the rows' own: prefill + 3 decode writes per layer
+            assert rec.check_rows_stored_alone() == 3 * 4 * 4 * 2  # layers x rows x writes x (batch, alone)
+    bound = batch_bound(
+        _score_gap(out["fmt"], out["fmt_bf16_input"], ids.shape[1]),
+        max(diff["auto"], diff["bf16"]),
+        _score_gap(out["bf16"], out["auto"], ids.shape[1]),
     )
-    with torch.no_grad():
-        together = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        for i in range(4):
-            alone = model.generate(input_ids=ids[i : i + 1], attention_mask=mask[i : i + 1], **kw)
-            assert together.sequences[i].tolist() == alone.sequences[0].tolist()
-            for a, b in zip(together.scores, alone.scores, strict=True):
-                assert (a[i] - b[0]).abs().max() <= 1e-5 * max(1.0, b[0].abs().max().item()), (fmt, i)
+    assert diff["fmt"] <= bound, (fmt, diff, bound)
+    for i, a in enumerate(alone):  # the format's runs
+        for t, y in enumerate(a.scores):
+            pos = ids.shape[1] + t
+            if out["fmt"].sequences[i, pos] != a.sequences[0, pos]:  # only where the best two are that close
+                top2 = y[0].topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * bound, (fmt, i, t)
+                break
