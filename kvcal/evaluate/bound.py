@@ -45,27 +45,44 @@ class BoundSpec:
 
 def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None) -> BoundSpec:
     """Bind `spec` to its checkpoint (UsageError / KvcalError before anything is written). `model_dir` /
-    `hf_config`: an already resolved folder / loaded config (lm-eval's model given a built model)."""
-    plan = task_plan(spec) if spec.tasks else None  # data files checked before the model is resolved
+    `hf_config`: an already resolved folder / loaded config (lm-eval's model given a built model). One straight
+    pass, each module visited once: the spec's own record, the task plan's data files (before the model is
+    resolved), the checkpoint (folder, config, skip indices, dtype), the lengths it bounds, the scale file."""
+    fields = spec.recorded_fields()
+    loaded = spec.scales.load()  # eval_spec's load; a sweep cell's file is read now
+    plan = task_plan(spec) if spec.tasks else None
     if model_dir is None:
         model_dir = models.resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
     if hf_config is None:
         hf_config = models.load_config(model_dir, trust_remote_code=spec.trust_remote_code)
     kv = models.kv_spec(hf_config)
-    check_lengths(spec, kv)
-    ss = _checked_scales(spec, model_dir, kv)
     skip = models.parse_skip_layers(spec.skip_layers, kv)
     # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
     dtype = models.resolve_dtype(spec.dtype, model_dir) if plan is not None else spec.dtype
-    cache = dataclasses.replace(spec.cache, scales=ss, first_batch=spec.scales.first_batch, skip_layers=skip)
-    if ss is not None:  # what the run passes down holds the checked scale file: nothing reloads it
+    check_lengths(spec, kv)
+    ss, record = None, None
+    if loaded is not None:
+        from kvcal.scales import bind_scale_file
+
+        ss, record = bind_scale_file(
+            loaded,
+            str(spec.scales.path),
+            spec.model,
+            model_dir,
+            kv,
+            kv_format=spec.kv_format,
+            force=spec.force_scales,
+            attention=spec.attention,
+        )
+        # what the run passes down holds the checked scale file: nothing reloads it
         spec = dataclasses.replace(spec, scales=dataclasses.replace(spec.scales, loaded=ss))
+    cache = dataclasses.replace(spec.cache, scales=ss, first_batch=spec.scales.first_batch, skip_layers=skip)
     recorded = None
     if plan is not None:
         recorded = RunConfig(
-            **spec.recorded_fields(),
+            **fields,
             model_dir=str(model_dir),
-            scales=_scales_record(spec, ss, model_dir, kv),
+            scales=record,
             skip_layer_indices=sorted(skip),
             include_path=plan.include_path,
             dtype=dtype,
@@ -104,45 +121,6 @@ def check_lengths(spec: EvalSpec, kv: models.KVSpec) -> None:
         from kvcal.evaluate.passkey import GEN_TOKS, check_positions
 
         check_positions(list(spec.passkey_lengths), limit, spec.max_gen_toks or GEN_TOKS)
-
-
-def _checked_scales(spec: EvalSpec, model_dir: Path, kv: models.KVSpec) -> ScaleSet | None:
-    """The spec's scale file (loaded once: by eval_spec, or here for a sweep cell), checked against the
-    checkpoint (format, geometry, binding) before any write; None without a file."""
-    ss = spec.scales.load()
-    if ss is None:
-        return None
-    from kvcal.kernels.runtime import query_scales
-    from kvcal.scales import check_scales_for_model
-
-    ss = check_scales_for_model(
-        ss, spec.scales.path, spec.model, model_dir, kv, kv_format=spec.kv_format, force=spec.force_scales
-    )
-    query_scales(spec.attention, ss, kv.num_layers)  # --attention fp8 refuses a scale file without q_scale
-    return ss
-
-
-def _scales_record(
-    spec: EvalSpec, ss: ScaleSet | None, model_dir: Path, kv: models.KVSpec
-) -> dict[str, Any] | None:
-    """config.yaml's `scales`: what the scale file is and how it fits the checkpoint."""
-    if ss is None:
-        return None
-    from kvcal.scales import binding_differences
-
-    observer = ss.manifest.get("observer")
-    scales: dict[str, Any] = {
-        "sha256": models.sha256_file(spec.scales.path),
-        "granularity": ss.granularity,
-        "observer": observer.get("name") if isinstance(observer, dict) else observer,
-        "binding_differences": binding_differences(ss, spec.model, model_dir, kv),
-        "kv_input_dtype": ss.kv_input_dtype,  # what the scales were measured on (the eval's: kv_input_dtype)
-    }
-    if scales["binding_differences"] and spec.force_scales:
-        scales["WARNING"] = (
-            "scales were measured on another checkpoint; used anyway because of --force-scales"
-        )
-    return scales
 
 
 def _add_passkey_specs(plan: TaskPlan, spec: EvalSpec, model_dir: Path) -> None:

@@ -360,19 +360,13 @@ def _check_numbers(config: EvalConfig) -> None:
         raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
     if config.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
-    check_kl_subsample(config.kl_subsample)
 
 
-def _scale_source(config: EvalConfig, cache: CachePlan, scales_tag: str | None) -> ScaleSource:
+def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:
     scales = config.scales
     if not scales:
         return ScaleSource()
     if scales == FIRST_BATCH:
-        if not (cache.k_fmt.calibratable and cache.v_fmt.calibratable):
-            raise UsageError(
-                f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {cache.kv_format} has "
-                "none (its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
-            )
         return ScaleSource(FIRST_BATCH, tag=FIRST_BATCH)
     if scales_tag is not None:  # a sweep cell: named by its calibration, the file may not exist yet
         return ScaleSource("file", str(scales), scales_tag)
@@ -384,9 +378,21 @@ def _scale_source(config: EvalConfig, cache: CachePlan, scales_tag: str | None) 
     return ScaleSource("file", str(scales), f"calib-{loaded.granularity}", loaded)
 
 
-def _parse_cache(config: EvalConfig) -> CachePlan:
-    """The cache's options (kvcal.kernels.plan.parse_cache_plan, the one parser of them) and their checks
-    against each other."""
+def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: bool = True) -> EvalSpec:
+    """Parse and check everything that needs no model (UsageError naming the option otherwise). `scales_tag`:
+    the run-directory tag of a scale file named before it exists (a sweep cell); the file is then loaded when
+    the run starts. `own_tasks` False: lm-eval's model (`--model kvcal --model_args ...`, kvcal.evaluate.adapter),
+    whose tasks lm-eval runs: the spec has none."""
+    _check_numbers(config)
+    scales = _scale_source(config, scales_tag)
+    check_kl_subsample(config.kl_subsample)
+    if config.dtype not in models.DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
+    device = models.check_device(config.device)
+    dtype = config.dtype if config.dtype == "auto" else models.resolve_dtype(config.dtype, model_dir=".")
+    placement = Placement.parse(config.device_map, config.max_memory, config.offload_folder)
+    placement.check()
+    # the cache's options: kvcal.kernels.plan.parse_cache_plan is the one parser of them
     cache = parse_cache_plan(
         config.kv_format,
         kv_input_dtype=config.kv_input_dtype,
@@ -406,23 +412,11 @@ def _parse_cache(config: EvalConfig) -> CachePlan:
         raise UsageError(
             "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
         )
-    return cache
-
-
-def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: bool = True) -> EvalSpec:
-    """Parse and check everything that needs no model (UsageError naming the option otherwise). `scales_tag`:
-    the run-directory tag of a scale file named before it exists (a sweep cell); the file is then loaded when
-    the run starts. `own_tasks` False: lm-eval's model (`--model kvcal --model_args ...`, kvcal.evaluate.adapter),
-    whose tasks lm-eval runs: the spec has none."""
-    _check_numbers(config)
-    if config.dtype not in models.DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
-    device = models.check_device(config.device)
-    dtype = config.dtype if config.dtype == "auto" else models.resolve_dtype(config.dtype, model_dir=".")
-    placement = Placement.parse(config.device_map, config.max_memory, config.offload_folder)
-    placement.check()
-    cache = _parse_cache(config)
-    scales = _scale_source(config, cache, scales_tag)
+    if scales.first_batch and not (cache.k_fmt.calibratable and cache.v_fmt.calibratable):
+        raise UsageError(
+            f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {cache.kv_format} has "
+            "none (its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
+        )
     tasks = tuple(parse_task_list(config.tasks)) if own_tasks else ()
     lengths: tuple[int, ...] = ()
     depths: tuple[float, ...] = ()

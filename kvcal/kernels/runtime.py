@@ -43,6 +43,7 @@ from kvcal.kernels.cache import (
 )
 from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
 from kvcal.models import KVSpec, input_device, kv_spec, parse_skip_layers
+from kvcal.scales import query_scales
 
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
 _GEN_HOOK = "_prepare_cache_for_generation"  # instance attribute set by install_generate_cache
@@ -174,7 +175,7 @@ def _check_scales(
                 "drop --scales or use fp8_e4m3, fp8_e5m2 or nvfp4"
             )
     name = fmt.name if v_fmt is fmt else f"k={fmt.name},v={v_fmt.name}"
-    if formats.parse_kv_format(scales.kv_format) != name:
+    if scales.kv_format != name:  # a ScaleSet's format is canonical (kvcal.scales.load_scale_file)
         raise UsageError(
             f"the scale file was calibrated for {scales.kv_format}, not {name}; "
             f"calibrate for {name} or pass --kv-format {scales.kv_format}"
@@ -192,24 +193,6 @@ def _check_scales(
                     f"layer {layer.index} {name}_scale has {n} values but the model has {layer.kv_heads} KV heads "
                     "(per-tensor scales have 1); it belongs to another model — recalibrate for this one"
                 )
-
-
-def query_scales(attention: str, scales: Any, num_layers: int) -> list[float] | None:
-    """Per-layer q_scale for FP8 attention: the scale file's (`kvcal calibrate --attention-scales`), 1.0 without
-    a scale file (what vLLM uses when the checkpoint has none: kv_cache.py warns "Using uncalibrated q_scale 1.0");
-    None when attention is not FP8. A scale file without q scales is refused: its K/V scales are calibrated, so a
-    silent 1.0 for Q would mix a calibrated cache with an uncalibrated query."""
-    if attention != "fp8":
-        return None
-    if scales is None:
-        return [1.0] * num_layers
-    q = getattr(scales, "q_scales", None)
-    if not q:
-        raise UsageError(
-            "--attention fp8 needs the query scale (q_scale) of every layer, but this scale file has none; "
-            "recalibrate with `kvcal calibrate --attention-scales`, or drop --scales to use q_scale 1.0"
-        )
-    return [float(torch.as_tensor(x).reshape(-1)[0]) for x in q]
 
 
 def install_plans(
