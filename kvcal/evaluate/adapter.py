@@ -27,7 +27,6 @@ from lm_eval.models.huggingface import HFLM
 
 from kvcal import models, parallel
 from kvcal.evaluate.bound import BoundSpec, bind
-from kvcal.evaluate.spec import EvalSpec
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
 
@@ -69,45 +68,36 @@ class KvcalLM(HFLM):
     ) -> None:
         # `bound`: kvcal eval's spec bound to the checkpoint (kvcal.evaluate.bound), passed whole: its cache plan
         # holds the checked scale set and skip indices, nothing is parsed or read again. Without it (lm-eval's
-        # command line, Python) the model_args strings are parsed here, once, by the same eval_spec.
-        trust = _as_bool(kwargs.get("trust_remote_code", False))
-        spec = (
-            bound.spec
-            if bound is not None
-            else lm_eval_spec(
-                str(model_ref or _name_of(pretrained)),
+        # command line, Python) the model_args strings are parsed here, once, by the same eval_spec and bind.
+        if bound is None:
+            bound = bind_model_args(
+                pretrained,
                 kv_format=kv_format,
                 kv_scales=kv_scales,
                 skip_layers=skip_layers,
                 impl=impl,
                 force_scales=force_scales,
+                model_ref=model_ref,
                 nvfp4_global=nvfp4_global,
                 kv_input_dtype=kv_input_dtype,
                 attention=attention,
                 device_map=device_map,
                 max_memory=max_memory,
                 offload_folder=offload_folder,
-                trust_remote_code=trust,
+                trust_remote_code=kwargs.get("trust_remote_code", False),
             )
-        )
-        placement = spec.placement
+        placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
-            # real-model names and .gguf files become a local safetensors folder (kvcal.models)
-            model_dir = (
-                bound.model_dir if bound is not None else models.resolve_model(pretrained, trust_remote_code=trust)
-            )
-            pretrained = str(model_dir)
+            pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
             if placement.active:  # accelerate's dispatch: kvcal loads, HFLM takes the placed model
                 placed = models.load_model(
-                    model_dir,
+                    bound.model_dir,
                     dtype=str(kwargs.pop("dtype", "auto")),
-                    trust_remote_code=trust,
+                    trust_remote_code=bound.spec.trust_remote_code,
                     placement=placement,
                 )
                 pretrained, kwargs["tokenizer"] = placed.model, placed.tokenizer
                 kwargs.pop("device", None)
-        else:  # an already-built transformers model
-            model_dir = Path(getattr(pretrained, "name_or_path", "."))
         super().__init__(pretrained=pretrained, **kwargs)
         if placement.active:  # inputs go where the embedding is (HFLM took the first parameter's device)
             self._device = models.input_device(self.model)
@@ -118,13 +108,10 @@ class KvcalLM(HFLM):
         self._kvcal_tp = parallel.from_env() if kwargs.get("tp_plan") is not None else parallel.Dist()
         if self._kvcal_dist.active:
             self._rank, self._world_size = self._kvcal_dist.rank, self._kvcal_dist.world_size
-        self.model_ref = spec.model
-        self.model_dir = model_dir
-        if bound is None and spec.quantized:
-            bound = bind(spec, model_dir=model_dir, hf_config=self.model.config)
-        # what the runtime installs: the bound cache plan (format auto: the spec's, nothing installed)
-        self.cache: CachePlan = bound.cache if bound is not None else spec.cache
-        self.scales_path = spec.scales.path
+        self.model_ref = bound.spec.model
+        self.model_dir = bound.model_dir
+        self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
+        self.scales_path = bound.spec.scales.path
         self.runtime: Any = None
         if self.cache.quantized:
             self.activate_runtime()
@@ -235,14 +222,17 @@ def _given(value: Any) -> str | None:
     return None if value in (None, "", "none", "None") else str(value)
 
 
-def lm_eval_spec(model: str, **model_args: Any) -> EvalSpec:
-    """lm-eval's `--model_args` of the cache (strings as typed) as a spec, through `eval_spec`, the parser
-    kvcal eval uses: the spec has no tasks (lm-eval runs its own); the kv input dtype defaults to none (K/V
-    quantized as computed, the adapter's behaviour before the option existed)."""
+def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
+    """lm-eval's `--model_args` of the cache (strings as typed) parsed by `eval_spec`, the parser kvcal eval uses,
+    and bound to the checkpoint by `bind`: the spec has no tasks (lm-eval runs its own); the kv input dtype
+    defaults to none (K/V quantized as computed, the adapter's behaviour before the option existed).
+    `pretrained`: a folder, hub id, .gguf file or real-model name, or an already-built transformers model."""
     from kvcal.evaluate.spec import EvalConfig, eval_spec
 
+    trust = _as_bool(model_args.get("trust_remote_code", False))
+    built = not isinstance(pretrained, (str, os.PathLike))
     config = EvalConfig(
-        model=model,
+        model=str(model_args.get("model_ref") or _name_of(pretrained)),
         kv_format=str(model_args.get("kv_format") or "auto"),
         scales=_given(model_args.get("kv_scales")),
         skip_layers=_given(model_args.get("skip_layers")),
@@ -254,9 +244,12 @@ def lm_eval_spec(model: str, **model_args: Any) -> EvalSpec:
         device_map=_given(model_args.get("device_map")),
         max_memory=_given(model_args.get("max_memory")),
         offload_folder=_given(model_args.get("offload_folder")),
-        trust_remote_code=bool(model_args.get("trust_remote_code", False)),
+        trust_remote_code=trust,
     )
-    return eval_spec(config, own_tasks=False)
+    spec = eval_spec(config, own_tasks=False)
+    if built:  # its folder (for the scale file's binding) and its config
+        return bind(spec, model_dir=Path(getattr(pretrained, "name_or_path", ".")), hf_config=pretrained.config)
+    return bind(spec, model_dir=models.resolve_model(pretrained, trust_remote_code=trust))
 
 
 @contextmanager
