@@ -63,29 +63,38 @@ class KvcalLM(HFLM):
         device_map: str | None = None,
         max_memory: str | None = None,
         offload_folder: str | None = None,
-        bound: BoundSpec | None = None,
         **kwargs: Any,
     ) -> None:
-        # `bound`: kvcal eval's spec bound to the checkpoint (kvcal.evaluate.bound), passed whole: its cache plan
-        # holds the checked scale set and skip indices, nothing is parsed or read again. Without it (lm-eval's
-        # command line, Python) the model_args strings are parsed here, once, by the same eval_spec and bind.
-        if bound is None:
-            bound = bind_model_args(
-                pretrained,
-                kv_format=kv_format,
-                kv_scales=kv_scales,
-                skip_layers=skip_layers,
-                impl=impl,
-                force_scales=force_scales,
-                model_ref=model_ref,
-                nvfp4_global=nvfp4_global,
-                kv_input_dtype=kv_input_dtype,
-                attention=attention,
-                device_map=device_map,
-                max_memory=max_memory,
-                offload_folder=offload_folder,
-                trust_remote_code=kwargs.get("trust_remote_code", False),
-            )
+        # lm-eval's command line and Python: the model_args strings parsed here, once, by the same eval_spec and
+        # bind that kvcal eval uses; kvcal eval itself builds the LM with `from_bound`
+        bound = bind_model_args(
+            pretrained,
+            kv_format=kv_format,
+            kv_scales=kv_scales,
+            skip_layers=skip_layers,
+            impl=impl,
+            force_scales=force_scales,
+            model_ref=model_ref,
+            nvfp4_global=nvfp4_global,
+            kv_input_dtype=kv_input_dtype,
+            attention=attention,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            trust_remote_code=kwargs.get("trust_remote_code", False),
+        )
+        self._set_up(bound, pretrained, kwargs)
+
+    @classmethod
+    def from_bound(cls, bound: BoundSpec, **kwargs: Any) -> KvcalLM:
+        """kvcal eval's LM: the spec bound to the checkpoint (kvcal.evaluate.bound) passed whole; its cache plan
+        holds the checked scale set and skip indices, nothing is parsed or read again. `kwargs`: HFLM's."""
+        lm = cls.__new__(cls)
+        lm._set_up(bound, str(bound.model_dir), kwargs)
+        return lm
+
+    def _set_up(self, bound: BoundSpec, pretrained: Any, kwargs: dict[str, Any]) -> None:
+        """HFLM's load of `pretrained` (the bound folder, or a built model) and the bound cache plan installed."""
         placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder

@@ -345,9 +345,8 @@ def _make_lm(bound: BoundSpec) -> Any:
     from kvcal.evaluate.adapter import KvcalLM
 
     spec = bound.spec
-    return KvcalLM(
-        pretrained=str(bound.model_dir),
-        bound=bound,
+    return KvcalLM.from_bound(
+        bound,
         dtype=bound.dtype,
         device=spec.device,
         batch_size=spec.batch_size,
