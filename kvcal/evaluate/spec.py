@@ -6,11 +6,13 @@ disagree on a default, a name or what config.yaml records. The spec
 - holds PARSED values: the canonical format (or K/V pair), the kv input dtype, passkey lengths / depths, the
   task names, the placement, and the scale source (none / first-batch / a file, loaded at most once per run);
 - names its run directory (`run_dir_name`: kvcal eval's and the sweep's one namer);
-- records itself (`recorded_fields`: what config.yaml holds that needs no checkpoint; kvcal.evaluate.run adds the
+- records itself (`recorded_fields`: what config.yaml holds that needs no checkpoint; kvcal.evaluate.bound.bind adds the
   checkpoint's part);
 - says how it differs from a recorded run (`differences`).
 
-Nothing here loads a model or imports lm-eval's model code. The only string parsing of eval options is here.
+Nothing here loads a model or imports lm-eval's model code. The only string parsing of eval options is here (the
+cache's options through kvcal.kernels.plan.parse_cache_plan); lm-eval's `--model kvcal --model_args` strings come
+through here too (kvcal.evaluate.adapter.bind_model_args). What needs the checkpoint: kvcal.evaluate.bound.
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ class EvalSpec:
     # ---- config.yaml -------------------------------------------------------------------------------------------
 
     def recorded_fields(self) -> dict[str, Any]:
-        """The RunConfig fields this spec decides without a checkpoint (kvcal.evaluate.run.record_config adds
+        """The RunConfig fields this spec decides without a checkpoint (kvcal.evaluate.bound.bind adds
         model_dir, the resolved dtype of 'auto', the skip indices and the scale file's check)."""
         kl, passkey = self.has_kl, self.has_passkey
         return {
