@@ -501,13 +501,54 @@ def check_scales_for_model(
     force: bool = False,
 ) -> ScaleSet:
     """`load_scales_for_model`'s checks of an already loaded scale file (`path` names it in messages)."""
-    if kv_format is not None:
-        want = canonical_format(kv_format)
-        if want != ss.kv_format:
-            raise KvcalError(
-                f"scale file '{path}' holds {ss.kv_format} scales but the KV format is {want}; "
-                f"calibrate for {want} or use --kv-format {ss.kv_format}"
-            )
+    want = None if kv_format is None else canonical_format(kv_format)
+    return _checked(ss, path, model_ref, model_dir, kv, want, force)[0]
+
+
+def bind_scale_file(
+    ss: ScaleSet,
+    path: str | os.PathLike[str],
+    model_ref: str,
+    model_dir: str | os.PathLike[str],
+    kv: KVSpec,
+    *,
+    kv_format: str,
+    force: bool,
+    attention: str,
+) -> tuple[ScaleSet, dict[str, Any]]:
+    """An evaluation's scale file against its checkpoint (kvcal.evaluate.bound.bind): `check_scales_for_model`'s
+    checks with the spec's canonical `kv_format`, the query scales `--attention fp8` needs, and config.yaml's
+    `scales` record (what the file is and how it fits the checkpoint; the binding compared once)."""
+    ss, diffs = _checked(ss, path, model_ref, model_dir, kv, kv_format, force)
+    query_scales(attention, ss, kv.num_layers)  # --attention fp8 refuses a scale file without q_scale
+    observer = ss.manifest.get("observer")
+    record: dict[str, Any] = {
+        "sha256": file_sha256(path),
+        "granularity": ss.granularity,
+        "observer": observer.get("name") if isinstance(observer, dict) else observer,
+        "binding_differences": diffs,
+        "kv_input_dtype": ss.kv_input_dtype,  # what the scales were measured on (the eval's: kv_input_dtype)
+    }
+    if diffs and force:
+        record["WARNING"] = "scales were measured on another checkpoint; used anyway because of --force-scales"
+    return ss, record
+
+
+def _checked(
+    ss: ScaleSet,
+    path: str | os.PathLike[str],
+    model_ref: str,
+    model_dir: str | os.PathLike[str],
+    kv: KVSpec,
+    want: str | None,
+    force: bool,
+) -> tuple[ScaleSet, list[str]]:
+    """(`ss`, its binding differences) after the checks; `want`: the canonical format the run uses."""
+    if want is not None and want != ss.kv_format:
+        raise KvcalError(
+            f"scale file '{path}' holds {ss.kv_format} scales but the KV format is {want}; "
+            f"calibrate for {want} or use --kv-format {ss.kv_format}"
+        )
     geometry = _geometry_differences(ss.binding, kv)
     if geometry:
         raise KvcalError(
@@ -527,7 +568,25 @@ def check_scales_for_model(
         ]
         for w in ss.binding_warnings:
             log.warning(w)
-    return ss
+    return ss, diffs
+
+
+def query_scales(attention: str, scales: ScaleSet | None, num_layers: int) -> list[float] | None:
+    """Per-layer q_scale for FP8 attention: the scale file's (`kvcal calibrate --attention-scales`), 1.0 without
+    a scale file (what vLLM uses when the checkpoint has none: kv_cache.py warns "Using uncalibrated q_scale 1.0");
+    None when attention is not FP8. A scale file without q scales is refused: its K/V scales are calibrated, so a
+    silent 1.0 for Q would mix a calibrated cache with an uncalibrated query."""
+    if attention != "fp8":
+        return None
+    if scales is None:
+        return [1.0] * num_layers
+    q = scales.q_scales
+    if not q:
+        raise UsageError(
+            "--attention fp8 needs the query scale (q_scale) of every layer, but this scale file has none; "
+            "recalibrate with `kvcal calibrate --attention-scales`, or drop --scales to use q_scale 1.0"
+        )
+    return [float(torch.as_tensor(x).reshape(-1)[0]) for x in q]
 
 
 def resolve_model_and_spec(model: str) -> tuple[Path, KVSpec]:

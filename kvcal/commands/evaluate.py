@@ -212,7 +212,8 @@ def eval_cmd(
         return
     kv = results.get("kvcal", {}).get("kv_format", kv_format)
     console.print(_results_table(results, title=f"{model} · kv {kv} · {run_dir}"))
-    console.print(_metrics_line(metrics), highlight=False)
+    env = json.loads((run_dir / rundir.ENV).read_text()) if (run_dir / rundir.ENV).is_file() else {}
+    console.print(_metrics_line(metrics, env), highlight=False)
 
 
 def _fmt(value: Any) -> str:
@@ -244,10 +245,21 @@ def _results_table(results: dict[str, Any], title: str) -> Table:
     return table
 
 
-def _metrics_line(metrics: dict[str, Any]) -> str:
-    tps = metrics.get("tokens_per_s")
+def _metrics_line(metrics: dict[str, Any], env: dict[str, Any]) -> str:
+    """The closing line: prefill tokens/s and, where the run generated, decode tokens/s and TPOT
+    (metrics.json, kvcal.evaluate.timing) — the emulator's speed on this device, not an engine's."""
+    device = env.get("gpu") or " ".join(str(p) for p in (env.get("device"), env.get("processor")) if p) or "?"
+    speed = [f"prefill {_rate(metrics.get('prefill_tokens_per_s'))} tokens/s"]
+    if metrics.get("decode_tokens"):
+        tpot = metrics.get("tpot_s")
+        speed.append(f"decode {_rate(metrics.get('decode_tokens_per_s'))} tokens/s")
+        speed.append(f"TPOT {'-' if tpot is None else f'{tpot * 1e3:.1f} ms'}")
     return (
-        f"wall {metrics.get('wall_s', 0):.1f} s · {_fmt(tps) if tps else '-'} tokens/s · peak RSS "
+        f"emulation on {device}: {' · '.join(speed)} · peak RSS "
         f"{metrics.get('peak_rss_bytes', 0) / 2**30:.2f} GiB · cache {metrics.get('bytes_per_token', 0):.0f} B/token "
         f"({metrics.get('capacity_multiplier_vs_bf16', 0):.2f}x BF16 capacity)"
     )
+
+
+def _rate(value: Any) -> str:
+    return "-" if not value else f"{value:.4g}"

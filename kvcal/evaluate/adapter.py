@@ -14,6 +14,7 @@ reference). Otherwise:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,12 +26,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from kvcal import models, parallel
-from kvcal.errors import UsageError
+from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.timing import ForwardTimer, generate_call
-from kvcal.formats import parse_kv_format
-from kvcal.placement import Placement
-
-FIRST_BATCH = "first-batch"  # kv_scales value: vLLM's calculate_kv_scales (= kvcal.kernels.cache.FIRST_BATCH)
+from kvcal.kernels.plan import CachePlan
 
 
 def _as_bool(value: Any) -> bool:
@@ -65,33 +63,50 @@ class KvcalLM(HFLM):
         device_map: str | None = None,
         max_memory: str | None = None,
         offload_folder: str | None = None,
-        kv_scale_set: Any = None,
-        skip_set: frozenset[int] | None = None,
-        placement: Placement | None = None,
         **kwargs: Any,
     ) -> None:
-        # kv_scale_set / skip_set / placement: already loaded / resolved / parsed by run_eval (kvcal.evaluate.spec),
-        # so nothing is read twice; lm-eval's command line passes the strings instead
-        placement = placement or Placement.parse(device_map, max_memory, offload_folder)
+        # lm-eval's command line and Python: the model_args strings parsed here, once, by the same eval_spec and
+        # bind that kvcal eval uses; kvcal eval itself builds the LM with `from_bound`
+        bound = bind_model_args(
+            pretrained,
+            kv_format=kv_format,
+            kv_scales=kv_scales,
+            skip_layers=skip_layers,
+            impl=impl,
+            force_scales=force_scales,
+            model_ref=model_ref,
+            nvfp4_global=nvfp4_global,
+            kv_input_dtype=kv_input_dtype,
+            attention=attention,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            trust_remote_code=kwargs.get("trust_remote_code", False),
+        )
+        self._set_up(bound, pretrained, kwargs)
+
+    @classmethod
+    def from_bound(cls, bound: BoundSpec, **kwargs: Any) -> KvcalLM:
+        """kvcal eval's LM: the spec bound to the checkpoint (kvcal.evaluate.bound) passed whole; its cache plan
+        holds the checked scale set and skip indices, nothing is parsed or read again. `kwargs`: HFLM's."""
+        lm = cls.__new__(cls)
+        lm._set_up(bound, str(bound.model_dir), kwargs)
+        return lm
+
+    def _set_up(self, bound: BoundSpec, pretrained: Any, kwargs: dict[str, Any]) -> None:
+        """HFLM's load of `pretrained` (the bound folder, or a built model) and the bound cache plan installed."""
+        placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
-            # real-model names and .gguf files become a local safetensors folder (kvcal.models)
-            trust = _as_bool(kwargs.get("trust_remote_code", False))
-            ref, model_dir = str(pretrained), models.resolve_model(pretrained, trust_remote_code=trust)
-            pretrained = str(model_dir)
+            pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
             if placement.active:  # accelerate's dispatch: kvcal loads, HFLM takes the placed model
                 placed = models.load_model(
-                    model_dir,
+                    bound.model_dir,
                     dtype=str(kwargs.pop("dtype", "auto")),
-                    trust_remote_code=trust,
+                    trust_remote_code=bound.spec.trust_remote_code,
                     placement=placement,
                 )
                 pretrained, kwargs["tokenizer"] = placed.model, placed.tokenizer
                 kwargs.pop("device", None)
-        else:  # an already-built transformers model
-            ref, model_dir = (
-                str(model_ref or getattr(pretrained, "name_or_path", "model")),
-                Path(getattr(pretrained, "name_or_path", ".")),
-            )
         super().__init__(pretrained=pretrained, **kwargs)
         if placement.active:  # inputs go where the embedding is (HFLM took the first parameter's device)
             self._device = models.input_device(self.model)
@@ -102,46 +117,13 @@ class KvcalLM(HFLM):
         self._kvcal_tp = parallel.from_env() if kwargs.get("tp_plan") is not None else parallel.Dist()
         if self._kvcal_dist.active:
             self._rank, self._world_size = self._kvcal_dist.rank, self._kvcal_dist.world_size
-        self.model_ref = str(model_ref or ref)
-        self.model_dir = model_dir
-        self.kv_format = parse_kv_format(kv_format)
-        self.impl = str(impl or "auto")
-        self.scales_path = str(kv_scales) if kv_scales not in (None, "", "none", "None") else None
-        # kv_scales=first-batch: vLLM's calculate_kv_scales (kvcal.kernels.cache.FirstBatchScales), not a file
-        self.first_batch = self.scales_path == FIRST_BATCH
-        if self.first_batch:
-            self.scales_path = None
-        self.kv_input_dtype = None if kv_input_dtype in (None, "", "none", "None") else str(kv_input_dtype)
-        self.skip_spec = str(skip_layers) if skip_layers not in (None, "", "none", "None") else ""
-        self.force_scales = _as_bool(force_scales)
-        self.nvfp4_global = str(nvfp4_global)
-        self.attention = str(attention or "kv")  # "fp8": vLLM's FA3 FP8 attention (kvcal.kernels.attention)
-        self.scale_set: Any = None
-        self.skip_layers: frozenset[int] = frozenset()
+        self.model_ref = bound.spec.model
+        self.model_dir = bound.model_dir
+        self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
+        self.scales_path = bound.spec.scales.path
         self.runtime: Any = None
-        if self.kv_format == "auto":
-            if self.scales_path or self.skip_spec:
-                raise UsageError(
-                    "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
-                )
-            return
-        self.runtime, self.scale_set, self.skip_layers = build_runtime(
-            self.model,
-            model_ref=self.model_ref,
-            model_dir=self.model_dir,
-            kv_format=self.kv_format,
-            scales_path=self.scales_path,
-            skip_spec=self.skip_spec,
-            impl=self.impl,
-            force_scales=self.force_scales,
-            nvfp4_global=self.nvfp4_global,
-            kv_input_dtype=self.kv_input_dtype,
-            first_batch=self.first_batch,
-            attention=self.attention,
-            scale_set=kv_scale_set,
-            skip=skip_set,
-        )
-        shard_runtime_by_head(self.runtime, self.model, self._kvcal_tp)
+        if self.cache.quantized:
+            self.activate_runtime()
 
     # ---- lm-eval's collectives over torch.distributed (HFLM's go through accelerate, GPU runs only) --------
 
@@ -199,24 +181,29 @@ class KvcalLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def activate_runtime(self) -> None:
-        """(Re)install this LM's KV configuration on its model. A model carries one KVRuntime at a time, so
-        anything that installs another one (the kl task's BF16 baseline) calls this afterwards."""
+        """(Re)install this LM's cache plan on its model. A model carries one KVRuntime at a time, so anything
+        that installs another one (the kl task's BF16 baseline) calls this afterwards."""
         from kvcal.kernels.runtime import KVRuntime
 
-        rt = KVRuntime(
-            self.model,
-            self.kv_format,
-            scales=self.scale_set,
-            skip_layers=self.skip_layers,
-            impl=self.impl,
-            nvfp4_global=self.nvfp4_global,
-            kv_input_dtype=self.kv_input_dtype,
+        plan = self.cache
+        if self.runtime is not None and self.runtime.first_batch is not None:
             # the scales the first batch fixed stay fixed (vLLM keeps them for the server's lifetime)
-            first_batch=getattr(self.runtime, "first_batch", None) or self.first_batch,
-            attention=self.attention,
-        )
+            plan = dataclasses.replace(plan, first_batch=self.runtime.first_batch)
+        rt = KVRuntime.from_plan(self.model, plan)
         shard_runtime_by_head(rt, self.model, self._kvcal_tp)
-        self.runtime = None if self.kv_format == "auto" else rt
+        self.runtime = rt if plan.quantized else None
+
+    @property
+    def kv_format(self) -> str:
+        return self.cache.kv_format
+
+    @property
+    def skip_layers(self) -> frozenset[int]:
+        return self.cache.skip_layers
+
+    @property
+    def scale_set(self) -> Any:
+        return self.cache.scales
 
     def kvcal_describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -225,11 +212,53 @@ class KvcalLM(HFLM):
             "kv_format": self.kv_format,
             "scales": self.scales_path,
             "skip_layers": sorted(self.skip_layers),
-            "impl": self.impl,
+            "impl": self.cache.impl,
         }
         if self.runtime is not None:
             info["runtime"] = self.runtime.describe()
         return info
+
+
+def _name_of(pretrained: Any) -> str:
+    """The model's name as lm-eval gave it: a path or name, or a built model's name_or_path."""
+    if isinstance(pretrained, (str, os.PathLike)):
+        return str(pretrained)
+    return str(getattr(pretrained, "name_or_path", "model"))
+
+
+def _given(value: Any) -> str | None:
+    """A model_args string, None where lm-eval's command line leaves it empty or writes none."""
+    return None if value in (None, "", "none", "None") else str(value)
+
+
+def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
+    """lm-eval's `--model_args` of the cache (strings as typed) parsed by `eval_spec`, the parser kvcal eval uses,
+    and bound to the checkpoint by `bind`: the spec has no tasks (lm-eval runs its own); the kv input dtype
+    defaults to none (K/V quantized as computed, the adapter's behaviour before the option existed).
+    `pretrained`: a folder, hub id, .gguf file or real-model name, or an already-built transformers model."""
+    from kvcal.evaluate.spec import EvalConfig, eval_spec
+
+    trust = _as_bool(model_args.get("trust_remote_code", False))
+    built = not isinstance(pretrained, (str, os.PathLike))
+    config = EvalConfig(
+        model=str(model_args.get("model_ref") or _name_of(pretrained)),
+        kv_format=str(model_args.get("kv_format") or "auto"),
+        scales=_given(model_args.get("kv_scales")),
+        skip_layers=_given(model_args.get("skip_layers")),
+        impl=str(model_args.get("impl") or "auto"),
+        force_scales=_as_bool(model_args.get("force_scales", False)),
+        nvfp4_global=str(model_args.get("nvfp4_global") or "one"),
+        kv_input_dtype=_given(model_args.get("kv_input_dtype")),
+        attention=str(model_args.get("attention") or "kv"),
+        device_map=_given(model_args.get("device_map")),
+        max_memory=_given(model_args.get("max_memory")),
+        offload_folder=_given(model_args.get("offload_folder")),
+        trust_remote_code=trust,
+    )
+    spec = eval_spec(config, own_tasks=False)
+    if built:  # its folder (for the scale file's binding) and its config
+        return bind(spec, model_dir=Path(getattr(pretrained, "name_or_path", ".")), hf_config=pretrained.config)
+    return bind(spec, model_dir=models.resolve_model(pretrained, trust_remote_code=trust))
 
 
 @contextmanager
@@ -268,8 +297,6 @@ def shard_runtime_by_head(runtime: Any, model: Any, tp: parallel.Dist) -> None:
     with gloo: 2 ranks give 1 rank's logits to float rounding (docs/scaling-out.md)."""
     if runtime is None or not tp.active:
         return
-    import dataclasses
-
     from kvcal.kernels.runtime import install_plans
 
     kv = models.kv_spec(model.config)
@@ -282,51 +309,6 @@ def shard_runtime_by_head(runtime: Any, model: Any, tp: parallel.Dist) -> None:
         for p, layer in zip(runtime.plans, kv.layers, strict=True)
     ]
     install_plans(model, runtime.plans, runtime.impl, nonfinite=runtime.nonfinite)
-
-
-def build_runtime(
-    model: Any,
-    *,
-    model_ref: str,
-    model_dir: Path,
-    kv_format: str,
-    scales_path: str | None,
-    skip_spec: str,
-    impl: str,
-    force_scales: bool,
-    nvfp4_global: str = "one",
-    kv_input_dtype: str | None = None,
-    first_batch: bool = False,
-    attention: str = "kv",
-    scale_set: Any = None,
-    skip: frozenset[int] | None = None,
-) -> tuple[Any, Any, frozenset[int]]:
-    """(KVRuntime, ScaleSet | None, skipped layer indices) for `model`; the scale file is checked against the
-    checkpoint (binding, format, layer count) by kvcal.scales. `scale_set` / `skip`: checked / resolved already
-    (run_eval), not read again from `scales_path` / `skip_spec`."""
-    from kvcal.kernels.runtime import KVRuntime
-
-    kv = models.kv_spec(model.config)
-    if skip is None:
-        skip = models.parse_skip_layers(skip_spec, kv)
-    if scale_set is None and scales_path:
-        from kvcal.scales import load_scales_for_model  # refuses a missing file with one UsageError
-
-        scale_set = load_scales_for_model(
-            scales_path, model_ref, model_dir, kv, kv_format=kv_format, force=force_scales
-        )
-    runtime = KVRuntime(
-        model,
-        kv_format,
-        scales=scale_set,
-        skip_layers=skip,
-        impl=impl,
-        nvfp4_global=nvfp4_global,
-        kv_input_dtype=kv_input_dtype,
-        first_batch=first_batch,
-        attention=attention,
-    )
-    return runtime, scale_set, skip
 
 
 def lm_eval_main() -> None:

@@ -340,6 +340,7 @@ def lm_sides(lm: Any, impl: str) -> tuple[SessionFactory, Baseline]:
 
     from kvcal.formats import get_format
     from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
+    from kvcal.kernels.plan import CachePlan
     from kvcal.kernels.runtime import KVRuntime, resolve_impl
 
     model = lm.model
@@ -349,13 +350,13 @@ def lm_sides(lm: Any, impl: str) -> tuple[SessionFactory, Baseline]:
         return forward_session(model, rt.new_cache() if rt is not None else DynamicCache(config=model.config))
 
     rt = lm.runtime
+    bf16 = get_format("bf16")
     # FP8 attention (a plan's q_scale) is read from the attention module's plan, not from the cache: swap then
     if (
         rt is not None
         and rt.impl == resolve_impl(impl, next(model.parameters()).device)
         and all(getattr(p, "q_scale", None) is None for p in rt.plans)
     ):
-        bf16 = get_format("bf16")
         plans = [LayerPlan(index=p.index, fmt=bf16, window=p.window) for p in rt.plans]
 
         @contextmanager
@@ -370,7 +371,8 @@ def lm_sides(lm: Any, impl: str) -> tuple[SessionFactory, Baseline]:
 
     @contextmanager
     def installed() -> Iterator[SessionFactory]:
-        rt = KVRuntime(model, "bf16", impl=impl)  # replaces the evaluated configuration for a moment
+        # replaces the evaluated configuration for a moment
+        rt = KVRuntime.from_plan(model, CachePlan(k_fmt=bf16, v_fmt=bf16, impl=impl))
         try:
             yield lambda: forward_session(model, rt.new_cache())
         finally:

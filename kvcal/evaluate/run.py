@@ -9,7 +9,6 @@ metrics.json -> COMPLETE.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import platform
 import resource
@@ -20,112 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcal import __version__, models, parallel
+from kvcal import __version__, parallel
 from kvcal.capacity import run_capacity
 from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.bound import BoundSpec, bind, task_plan
 from kvcal.evaluate.git_probe import quiet_git_probe
 from kvcal.evaluate.runstore import RunStore
 from kvcal.evaluate.spec import EvalConfig, EvalSpec, as_spec, run_dir_name
-from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, resolve_tasks, task_manager_for
+from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, task_manager_for
 from kvcal.evaluate.timing import FORWARDS_KEY, ForwardTimer, ForwardTotals, run_timing
 from kvcal.rundir import ENV, METRICS, RESULTS, RunConfig
 
-__all__ = ["EvalConfig", "EvalSpec", "record_config", "run_dir_name", "run_eval", "task_plan"]
-
-
-# ---- the task plan + the recorded config --------------------------------------------------------------------
-
-
-def task_plan(spec: EvalSpec) -> TaskPlan:
-    """The spec's tasks as lm-eval specs, their data files checked (nothing here imports lm-eval's model code)."""
-    return resolve_tasks(
-        list(spec.tasks),
-        include_path=spec.include_path,
-        data_dir=spec.data_dir,
-        gpqa_password=spec.gpqa_password,
-    )
-
-
-def check_lengths(spec: EvalSpec, kv: models.KVSpec) -> None:
-    """Lengths the model's config bounds: a kl window and the generated tokens must fit its positions."""
-    limit = kv.max_position_embeddings
-    if not limit:
-        return
-    if spec.has_kl and spec.kl_seq_len > limit:
-        raise UsageError(
-            f"--kl-seq-len {spec.kl_seq_len} is longer than the model's {limit} positions "
-            f"(max_position_embeddings); use --kl-seq-len {limit} or less"
-        )
-    if spec.max_gen_toks is not None and spec.max_gen_toks >= limit:
-        raise UsageError(
-            f"--max-gen-toks {spec.max_gen_toks} leaves no room for a prompt in the model's {limit} positions "
-            f"(max_position_embeddings); use fewer than {limit}"
-        )
-    if spec.has_passkey:
-        from kvcal.evaluate.passkey import GEN_TOKS, check_positions
-
-        check_positions(list(spec.passkey_lengths), limit, spec.max_gen_toks or GEN_TOKS)
-
-
-def _checked_scales(spec: EvalSpec, model_dir: Path, kv: models.KVSpec) -> Any:
-    """The spec's scale file (loaded once: by eval_spec, or here for a sweep cell), checked against the
-    checkpoint (format, geometry, binding) before any write; None without a file."""
-    ss = spec.scales.load()
-    if ss is None:
-        return None
-    from kvcal.scales import check_scales_for_model
-
-    ss = check_scales_for_model(
-        ss, spec.scales.path, spec.model, model_dir, kv, kv_format=spec.kv_format, force=spec.force_scales
-    )
-    if spec.attention == "fp8":
-        from kvcal.kernels.runtime import query_scales
-
-        query_scales(spec.attention, ss, kv.num_layers)  # refuses a scale file without q_scale
-    return ss
-
-
-def _scales_record(spec: EvalSpec, ss: Any, model_dir: Path, kv: models.KVSpec) -> dict[str, Any] | None:
-    """config.yaml's `scales`: what the scale file is and how it fits the checkpoint."""
-    if ss is None:
-        return None
-    from kvcal.scales import binding_differences
-
-    observer = ss.manifest.get("observer")
-    scales: dict[str, Any] = {
-        "sha256": models.sha256_file(spec.scales.path),
-        "granularity": ss.granularity,
-        "observer": observer.get("name") if isinstance(observer, dict) else observer,
-        "binding_differences": binding_differences(ss, spec.model, model_dir, kv),
-        "kv_input_dtype": ss.kv_input_dtype,  # what the scales were measured on (the eval's: kv_input_dtype)
-    }
-    if scales["binding_differences"] and spec.force_scales:
-        scales["WARNING"] = (
-            "scales were measured on another checkpoint; used anyway because of --force-scales"
-        )
-    return scales
-
-
-def record_config(spec: EvalSpec, plan: TaskPlan, model_dir: Path) -> tuple[RunConfig, EvalSpec]:
-    """What config.yaml records (the run's identity): the spec's own fields plus the checkpoint's part (resolved
-    dtype and skip layers, the scale file's check). Returns it with the spec whose scale source holds the checked
-    scale file (what the run passes down: nothing reloads it). UsageError for lengths the model cannot hold."""
-    kv = models.kv_spec(models.load_config(model_dir, trust_remote_code=spec.trust_remote_code))
-    check_lengths(spec, kv)
-    ss = _checked_scales(spec, model_dir, kv)
-    if ss is not None:
-        spec = dataclasses.replace(spec, scales=dataclasses.replace(spec.scales, loaded=ss))
-    fields = spec.recorded_fields()
-    recorded = RunConfig(
-        **fields,
-        model_dir=str(model_dir),
-        scales=_scales_record(spec, ss, model_dir, kv),
-        skip_layer_indices=sorted(models.parse_skip_layers(spec.skip_layers, kv)),
-        include_path=plan.include_path,
-        dtype=models.resolve_dtype(spec.dtype, model_dir),
-        kvcal_version=__version__,
-    )
-    return recorded, spec
+__all__ = ["BoundSpec", "EvalConfig", "EvalSpec", "bind", "run_dir_name", "run_eval", "task_plan"]
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -268,11 +173,9 @@ def run_eval(config: EvalSpec | EvalConfig, progress: Callable[[str], None] | No
     directory. A complete directory with the same config is returned untouched; an interrupted one resumes
     (finished tasks are not rerun)."""
     say = progress or (lambda _msg: None)
-    spec = as_spec(config)
-    plan = task_plan(spec)
-    model_dir = models.resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
-    recorded, spec = record_config(spec, plan, model_dir)
-    _add_passkey_specs(plan, spec, model_dir)  # before the run directory opens: a length it cannot fill
+    bound = bind(as_spec(config))  # everything checked, against the checkpoint too, before anything is written
+    spec, plan, recorded = bound.spec, bound.tasks, bound.recorded
+    assert plan is not None and recorded is not None  # a spec of kvcal eval has tasks
     out = spec.run_dir
     store = RunStore(out)
     if spec.limit is not None:  # several processes (torchrun): each needs a sample
@@ -285,12 +188,12 @@ def run_eval(config: EvalSpec | EvalConfig, progress: Callable[[str], None] | No
         return out
     if dist.is_main:
         store.write_json(ENV, environment(spec.device))
-    lm = _run_tasks(store, plan, spec, recorded, say, dist)
+    lm = _run_tasks(store, bound, say, dist)
     if not dist.is_main:
         return out
     parts = [store.finished_task(t) or {} for t in plan.names]
-    store.write_json(RESULTS, _results(parts, spec, recorded, lm))
-    store.write_json(METRICS, _metrics(parts, plan, recorded))
+    store.write_json(RESULTS, _results(parts, bound, lm))
+    store.write_json(METRICS, _metrics(parts, bound))
     store.mark_complete(recorded)
     say(f"{out}: complete")
     return out
@@ -318,14 +221,14 @@ def _open_store(store: RunStore, recorded: RunConfig, dist: parallel.Dist) -> st
 
 def _run_tasks(
     store: RunStore,
-    plan: TaskPlan,
-    config: EvalSpec,
-    recorded: RunConfig,
+    bound: BoundSpec,
     say: Callable[[str], None],
     dist: parallel.Dist | None = None,
 ) -> Any:
     """Run every unfinished task (one model load), saving each as it finishes (rank 0: the others run their
     share of each task). Returns the LM, or None when every task was already done."""
+    plan, recorded, config = bound.tasks, bound.recorded, bound.spec
+    assert plan is not None and recorded is not None
     dist = dist or parallel.Dist()
     # decided once, on rank 0, before it writes anything: every rank runs the same tasks
     pending = parallel.broadcast_object([t for t in plan.names if store.finished_task(t) is None], dist)
@@ -335,7 +238,7 @@ def _run_tasks(
     if not pending:
         return None
     say(f"loading {recorded.model} ({recorded.dtype}, {recorded.device}, kv {recorded.kv_format})")
-    lm = _make_lm(config, recorded)
+    lm = _make_lm(bound)
     # prefill / decode forwards and TTFT (kvcal.evaluate.timing); the LM marks its generate calls
     lm.forward_timer = timer = ForwardTimer(lm.model)
     try:
@@ -344,7 +247,7 @@ def _run_tasks(
             timer.take()  # start the task's totals afresh
             t0 = time.perf_counter()
             if task == KL_TASK:
-                part, samples = _run_kl_task(lm, config, recorded, dist)
+                part, samples = _run_kl_task(lm, bound, dist)
             else:
                 with quiet_git_probe():  # lm-eval's `git describe` prints "fatal: ..." outside a checkout
                     part, samples = _run_lm_eval_task(lm, plan, task, config)
@@ -366,8 +269,10 @@ def _run_tasks(
     return lm
 
 
-def _results(parts: list[dict[str, Any]], config: EvalSpec, recorded: RunConfig, lm: Any) -> dict[str, Any]:
+def _results(parts: list[dict[str, Any]], bound: BoundSpec, lm: Any) -> dict[str, Any]:
     """results.json: lm-eval's results dict merged over the tasks, with the model args and seeds used."""
+    config, recorded = bound.spec, bound.recorded
+    assert recorded is not None
     merged = merge_results(parts)
     merged["config"] = {
         "model": "kvcal",
@@ -385,9 +290,11 @@ def _results(parts: list[dict[str, Any]], config: EvalSpec, recorded: RunConfig,
     return merged
 
 
-def _metrics(parts: list[dict[str, Any]], plan: TaskPlan, recorded: RunConfig) -> dict[str, Any]:
+def _metrics(parts: list[dict[str, Any]], bound: BoundSpec) -> dict[str, Any]:
     """metrics.json: emulation wall time and tokens, prefill / decode timing (TTFT, TPOT), peak memory, and the
     cache's capacity as `kvcal capacity` counts it (docs/run-directory.md)."""
+    plan, recorded = bound.tasks, bound.recorded
+    assert plan is not None and recorded is not None
     wall = sum(p.get("kvcal_task_metrics", {}).get("wall_s", 0.0) for p in parts)
     tokens = sum(p.get("kvcal_task_metrics", {}).get("tokens", 0) for p in parts)
     metrics: dict[str, Any] = {
@@ -400,8 +307,7 @@ def _metrics(parts: list[dict[str, Any]], plan: TaskPlan, recorded: RunConfig) -
         "per_task": {t: p.get("kvcal_task_metrics") for t, p in zip(plan.names, parts, strict=True)},
     }
     metrics["nonfinite_kv"] = _sum_nonfinite([p.get("kvcal_task_metrics", {}) for p in parts])
-    kv = models.kv_spec(models.load_config(recorded.model_dir))
-    metrics.update(run_capacity(kv, recorded.kv_format, frozenset(recorded.skip_layer_indices)))
+    metrics.update(run_capacity(bound.kv, recorded.kv_format, bound.skip_layers))
     return metrics
 
 
@@ -433,29 +339,18 @@ def _model_args_string(recorded: RunConfig) -> str:
     return ",".join(args)
 
 
-def _make_lm(spec: EvalSpec, recorded: RunConfig) -> Any:
-    """The lm-eval model, given the spec's parsed values: the checked scale set (not reloaded), the skip
-    indices config.yaml records, the placement."""
+def _make_lm(bound: BoundSpec) -> Any:
+    """The lm-eval model of the bound spec: its cache plan (the checked scale set, the skip indices), its
+    placement; nothing is parsed or read again."""
     from kvcal.evaluate.adapter import KvcalLM
 
-    return KvcalLM(
-        pretrained=recorded.model_dir,
-        model_ref=recorded.model,
-        kv_format=recorded.kv_format,
-        kv_scales=spec.scales.kind if spec.scales.first_batch else spec.scales.path,
-        kv_scale_set=spec.scales.loaded,
-        skip_layers=spec.skip_layers,
-        skip_set=frozenset(recorded.skip_layer_indices),
-        impl=recorded.impl,
-        force_scales=recorded.force_scales,
-        dtype=recorded.dtype,
-        device=recorded.device,
-        batch_size=recorded.batch_size,
+    spec = bound.spec
+    return KvcalLM.from_bound(
+        bound,
+        dtype=bound.dtype,
+        device=spec.device,
+        batch_size=spec.batch_size,
         trust_remote_code=spec.trust_remote_code,
-        nvfp4_global=spec.nvfp4_global,
-        kv_input_dtype=recorded.kv_input_dtype,
-        attention=spec.attention,
-        placement=spec.placement,
     )
 
 
@@ -498,29 +393,6 @@ def _run_lm_eval_task(
     return part, samples
 
 
-def _add_passkey_specs(plan: TaskPlan, spec: EvalSpec, model_dir: Path) -> None:
-    """The passkey tasks' lm-eval configs, their documents generated with the model's own tokenizer (the one
-    lm-eval's HFLM loads from the same folder)."""
-    if not plan.has_passkey:
-        return
-    from transformers import AutoTokenizer
-
-    from kvcal.evaluate.passkey import DEFAULT_PER_CELL, task_specs
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=spec.trust_remote_code)
-    plan.lm_eval_specs.update(
-        task_specs(
-            plan.names,
-            tokenizer,
-            data_dir=spec.data_dir,
-            lengths=list(spec.passkey_lengths),
-            depths=list(spec.passkey_depths),
-            per_cell=spec.limit or DEFAULT_PER_CELL,
-            seed=spec.seed,
-        )
-    )
-
-
 def undo_rank_split(recs: list[dict[str, Any]], repeats: int) -> list[dict[str, Any]]:
     """One process's sample records from several processes' (lm-eval's evaluator concatenates the ranks' records
     rank by rank, and pads a rank that has fewer requests with copies of its last request, whose responses then
@@ -546,12 +418,14 @@ def _scrub_configs(part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_kl_task(
-    lm: Any, config: EvalSpec, recorded: RunConfig, dist: parallel.Dist | None = None
+    lm: Any, bound: BoundSpec, dist: parallel.Dist | None = None
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     from kvcal.evaluate.kl import lm_sides, run_kl
 
-    quant_session, baseline = lm_sides(lm, recorded.impl)
-    base = {"kv_format": "bf16", "impl": recorded.impl, "dtype": recorded.dtype, "device": recorded.device}
+    spec, recorded = bound.spec, bound.recorded
+    assert recorded is not None
+    quant_session, baseline = lm_sides(lm, spec.impl)
+    base = {"kv_format": "bf16", "impl": spec.impl, "dtype": bound.dtype, "device": spec.device}
     return run_kl(
         lm.model,
         lm.tokenizer,
@@ -559,12 +433,12 @@ def _run_kl_task(
         baseline=baseline,
         baseline_desc={**base, "attention": "kvcal"},
         evaluated_desc=_kl_evaluated_side(recorded),
-        model_dir=recorded.model_dir,
-        data_dir=config.data_dir,
-        limit=config.limit,
-        seq_len=config.kl_seq_len,
-        prefill_chunk=config.prefill_chunk,
-        subsample=config.kl_subsample,
+        model_dir=bound.model_dir,
+        data_dir=spec.data_dir,
+        limit=spec.limit,
+        seq_len=spec.kl_seq_len,
+        prefill_chunk=spec.prefill_chunk,
+        subsample=spec.kl_subsample,
         dist=dist,
     )
 

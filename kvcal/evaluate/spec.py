@@ -6,11 +6,13 @@ disagree on a default, a name or what config.yaml records. The spec
 - holds PARSED values: the canonical format (or K/V pair), the kv input dtype, passkey lengths / depths, the
   task names, the placement, and the scale source (none / first-batch / a file, loaded at most once per run);
 - names its run directory (`run_dir_name`: kvcal eval's and the sweep's one namer);
-- records itself (`recorded_fields`: what config.yaml holds that needs no checkpoint; kvcal.evaluate.run adds the
+- records itself (`recorded_fields`: what config.yaml holds that needs no checkpoint; kvcal.evaluate.bound.bind adds the
   checkpoint's part);
 - says how it differs from a recorded run (`differences`).
 
-Nothing here loads a model or imports lm-eval's model code. The only string parsing of eval options is here.
+Nothing here loads a model or imports lm-eval's model code. The only string parsing of eval options is here (the
+cache's options through kvcal.kernels.plan.parse_cache_plan); lm-eval's `--model kvcal --model_args` strings come
+through here too (kvcal.evaluate.adapter.bind_model_args). What needs the checkpoint: kvcal.evaluate.bound.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 from kvcal import models
 from kvcal.errors import UsageError
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
-from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS
+from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
 from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, parse_task_list
-from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, kv_pair, parse_kv_format, parse_kv_input_dtype
+from kvcal.formats import DEFAULT_KV_INPUT_DTYPE
+from kvcal.kernels.plan import CachePlan, parse_cache_plan
 from kvcal.placement import Placement
 from kvcal.rundir import RunConfig
 
@@ -75,8 +78,9 @@ class EvalConfig:
     max_gen_toks: int | None = None  # cap on generated tokens (lm-eval's aime25 asks for 32768)
     trust_remote_code: bool = False  # run the checkpoint's own Python code (config.json auto_map)
     nvfp4_global: str = "one"  # nvfp4 without --scales: "one" (vLLM: global 1.0) or "per_sequence"
-    # K/V rounded to this dtype before quantization: the engine's serving dtype (bf16), or float32 (as computed)
-    kv_input_dtype: str = DEFAULT_KV_INPUT_DTYPE
+    # K/V rounded to this dtype before quantization: the engine's serving dtype (bf16), or float32 (as computed);
+    # None (lm-eval's model without the option): quantized as computed
+    kv_input_dtype: str | None = DEFAULT_KV_INPUT_DTYPE
     strict: bool = False  # a NaN/Inf K/V value reaching the cache is an error (default: warn + metrics.json)
     attention: str = "kv"  # "fp8": vLLM's FlashAttention-3 FP8 attention (Q and P cast to e4m3)
     passkey_lengths: str = DEFAULT_LENGTHS  # passkey prompt lengths in tokens, e.g. "1k,2k,4k" (k = 1024)
@@ -120,7 +124,6 @@ class EvalSpec:
     """One evaluation, parsed and checked (build it with `eval_spec`). Fields keep EvalConfig's names."""
 
     model: str
-    kv_format: str  # canonical: a format name or 'k=<canonical>,v=<canonical>' (formats.parse_kv_format)
     tasks: tuple[str, ...]  # canonical task names, the user's order (tasks.parse_task_list)
     scales: ScaleSource
     force_scales: bool
@@ -131,7 +134,10 @@ class EvalSpec:
     limit: int | None
     num_fewshot: int | None
     data_dir: str | None
-    impl: str
+    # the cache's options, parsed (kvcal.kernels.plan.parse_cache_plan): format pair, kv input dtype (None for
+    # auto / bf16, whose numbers it cannot change), attention mode, nvfp4 global policy, implementation; the
+    # scale file and skipped layers are bound to it with the checkpoint (kvcal.evaluate.bound.bind)
+    cache: CachePlan
     dtype: str  # 'auto' (resolved against the checkpoint when recorded) or a canonical dtype name
     device: str  # checked against this machine (models.check_device)
     placement: Placement
@@ -142,10 +148,7 @@ class EvalSpec:
     kl_subsample: int
     max_gen_toks: int | None
     trust_remote_code: bool
-    nvfp4_global: str
-    kv_input_dtype: str  # canonical (formats.parse_kv_input_dtype)
     strict: bool
-    attention: str
     passkey_lengths: tuple[int, ...]
     passkey_depths: tuple[float, ...]
     output: str | None = None
@@ -154,8 +157,31 @@ class EvalSpec:
     # ---- derived -----------------------------------------------------------------------------------------------
 
     @property
+    def kv_format(self) -> str:
+        """Canonical: a format name or 'k=<canonical>,v=<canonical>' (formats.parse_kv_format)."""
+        return self.cache.kv_format
+
+    @property
+    def impl(self) -> str:
+        return self.cache.impl
+
+    @property
+    def nvfp4_global(self) -> str:
+        return self.cache.nvfp4_global
+
+    @property
+    def attention(self) -> str:
+        return self.cache.attention
+
+    @property
+    def kv_input_dtype(self) -> str | None:
+        """Canonical (formats.parse_kv_input_dtype); None = as computed (lm-eval's model without the option)
+        or a format whose numbers it cannot change (auto, bf16)."""
+        return self.cache.kv_input_dtype
+
+    @property
     def quantized(self) -> bool:
-        return self.kv_format != "auto"
+        return self.cache.quantized
 
     @property
     def has_kl(self) -> bool:
@@ -168,14 +194,14 @@ class EvalSpec:
     @property
     def any_nvfp4(self) -> bool:
         """A side of the format stores nvfp4's layout (nvfp4, nvfp4_4over6)."""
-        return any(f.layout == "nvfp4" for f in kv_pair(self.kv_format))
+        return any(f.layout == "nvfp4" for f in (self.cache.k_fmt, self.cache.v_fmt))
 
     @property
     def recorded_kv_input_dtype(self) -> str | None:
         """config.yaml's kv_input_dtype: recorded for every quantized format (a run directory without it was
         quantized as computed, float32 on CPU, before kvcal had the option); None for auto / bf16, whose numbers
         it cannot change (bf16 rounding is idempotent), so their runs keep their identity hash."""
-        return None if self.kv_format in ("auto", "bf16") else self.kv_input_dtype
+        return self.kv_input_dtype
 
     @property
     def run_dir(self) -> Path:
@@ -187,7 +213,7 @@ class EvalSpec:
     # ---- config.yaml -------------------------------------------------------------------------------------------
 
     def recorded_fields(self) -> dict[str, Any]:
-        """The RunConfig fields this spec decides without a checkpoint (kvcal.evaluate.run.record_config adds
+        """The RunConfig fields this spec decides without a checkpoint (kvcal.evaluate.bound.bind adds
         model_dir, the resolved dtype of 'auto', the skip indices and the scale file's check)."""
         kl, passkey = self.has_kl, self.has_passkey
         return {
@@ -336,19 +362,13 @@ def _check_numbers(config: EvalConfig) -> None:
         raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
     if config.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
-    check_kl_subsample(config.kl_subsample)
 
 
-def _scale_source(config: EvalConfig, fmt: str, scales_tag: str | None) -> ScaleSource:
+def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:
     scales = config.scales
     if not scales:
         return ScaleSource()
     if scales == FIRST_BATCH:
-        if not all(f.calibratable for f in kv_pair(fmt)):
-            raise UsageError(
-                f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt} has none "
-                "(its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
-            )
         return ScaleSource(FIRST_BATCH, tag=FIRST_BATCH)
     if scales_tag is not None:  # a sweep cell: named by its calibration, the file may not exist yet
         return ScaleSource("file", str(scales), scales_tag)
@@ -356,52 +376,57 @@ def _scale_source(config: EvalConfig, fmt: str, scales_tag: str | None) -> Scale
         raise UsageError(f"scale file '{scales}' does not exist; pass the file `kvcal calibrate` wrote")
     from kvcal.scales import load_scale_file
 
-    loaded = load_scale_file(scales)  # the run's one load (run_eval reuses it)
+    loaded = load_scale_file(scales)  # the run's one load (bind checks this one)
     return ScaleSource("file", str(scales), f"calib-{loaded.granularity}", loaded)
 
 
-def eval_spec(config: EvalConfig, *, scales_tag: str | None = None) -> EvalSpec:
+def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: bool = True) -> EvalSpec:
     """Parse and check everything that needs no model (UsageError naming the option otherwise). `scales_tag`:
     the run-directory tag of a scale file named before it exists (a sweep cell); the file is then loaded when
-    the run starts."""
-    from kvcal.kernels.attention import check_attention_mode
-    from kvcal.kernels.cache import check_nvfp4_global
-    from kvcal.kernels.runtime import IMPLS
-
+    the run starts. `own_tasks` False: lm-eval's model (`--model kvcal --model_args ...`, kvcal.evaluate.adapter),
+    whose tasks lm-eval runs: the spec has none."""
     _check_numbers(config)
+    scales = _scale_source(config, scales_tag)
+    check_kl_subsample(config.kl_subsample)
     if config.dtype not in models.DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
-    if config.impl not in IMPLS:
-        raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{config.impl}'")
     device = models.check_device(config.device)
+    dtype = config.dtype if config.dtype == "auto" else models.resolve_dtype(config.dtype, model_dir=".")
     placement = Placement.parse(config.device_map, config.max_memory, config.offload_folder)
     placement.check()
-    fmt = parse_kv_format(config.kv_format)
-    check_nvfp4_global(config.nvfp4_global)
-    kv_input_dtype = parse_kv_input_dtype(config.kv_input_dtype)
-    nvfp4 = any(f.layout == "nvfp4" for f in kv_pair(fmt))
-    if config.nvfp4_global != "one" and (not nvfp4 or config.scales):
+    # the cache's options: kvcal.kernels.plan.parse_cache_plan is the one parser of them
+    cache = parse_cache_plan(
+        config.kv_format,
+        kv_input_dtype=config.kv_input_dtype,
+        attention=config.attention,
+        nvfp4_global=config.nvfp4_global,
+        impl=config.impl,
+    )
+    if cache.kv_format in ("auto", "bf16"):  # bf16 rounding is idempotent: nothing rounds, config.yaml records none
+        cache = dataclasses.replace(cache, kv_input_dtype=None)
+    nvfp4 = any(f.layout == "nvfp4" for f in (cache.k_fmt, cache.v_fmt))
+    if cache.nvfp4_global != "one" and (not nvfp4 or config.scales):
         raise UsageError(
             "--nvfp4-global applies to --kv-format nvfp4 / nvfp4_4over6 without --scales (a scale file or "
             "first-batch fixes the global scale)"
         )
-    if fmt == "auto" and (config.scales or config.skip_layers):
+    if not cache.quantized and (config.scales or config.skip_layers):
         raise UsageError(
             "--scales / --skip-layers need a quantized --kv-format (auto leaves the cache untouched)"
         )
-    scales = _scale_source(config, fmt, scales_tag)
-    check_attention_mode(config.attention, *(f.name for f in kv_pair(fmt)))
-    tasks = tuple(parse_task_list(config.tasks))
+    if scales.first_batch and not (cache.k_fmt.calibratable and cache.v_fmt.calibratable):
+        raise UsageError(
+            f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {cache.kv_format} has "
+            "none (its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
+        )
+    tasks = tuple(parse_task_list(config.tasks)) if own_tasks else ()
     lengths: tuple[int, ...] = ()
     depths: tuple[float, ...] = ()
     if any(t in PASSKEY_TASKS for t in tasks):
-        from kvcal.evaluate.passkey import parse_depths, parse_lengths
-
         lengths = tuple(parse_lengths(config.passkey_lengths))
         depths = tuple(parse_depths(config.passkey_depths))
     return EvalSpec(
         model=config.model,
-        kv_format=fmt,
         tasks=tasks,
         scales=scales,
         force_scales=bool(config.force_scales),
@@ -410,8 +435,8 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None) -> EvalSpec:
         limit=config.limit,
         num_fewshot=config.num_fewshot,
         data_dir=config.data_dir,
-        impl=config.impl,
-        dtype=config.dtype if config.dtype == "auto" else models.resolve_dtype(config.dtype, model_dir="."),
+        cache=cache,
+        dtype=dtype,
         device=device,
         placement=placement,
         batch_size=config.batch_size,
@@ -421,10 +446,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None) -> EvalSpec:
         kl_subsample=config.kl_subsample,
         max_gen_toks=config.max_gen_toks,
         trust_remote_code=bool(config.trust_remote_code),
-        nvfp4_global=config.nvfp4_global,
-        kv_input_dtype=kv_input_dtype,
         strict=bool(config.strict),
-        attention=config.attention,
         passkey_lengths=lengths,
         passkey_depths=depths,
         output=config.output,

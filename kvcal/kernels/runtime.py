@@ -20,6 +20,7 @@ share): vLLM's calculate_kv_scales, each layer's scales fixed by the first forwa
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -32,18 +33,18 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, check_attention_mode, register
+from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, register
 from kvcal.kernels.cache import (
     NVFP4_GLOBALS,
     FirstBatchScales,
     LayerPlan,
     NonFiniteCount,
     QuantizedKVCache,
-    check_nvfp4_global,
 )
+from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
 from kvcal.models import KVSpec, input_device, kv_spec, parse_skip_layers
+from kvcal.scales import query_scales
 
-IMPLS = ("auto", "torch", "triton")
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
 _GEN_HOOK = "_prepare_cache_for_generation"  # instance attribute set by install_generate_cache
 _MASK_HOOK = "_kvcal_mask_hook"  # handle of the forward pre-hook set by install_mask_hook
@@ -120,12 +121,9 @@ def check_architecture(model: torch.nn.Module, kv: KVSpec) -> dict[int, torch.nn
     return mods
 
 
-def _as_skip_set(skip_layers: str | Iterable[int] | None, kv: KVSpec) -> frozenset[int]:
-    if skip_layers is None:
-        return frozenset()
-    if isinstance(skip_layers, str):
-        return parse_skip_layers(skip_layers, kv)
-    chosen = frozenset(int(i) for i in skip_layers)
+def _checked_skip_set(skip_layers: Iterable[int] | None, kv: KVSpec) -> frozenset[int]:
+    """Layer indices as a set; UsageError for one the model does not have."""
+    chosen = frozenset(int(i) for i in skip_layers or ())
     bad = sorted(i for i in chosen if not 0 <= i < kv.num_layers)
     if bad:
         raise UsageError(
@@ -177,7 +175,7 @@ def _check_scales(
                 "drop --scales or use fp8_e4m3, fp8_e5m2 or nvfp4"
             )
     name = fmt.name if v_fmt is fmt else f"k={fmt.name},v={v_fmt.name}"
-    if formats.parse_kv_format(scales.kv_format) != name:
+    if scales.kv_format != name:  # a ScaleSet's format is canonical (kvcal.scales.load_scale_file)
         raise UsageError(
             f"the scale file was calibrated for {scales.kv_format}, not {name}; "
             f"calibrate for {name} or pass --kv-format {scales.kv_format}"
@@ -195,24 +193,6 @@ def _check_scales(
                     f"layer {layer.index} {name}_scale has {n} values but the model has {layer.kv_heads} KV heads "
                     "(per-tensor scales have 1); it belongs to another model — recalibrate for this one"
                 )
-
-
-def query_scales(attention: str, scales: Any, num_layers: int) -> list[float] | None:
-    """Per-layer q_scale for FP8 attention: the scale file's (`kvcal calibrate --attention-scales`), 1.0 without
-    a scale file (what vLLM uses when the checkpoint has none: kv_cache.py warns "Using uncalibrated q_scale 1.0");
-    None when attention is not FP8. A scale file without q scales is refused: its K/V scales are calibrated, so a
-    silent 1.0 for Q would mix a calibrated cache with an uncalibrated query."""
-    if attention != "fp8":
-        return None
-    if scales is None:
-        return [1.0] * num_layers
-    q = getattr(scales, "q_scales", None)
-    if not q:
-        raise UsageError(
-            "--attention fp8 needs the query scale (q_scale) of every layer, but this scale file has none; "
-            "recalibrate with `kvcal calibrate --attention-scales`, or drop --scales to use q_scale 1.0"
-        )
-    return [float(torch.as_tensor(x).reshape(-1)[0]) for x in q]
 
 
 def install_plans(
@@ -293,21 +273,46 @@ class KVRuntime:
         first_batch: bool | FirstBatchScales = False,  # vLLM's calculate_kv_scales; a store to share
         attention: str = "kv",  # kvcal.kernels.attention.ATTENTION_MODES: "fp8" = vLLM's FA3 FP8 attention
     ):
+        """The keyword form (Python's edge: scripts, tests, bench): the option strings parsed once by
+        kvcal.kernels.plan.parse_cache_plan, `skip_layers` text by models.parse_skip_layers; then as
+        `from_plan`. kvcal's own runs build a CachePlan above and call `from_plan`."""
+        kv = kv_spec(model.config)
+        plan = dataclasses.replace(
+            parse_cache_plan(
+                kv_format,
+                kv_input_dtype=kv_input_dtype,
+                attention=attention,
+                nvfp4_global=nvfp4_global,
+                impl=impl,
+            ),
+            scales=scales,
+            first_batch=first_batch,
+            skip_layers=parse_skip_layers(skip_layers, kv) if isinstance(skip_layers, str) else skip_layers,
+        )
+        self._setup(model, plan, kv)
+
+    @classmethod
+    def from_plan(cls, model: torch.nn.Module, plan: CachePlan) -> KVRuntime:
+        """Install `plan` (every value parsed already) on `model`."""
+        runtime = cls.__new__(cls)
+        runtime._setup(model, plan, kv_spec(model.config))
+        return runtime
+
+    def _setup(self, model: torch.nn.Module, plan: CachePlan, kv: KVSpec) -> None:
         self.model = model
-        # K's format (self.fmt) and V's: the same unless kv_format is a pair `k=...,v=...`
-        self.fmt, self.v_fmt = formats.kv_pair(kv_format)
-        self.kv_format = formats.parse_kv_format(kv_format) if isinstance(kv_format, str) else self.fmt.name
-        self.attention = check_attention_mode(attention, self.fmt.name, self.v_fmt.name)
-        self.kv_input_dtype = None if kv_input_dtype is None else formats.parse_kv_input_dtype(kv_input_dtype)
-        self.first_batch = _first_batch_store(first_batch, self.fmt, scales)
-        self.kv = kv_spec(model.config)
-        self.scales = scales
-        self.nvfp4_global = check_nvfp4_global(nvfp4_global)
+        self.plan = plan
+        # K's format (self.fmt) and V's: the same unless the plan is a pair `k=...,v=...`
+        self.fmt, self.v_fmt = plan.k_fmt, plan.v_fmt
+        self.kv_format = plan.kv_format
+        self.attention = plan.attention
+        self.kv_input_dtype = plan.kv_input_dtype
+        scales = self.scales = plan.scales
+        self.first_batch = _first_batch_store(plan.first_batch, self.fmt, scales)
+        self.kv = kv
+        self.nvfp4_global = plan.nvfp4_global
         self.nonfinite = NonFiniteCount(self.kv.num_layers)
-        self.skip_layers = _as_skip_set(skip_layers, self.kv)
-        if impl not in IMPLS:
-            raise UsageError(f"unknown attention implementation '{impl}'; use one of {', '.join(IMPLS)}")
-        self.requested_impl = impl
+        self.skip_layers = _checked_skip_set(plan.skip_layers, self.kv)
+        self.requested_impl = impl = plan.impl
         if self.fmt.name == "auto":
             if scales is not None:
                 raise UsageError(

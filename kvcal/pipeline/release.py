@@ -375,7 +375,7 @@ def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str,
 
 def check_tasks(ctx: Context) -> None:
     """Everything kvcal eval checks without a model (tasks, data files), once per task, before any work."""
-    from kvcal.evaluate.run import task_plan
+    from kvcal.evaluate.bound import task_plan
     from kvcal.evaluate.spec import EvalConfig, eval_spec
 
     e = ctx.cfg.evaluate
