@@ -44,7 +44,7 @@ def floor_child(args: argparse.Namespace) -> None:
     from transformers.masking_utils import create_causal_mask  # noqa: F401  (every decoder's forward imports it)
 
     from kvcal.calibrate.data import load_texts, samples_for_model
-    from kvcal.models import load_model
+    from kvcal.models.loading import load_model
 
     t_imports = time.perf_counter() - t0
     t1 = time.perf_counter()

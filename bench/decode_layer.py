@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from kvcal.formats import FORMATS
-    from kvcal.models import resolve_model
+    from kvcal.models.resolve import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")

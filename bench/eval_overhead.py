@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvcal.evaluate.adapter import KvcalLM
     from kvcal.evaluate.tasks import resolve_tasks, task_manager_for
-    from kvcal.models import resolve_model
+    from kvcal.models.resolve import resolve_model
 
     model_dir = resolve_model(args.model)
     plan = resolve_tasks("wikitext", data_dir=args.data_dir if Path(args.data_dir).is_dir() else None)

@@ -81,7 +81,7 @@ def one_cell(spec: dict[str, Any]) -> dict[str, Any]:
 
     from kvcal.evaluate.kl import _fp16_logprobs_blocked, forward_session
     from kvcal.kernels.runtime import KVRuntime
-    from kvcal.models import resolve_model
+    from kvcal.models.resolve import resolve_model
 
     torch.set_num_threads(spec["threads"])
     device = spec["device"]
@@ -138,7 +138,7 @@ def interleaved_cell(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvcal.models import resolve_model
+    from kvcal.models.resolve import resolve_model
 
     torch.set_num_threads(spec["threads"])
     device = spec["device"]

@@ -22,7 +22,10 @@ from typing import Any
 
 from kvcal.errors import UsageError
 from kvcal.formats import FORMATS, KVFormat, kv_pair, parse_kv_format
-from kvcal.models import SLIDING, KVSpec, is_gguf, kv_spec, load_config, parse_skip_layers, resolve_real_name
+from kvcal.models.config import load_config
+from kvcal.models.geometry import SLIDING, KVSpec, kv_spec, parse_skip_layers
+from kvcal.models.gguf import is_gguf
+from kvcal.models.real import resolve_real_name
 
 GIB = 2**30
 _WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",))

@@ -38,9 +38,12 @@ import torch
 
 from kvcal import __version__
 from kvcal.errors import KvcalError, UsageError
+from kvcal.filecache import cached_sha256
+from kvcal.filecache import sha256_file as file_sha256
 from kvcal.io import atomic_write_with
-from kvcal.models import KVSpec, cached_sha256, kv_spec, load_config, resolve_model
-from kvcal.models import sha256_file as file_sha256
+from kvcal.models.config import load_config
+from kvcal.models.geometry import KVSpec, kv_spec
+from kvcal.models.resolve import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -591,6 +594,6 @@ def query_scales(attention: str, scales: ScaleSet | None, num_layers: int) -> li
 
 def resolve_model_and_spec(model: str) -> tuple[Path, KVSpec]:
     """(local model folder, KV geometry) for a MODEL argument: a folder, hub id, .gguf file or real-model name
-    (kvcal.models.resolve_model)."""
+    (kvcal.models.resolve.resolve_model)."""
     model_dir = resolve_model(model)
     return model_dir, kv_spec(load_config(model_dir))

@@ -91,7 +91,7 @@ def shared_data() -> Path:
 def real_model_path() -> Callable[[str], str]:
     """name ('smollm2' | 'gemma3-270m') -> the installed GGUF's path; skips the test when it is not installed."""
     from kvcal.errors import UsageError
-    from kvcal.models import real_model
+    from kvcal.models.real import real_model
 
     def find(name: str) -> str:
         try:
@@ -408,7 +408,7 @@ def gemma_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
     head_dim 256."""
     from transformers import Gemma3TextConfig
 
-    from kvcal.models import FULL, SLIDING
+    from kvcal.models.geometry import FULL, SLIDING
 
     d = tmp_path_factory.mktemp("gemma-like")
     Gemma3TextConfig(

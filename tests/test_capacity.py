@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from kvcal.capacity import GIB, capacity_table, kv_bytes_per_token, model_capacity, weights_bytes
 from kvcal.cli import app
 from kvcal.errors import UsageError
-from kvcal.models import FULL, SLIDING, KVSpec, LayerSpec, kv_spec, load_config
+from kvcal.models.config import load_config
+from kvcal.models.geometry import FULL, SLIDING, KVSpec, LayerSpec, kv_spec
 
 runner = CliRunner()
 

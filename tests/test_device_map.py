@@ -15,7 +15,7 @@ import torch
 
 from kvcal.calibrate.run import calibrate
 from kvcal.errors import UsageError
-from kvcal.models import input_device, load_model
+from kvcal.models.loading import input_device, load_model
 from kvcal.placement import Placement, largest_layer_bytes, parse_max_memory
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]

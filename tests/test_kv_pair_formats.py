@@ -16,7 +16,8 @@ from kvcal.errors import UsageError
 from kvcal.formats import kv_pair, parse_kv_format
 from kvcal.kernels.cache import LayerPlan, QuantizedLayer
 from kvcal.kernels.reference import attention_dense, quantized_attention_ref
-from kvcal.models import kv_spec, load_config
+from kvcal.models.config import load_config
+from kvcal.models.geometry import kv_spec
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]  # the `invoke` fixture of tests/conftest.py
 
@@ -85,7 +86,7 @@ def test_cache_stores_each_side_as_its_single_format(pair: tuple[str, str]) -> N
 
 def _model_and_batch(model_dir: Path) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """A fresh copy of the tiny Llama (KVRuntime modifies it) and two prompts, the second left-padded by 3."""
-    from kvcal.models import load_model
+    from kvcal.models.loading import load_model
 
     model = load_model(model_dir).model
     ids = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(1))

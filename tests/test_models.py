@@ -12,14 +12,11 @@ from typing import Any
 import pytest
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.models import (
-    REAL_MODELS,
-    cache_root,
-    kv_spec,
-    load_model,
-    real_model,
-    resolve_model,
-)
+from kvcal.filecache import cache_root
+from kvcal.models.geometry import kv_spec
+from kvcal.models.loading import load_model
+from kvcal.models.real import REAL_MODELS, real_model
+from kvcal.models.resolve import resolve_model
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gpt_oss")  # tests/conftest.py's tiny models
 WINDOW = 8  # their sliding window

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.models import hash_cache_path, kv_spec, load_config
+from kvcal.filecache import hash_cache_path
+from kvcal.models.config import load_config
+from kvcal.models.geometry import kv_spec
 from kvcal.scales import (
     CHECKSUM_KEY,
     K_NAME,

@@ -32,7 +32,7 @@ import torch
 from kvcal.errors import KvcalError, UsageError
 
 if TYPE_CHECKING:
-    from kvcal.models import LoadedModel
+    from kvcal.models.loading import LoadedModel
 
 TEXT_FIELDS = ("text", "content", "question", "prompt")
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json", ".txt")  # preference order inside a folder

@@ -76,7 +76,8 @@ from kvcal.calibrate.observers import (
 from kvcal.calibrate.run import StatsCollector
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import KVFormat, get_format
-from kvcal.models import KVSpec, LoadedModel, check_device, kv_spec, load_model
+from kvcal.models.geometry import KVSpec, kv_spec
+from kvcal.models.loading import LoadedModel, check_device, load_model
 
 DEFAULT_MAX_CLIP = 1e-4
 DEFAULT_MAX_SQNR_LOSS_DB = 1.0

@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.filecache import sha256_file as file_sha256
 from kvcal.io import atomic_write_text, public_mode, temp_dir_beside
-from kvcal.models import sha256_file as file_sha256
 from kvcal.scales import K_NAME, Q_NAME, V_NAME, ScaleSet
 
 SCALE_SHARD = "kv_scales.safetensors"

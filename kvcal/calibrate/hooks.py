@@ -33,7 +33,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.models import input_device
+from kvcal.models.loading import input_device
 
 # sink(layer_idx, k, v) with k, v: [B, H_kv, T, D] as written to the cache
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]

@@ -32,7 +32,7 @@ from kvcal.errors import UsageError
 from kvcal.formats import KV_INPUT_DTYPES, parse_kv_input_dtype
 
 if TYPE_CHECKING:
-    from kvcal.models import LoadedModel
+    from kvcal.models.loading import LoadedModel
 
 
 def in_dtype(sink: KVSink, dtype: torch.dtype | None) -> KVSink:

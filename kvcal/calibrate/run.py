@@ -39,7 +39,9 @@ from kvcal.calibrate.observers import (
 )
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import KVFormat, kv_pair, parse_kv_format
-from kvcal.models import KVSpec, LoadedModel, Placement, check_device, kv_spec, load_model
+from kvcal.models.geometry import KVSpec, kv_spec
+from kvcal.models.loading import LoadedModel, check_device, load_model
+from kvcal.placement import Placement
 
 ENGINES = ("native", "llmcompressor")
 
@@ -270,7 +272,7 @@ def calibrate(
     `kv_format` may be a K/V pair (`k=fp8_e4m3,v=nvfp4`): each side is calibrated for its own format.
     `attention_scales`: also observe the post-RoPE queries and store q_scale per layer (FP8 attention).
     `batch_size`: samples per forward (right-padded; the scales are those of batch 1, see hooks.observe).
-    `device_map` / `max_memory` / `offload_folder`: accelerate's big-model placement (kvcal.models.Placement).
+    `device_map` / `max_memory` / `offload_folder`: accelerate's big-model placement (kvcal.placement.Placement).
     `kv_input_dtype`: the native engine observes K/V rounded to it, as `kvcal eval --kv-input-dtype` quantizes
     them (`kvcal calibrate` passes bfloat16 by default, as eval does); None = as the model computes them. The
     scale file records the dtype observed (manifest calibration.kv_input_dtype)."""

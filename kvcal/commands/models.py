@@ -17,27 +17,27 @@ from kvcal.errors import KvcalError, UsageError
 
 
 def _real_models() -> dict[str, dict[str, str]]:
-    from kvcal.models import REAL_MODELS
+    from kvcal.models.real import REAL_MODELS
 
     return REAL_MODELS
 
 
 def _converted(gguf: str | None) -> str | None:
     """The cached safetensors conversion of `gguf`, if one exists."""
-    from kvcal import models
+    from kvcal.filecache import cache_root
 
     if not gguf:
         return None
-    root = models.cache_root() / "models"
+    root = cache_root() / "models"
     hits = sorted(root.glob(f"{Path(gguf).stem}-*/config.json")) if root.is_dir() else []
     return str(hits[0].parent) if hits else None
 
 
 def _model_state(name: str) -> dict[str, Any]:
-    from kvcal import models
+    from kvcal.models.real import real_model_if_present
 
     spec = _real_models()[name]
-    gguf = models.real_model_if_present(name)
+    gguf = real_model_if_present(name)
     return {
         "name": name,
         "package": spec["package"],
@@ -102,7 +102,8 @@ def models_path(
     json_out: JsonOpt = False,
 ) -> None:
     """The local safetensors folder of a real model (converted once from its GGUF)."""
-    from kvcal.models import real_model, resolve_model
+    from kvcal.models.real import real_model
+    from kvcal.models.resolve import resolve_model
 
     gguf_path = real_model(name)
     result = {"name": name, "gguf": gguf_path}

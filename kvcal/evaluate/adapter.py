@@ -25,10 +25,13 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvcal import models, parallel
+from kvcal import parallel
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
+from kvcal.models.geometry import kv_spec
+from kvcal.models.loading import input_device, load_model
+from kvcal.models.resolve import resolve_model
 
 
 def _as_bool(value: Any) -> bool:
@@ -99,7 +102,7 @@ class KvcalLM(HFLM):
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
             if placement.active:  # accelerate's dispatch: kvcal loads, HFLM takes the placed model
-                placed = models.load_model(
+                placed = load_model(
                     bound.model_dir,
                     dtype=str(kwargs.pop("dtype", "auto")),
                     trust_remote_code=bound.spec.trust_remote_code,
@@ -109,7 +112,7 @@ class KvcalLM(HFLM):
                 kwargs.pop("device", None)
         super().__init__(pretrained=pretrained, **kwargs)
         if placement.active:  # inputs go where the embedding is (HFLM took the first parameter's device)
-            self._device = models.input_device(self.model)
+            self._device = input_device(self.model)
         # Data parallel under torchrun / accelerate launch: lm-eval splits requests by lm.rank / lm.world_size
         # (Task.doc_iterator) and gathers them on rank 0 (evaluator.evaluate), but HFLM 0.4.13 reports them only
         # with several GPUs; kvcal reports them whatever the device (gloo on CPU). tp_plan: one model, no split.
@@ -258,7 +261,7 @@ def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
     spec = eval_spec(config, own_tasks=False)
     if built:  # its folder (for the scale file's binding) and its config
         return bind(spec, model_dir=Path(getattr(pretrained, "name_or_path", ".")), hf_config=pretrained.config)
-    return bind(spec, model_dir=models.resolve_model(pretrained, trust_remote_code=trust))
+    return bind(spec, model_dir=resolve_model(pretrained, trust_remote_code=trust))
 
 
 @contextmanager
@@ -299,7 +302,7 @@ def shard_runtime_by_head(runtime: Any, model: Any, tp: parallel.Dist) -> None:
         return
     from kvcal.kernels.runtime import install_plans
 
-    kv = models.kv_spec(model.config)
+    kv = kv_spec(model.config)
 
     def cut(scale: Any, heads: int) -> Any:
         return None if scale is None else parallel.slice_heads(scale, heads, tp.rank, tp.world_size)

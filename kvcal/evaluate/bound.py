@@ -15,11 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcal import __version__, models
+from kvcal import __version__
 from kvcal.errors import UsageError
 from kvcal.evaluate.spec import EvalSpec
 from kvcal.evaluate.tasks import TaskPlan, resolve_tasks
 from kvcal.kernels.plan import CachePlan
+from kvcal.models.config import load_config
+from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
+from kvcal.models.loading import resolve_dtype
+from kvcal.models.resolve import resolve_model
 from kvcal.rundir import RunConfig
 
 if TYPE_CHECKING:
@@ -34,9 +38,9 @@ class BoundSpec:
 
     spec: EvalSpec
     model_dir: Path
-    kv: models.KVSpec
+    kv: KVSpec
     dtype: str  # resolved: 'auto' -> the checkpoint's own dtype name (lm-eval's model: as given)
-    skip_layers: frozenset[int]  # --skip-layers as layer indices (models.parse_skip_layers)
+    skip_layers: frozenset[int]  # --skip-layers as layer indices (parse_skip_layers)
     scales: ScaleSet | None  # the scale file, checked against this checkpoint (format, geometry, binding)
     cache: CachePlan  # the spec's cache plan with the scale file and skipped layers bound
     tasks: TaskPlan | None = None
@@ -52,13 +56,13 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
     loaded = spec.scales.load()  # eval_spec's load; a sweep cell's file is read now
     plan = task_plan(spec) if spec.tasks else None
     if model_dir is None:
-        model_dir = models.resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
+        model_dir = resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
     if hf_config is None:
-        hf_config = models.load_config(model_dir, trust_remote_code=spec.trust_remote_code)
-    kv = models.kv_spec(hf_config)
-    skip = models.parse_skip_layers(spec.skip_layers, kv)
+        hf_config = load_config(model_dir, trust_remote_code=spec.trust_remote_code)
+    kv = kv_spec(hf_config)
+    skip = parse_skip_layers(spec.skip_layers, kv)
     # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
-    dtype = models.resolve_dtype(spec.dtype, model_dir) if plan is not None else spec.dtype
+    dtype = resolve_dtype(spec.dtype, model_dir) if plan is not None else spec.dtype
     check_lengths(spec, kv)
     ss, record = None, None
     if loaded is not None:
@@ -102,7 +106,7 @@ def task_plan(spec: EvalSpec) -> TaskPlan:
     )
 
 
-def check_lengths(spec: EvalSpec, kv: models.KVSpec) -> None:
+def check_lengths(spec: EvalSpec, kv: KVSpec) -> None:
     """Lengths the model's config bounds: a kl window and the generated tokens must fit its positions."""
     limit = kv.max_position_embeddings
     if not limit:

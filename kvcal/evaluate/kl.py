@@ -53,10 +53,13 @@ from typing import Any
 
 import torch
 
-from kvcal import models, parallel
+from kvcal import parallel
 from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.tasks import KL_TEXT_FILE, read_text_file
+from kvcal.filecache import cache_root as kvcal_cache_root
+from kvcal.filecache import cached_sha256
 from kvcal.io import atomic_write_with
+from kvcal.models.loading import input_device
 
 # 2: windows start with BOS only where the tokenizer adds one (1 prepended it whenever the tokenizer had one).
 KL_VERSION = 2
@@ -246,7 +249,7 @@ def make_windows(
 
 
 def cache_root() -> Path:
-    return models.cache_root() / "kl"
+    return kvcal_cache_root() / "kl"
 
 
 def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
@@ -264,7 +267,7 @@ def model_fingerprint(model_dir: str | os.PathLike[str]) -> str:
     if not files:
         raise KvcalError(f"cannot fingerprint model folder '{root}' (no config.json / weight files)")
     h = hashlib.sha256()
-    for p, (digest, _hit) in zip(files, models.cached_sha256(files), strict=True):
+    for p, (digest, _hit) in zip(files, cached_sha256(files), strict=True):
         h.update(f"{p.name}:{digest}\n".encode())
     return h.hexdigest()
 
@@ -594,7 +597,7 @@ def run_kl(
     text, source = kl_text(data_dir)
     bos = bos_rule(tokenizer)
     windows, total = make_windows(tokenizer, text, seq_len, limit, bos["bos_token_id"])
-    device = models.input_device(model)  # under a device map: the embedding's device
+    device = input_device(model)  # under a device map: the embedding's device
     dist = dist or parallel.Dist()
     parallel.check_enough_work(len(windows), "kl windows", dist)
     mine = parallel.shard(range(len(windows)), dist)

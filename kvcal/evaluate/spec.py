@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcal import models
 from kvcal.errors import UsageError
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
 from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
 from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, parse_task_list
 from kvcal.formats import DEFAULT_KV_INPUT_DTYPE
 from kvcal.kernels.plan import CachePlan, parse_cache_plan
+from kvcal.models.loading import DTYPES, check_device, resolve_dtype
 from kvcal.placement import Placement
 from kvcal.rundir import RunConfig
 
@@ -139,7 +139,7 @@ class EvalSpec:
     # scale file and skipped layers are bound to it with the checkpoint (kvcal.evaluate.bound.bind)
     cache: CachePlan
     dtype: str  # 'auto' (resolved against the checkpoint when recorded) or a canonical dtype name
-    device: str  # checked against this machine (models.check_device)
+    device: str  # checked against this machine (check_device)
     placement: Placement
     batch_size: int
     seed: int
@@ -388,10 +388,10 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
     _check_numbers(config)
     scales = _scale_source(config, scales_tag)
     check_kl_subsample(config.kl_subsample)
-    if config.dtype not in models.DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(models.DTYPES)}, got '{config.dtype}'")
-    device = models.check_device(config.device)
-    dtype = config.dtype if config.dtype == "auto" else models.resolve_dtype(config.dtype, model_dir=".")
+    if config.dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got '{config.dtype}'")
+    device = check_device(config.device)
+    dtype = config.dtype if config.dtype == "auto" else resolve_dtype(config.dtype, model_dir=".")
     placement = Placement.parse(config.device_map, config.max_memory, config.offload_folder)
     placement.check()
     # the cache's options: kvcal.kernels.plan.parse_cache_plan is the one parser of them

@@ -273,7 +273,7 @@ def lm_eval_task_index() -> dict[str, tuple[str, str]]:
 
 
 def _cache_dir() -> Path:
-    from kvcal.models import cache_root
+    from kvcal.filecache import cache_root
 
     return cache_root()
 

@@ -136,7 +136,7 @@ def open_library(source: Path = SOURCE) -> tuple[ctypes.CDLL | None, str]:
     cc = _compiler()
     if cc is None:
         return None, "skipped: no C compiler (CC, cc or gcc on PATH)"
-    from kvcal.models import cache_root
+    from kvcal.filecache import cache_root
 
     src = source.read_bytes()
     tag = hashlib.sha256(src + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]

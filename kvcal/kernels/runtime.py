@@ -42,7 +42,8 @@ from kvcal.kernels.cache import (
     QuantizedKVCache,
 )
 from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
-from kvcal.models import KVSpec, input_device, kv_spec, parse_skip_layers
+from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
+from kvcal.models.loading import input_device
 from kvcal.scales import query_scales
 
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
@@ -80,7 +81,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
-    if hasattr(model, "get_input_embeddings"):  # under a device map: where inputs go (kvcal.models.input_device)
+    if hasattr(model, "get_input_embeddings"):  # under a device map: where inputs go (kvcal.models.loading.input_device)
         return input_device(model)
     for p in model.parameters():
         return p.device

@@ -42,9 +42,10 @@ from typing import Any
 
 from kvcal import __version__
 from kvcal.errors import KvcalError, UsageError
+from kvcal.filecache import sha256_file
 from kvcal.formats import get_format
 from kvcal.io import atomic_write_json, atomic_write_text
-from kvcal.models import KVSpec, parse_skip_layers, sha256_file
+from kvcal.models.geometry import KVSpec, parse_skip_layers
 from kvcal.pipeline import sweep
 from kvcal.pipeline.release_config import ReleaseConfig, sweep_config
 

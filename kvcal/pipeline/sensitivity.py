@@ -29,7 +29,8 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.kl import kl_per_token
 from kvcal.formats import KVFormat, fake_quantize, get_format
 from kvcal.io import atomic_write_json
-from kvcal.models import FULL, SLIDING, KVSpec, LoadedModel, check_device, input_device, kv_spec, load_model
+from kvcal.models.geometry import FULL, SLIDING, KVSpec, kv_spec
+from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
 from kvcal.placement import Placement
 from kvcal.scales import load_scales_for_model
 

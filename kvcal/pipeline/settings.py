@@ -20,7 +20,7 @@ from kvcal.evaluate.passkey import parse_depths, parse_lengths
 from kvcal.evaluate.spec import PIPELINE_DTYPE, slug
 from kvcal.evaluate.tasks import parse_task_list
 from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, parse_kv_input_dtype
-from kvcal.models import resolve_dtype
+from kvcal.models.loading import resolve_dtype
 
 # ---- the sweep YAML: every key is one dataclass field, read by the parser in its metadata ---------------------
 

@@ -41,9 +41,11 @@ from kvcal.evaluate.spec import (
     eval_spec,
     run_dir_name,
 )
+from kvcal.filecache import sha256_file
 from kvcal.formats import get_format, kv_pair, parse_kv_format
 from kvcal.io import atomic_write_json, atomic_write_text
-from kvcal.models import load_model, resolve_model, sha256_file
+from kvcal.models.loading import load_model
+from kvcal.models.resolve import resolve_model
 from kvcal.pipeline.settings import (
     EvalSettings,
     Recipe,

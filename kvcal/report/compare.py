@@ -246,10 +246,11 @@ def describe_skip(cfg: RunConfig) -> str:
 
 
 def _kv_spec_of(run: Run) -> Any | None:
-    """The KV geometry (kvcal.models.KVSpec) of the run's model when its folder is readable here, else None."""
+    """The KV geometry (kvcal.models.geometry.KVSpec) of the run's model when its folder is readable here, else None."""
     model_dir = run.model_dir
     if model_dir and (Path(model_dir) / "config.json").is_file():
-        from kvcal.models import kv_spec, load_config
+        from kvcal.models.config import load_config
+        from kvcal.models.geometry import kv_spec
 
         try:
             return kv_spec(load_config(model_dir))
@@ -372,7 +373,7 @@ def _capacity_context(
 ) -> tuple[int | None, str, bool | None]:
     """(context, where it comes from, whether the model has sliding-window layers) of the capacity column:
     --context, else the longest context the runs evaluated (kl windows, passkey prompts), else None."""
-    from kvcal.models import SLIDING
+    from kvcal.models.geometry import SLIDING
 
     runs = [r for c in configs for r in c.runs]
     if context is None:

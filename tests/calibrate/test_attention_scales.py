@@ -15,7 +15,8 @@ import torch
 from kvcal.calibrate.export import SCALE_SHARD, export_vllm, quantization_config
 from kvcal.calibrate.run import calibrate
 from kvcal.errors import UsageError
-from kvcal.models import kv_spec, load_config
+from kvcal.models.config import load_config
+from kvcal.models.geometry import kv_spec
 from kvcal.scales import (
     Q_NAME,
     SCHEMA_VERSION,

@@ -15,7 +15,8 @@ from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.hooks import batches, observe, pad_batch, unpad
 from kvcal.calibrate.run import StatsCollector, calibrate
 from kvcal.errors import UsageError
-from kvcal.models import kv_spec, load_model
+from kvcal.models.geometry import kv_spec
+from kvcal.models.loading import load_model
 from kvcal.pipeline.sensitivity import sensitivity
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]

@@ -16,7 +16,7 @@ from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.run import calibrate
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import fake_quantize
-from kvcal.models import load_model
+from kvcal.models.loading import load_model
 from kvcal.scales import load_scale_file
 
 N, L = 6, 24
@@ -198,7 +198,7 @@ def test_non_finite_activations_name_the_layer(
 
 def test_sensitivity_isolates_one_layer(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from kvcal.formats import get_format
-    from kvcal.models import kv_spec
+    from kvcal.models.geometry import kv_spec
     from kvcal.pipeline.sensitivity import layer_sensitivity, sensitivity
 
     lm = load_model(tiny_llama_dir)

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.run import calibrate
-from kvcal.models import load_model
+from kvcal.models.loading import load_model
 from kvcal.scales import ScaleSet
 
 N, L = 4, 24

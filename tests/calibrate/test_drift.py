@@ -21,7 +21,7 @@ from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.drift import CLIP_RTOL, DRIFTED, FITS, check_drift
 from kvcal.calibrate.run import calibrate
 from kvcal.formats import fake_quantize, get_format
-from kvcal.models import load_model
+from kvcal.models.loading import load_model
 from kvcal.scales import load_scale_file
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]

@@ -23,7 +23,8 @@ from kvcal.calibrate.observation import ObserveOptions
 from kvcal.calibrate.observers import format_range, get_observer
 from kvcal.calibrate.run import StatsCollector, calibrate, observed_scales
 from kvcal.formats import FORMATS, KV_INPUT_DTYPES, get_format
-from kvcal.models import kv_spec, load_model
+from kvcal.models.geometry import kv_spec
+from kvcal.models.loading import load_model
 from kvcal.scales import load_scale_file
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]
@@ -200,7 +201,7 @@ def test_smollm2_drift_on_the_calibration_text_fits(
     shared_data: Path, tmp_path: Path,
 ) -> None:  # fmt: skip
     """SmolLM2-135M, 4 C4 texts x 128 tokens: calibrate, then drift on those very tokens: exactly nothing clipped."""
-    from kvcal.models import load_model as load
+    from kvcal.models.loading import load_model as load
 
     lm = _smollm2(real_model_path, load)
     c4 = str(shared_data / "c4_calib")

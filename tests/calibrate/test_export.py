@@ -21,7 +21,8 @@ from kvcal.calibrate.export import (
     quantization_config,
 )
 from kvcal.errors import KvcalError, UsageError
-from kvcal.models import kv_spec, load_config
+from kvcal.models.config import load_config
+from kvcal.models.geometry import kv_spec
 from kvcal.scales import K_NAME, compute_binding, make_scale_set, save_scale_file
 
 NUM_LAYERS, KV_HEADS = 2, 2  # the geometry of tests/conftest.py's `word_llama_dir`

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from kvcal.calibrate.hooks import ObservingCache, _backbone, observe
 from kvcal.errors import KvcalError
-from kvcal.models import kv_spec
+from kvcal.models.geometry import kv_spec
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3", "gpt_oss")  # tests/conftest.py's tiny models
 WINDOW = 8  # their sliding window

@@ -41,7 +41,8 @@ def llama(tiny_lm_dir: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def scale_file(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A per-tensor fp8 scale file bound to the tiny Llama."""
-    from kvcal.models import kv_spec, load_config
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
     from kvcal.scales import compute_binding, make_scale_set, save_scale_file
 
     kv = kv_spec(load_config(llama))
@@ -99,7 +100,8 @@ def parser_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
 
 
 def test_bind_holds_everything_the_checkpoint_decides(llama: Path, scale_file: Path) -> None:
-    from kvcal.models import kv_spec, load_config
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
 
     bound = _bound(llama, scale_file)
     assert bound.model_dir == llama and bound.kv == kv_spec(load_config(llama))

@@ -117,7 +117,7 @@ def test_tensor_parallel_rank_holds_its_heads_scales(tiny_llama_dir: Path) -> No
 
     from kvcal.evaluate.adapter import shard_runtime_by_head
     from kvcal.kernels.runtime import KVRuntime, attention_modules
-    from kvcal.models import kv_spec
+    from kvcal.models.geometry import kv_spec
     from kvcal.scales import compute_binding, make_scale_set
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)

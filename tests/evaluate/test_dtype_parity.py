@@ -101,7 +101,7 @@ def test_dtype_auto_resolves_like_transformers(
     bf16_model: Path, tiny_lm_dir: Callable[..., Path], tmp_path: Path
 ) -> None:
     from kvcal.errors import UsageError
-    from kvcal.models import resolve_dtype
+    from kvcal.models.loading import resolve_dtype
 
     assert resolve_dtype("auto", bf16_model) == "bfloat16"
     assert resolve_dtype("auto", tiny_lm_dir("llama", CORPUS)) == "float32"

@@ -227,7 +227,8 @@ def test_scales_bound_to_another_checkpoint(tiny: dict[str, Path], fp8_run: Path
 
     from kvcal.errors import KvcalError
     from kvcal.evaluate.run import run_eval
-    from kvcal.models import kv_spec, load_config
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
     from kvcal.scales import compute_binding, make_scale_set, save_scale_file
 
     kv = kv_spec(load_config(tiny["gemma3"]))

@@ -135,7 +135,7 @@ def test_checkpoint_with_pickled_weights_only(invoke: Invoke, model: Path, tmp_p
 
 
 def test_checkpoint_with_code_of_its_own(invoke: Invoke, model: Path, tmp_path: Path) -> None:
-    from kvcal.models import check_remote_code
+    from kvcal.models.config import check_remote_code
 
     folder = tmp_path / "custom"
     shutil.copytree(model, folder)

@@ -114,7 +114,7 @@ def test_key_at_the_requested_depth_token_exact(model: Path) -> None:
 def test_real_tokenizers_place_the_key_token_exact(
     name: str, real_model_path: Callable[[str], str], shared_data: Path
 ) -> None:
-    from kvcal.models import resolve_model
+    from kvcal.models.resolve import resolve_model
 
     tok = _tokenizer(resolve_model(real_model_path(name)))
     docs = _docs(tok, [1024], [0.0, 0.5, 1.0], 1)  # the embedded filler

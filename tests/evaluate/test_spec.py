@@ -24,7 +24,8 @@ def llama(tiny_lm_dir: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def scale_file(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A per-tensor fp8 scale file bound to the tiny Llama."""
-    from kvcal.models import kv_spec, load_config
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
     from kvcal.scales import compute_binding, make_scale_set, save_scale_file
 
     kv = kv_spec(load_config(llama))

@@ -13,7 +13,7 @@ from kvcal.capacity import kv_bytes_per_token
 from kvcal.errors import UsageError
 from kvcal.kernels.cache import LayerPlan, QuantizedKVCache, QuantizedLayer
 from kvcal.kernels.runtime import KVRuntime
-from kvcal.models import kv_spec
+from kvcal.models.geometry import kv_spec
 from kvcal.scales import ScaleSet
 
 QUANT_FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"]

@@ -55,17 +55,17 @@ def _decision(record: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
-    """Real counters: every forward of the Llama class and every kvcal.models.load_model (the wrappers call the
+    """Real counters: every forward of the Llama class and every kvcal.models.loading.load_model (the wrappers call the
     real functions)."""
     import transformers
 
-    from kvcal import models
     from kvcal.calibrate import drift
+    from kvcal.models import loading
     from kvcal.pipeline import sweep
 
     seen = {"forward": 0, "load_model": 0}
     real_forward = transformers.LlamaForCausalLM.forward
-    real_load = models.load_model
+    real_load = loading.load_model
 
     @functools.wraps(real_forward)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -78,7 +78,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", forward)
-    for module in (models, sweep, drift):
+    for module in (loading, sweep, drift):
         monkeypatch.setattr(module, "load_model", load)
     yield seen
 

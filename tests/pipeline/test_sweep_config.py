@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from kvcal.errors import UsageError
-from kvcal.models import sha256_file
+from kvcal.filecache import sha256_file
 from kvcal.pipeline import sweep
 from kvcal.rundir import COMPLETE, CONFIG, RunConfig
 
