@@ -233,42 +233,33 @@ class KVRecorder:
         """`_check_rows_stored_alone` over every cache handed out; the number of checks."""
         return sum(_check_rows_stored_alone(c) for c in self.caches)
 
+    def check_stored_as(self, reference: Callable[[torch.Tensor, str], torch.Tensor]) -> int:
+        """Every write of every cache handed out stored, for its real tokens, values that dequantize bit for bit
+        to reference(the K or V it was given [B, H_kv, T_new, D], "k" | "v"), and zeros for its padding. Exact
+        on any CPU: both sides quantize the same K/V, whatever rounding the CPU's matmuls did upstream. Returns
+        the number of writes checked."""
+        checked = 0
+        for cache in self.caches:
+            for layer_idx, k, v, valid, got_k, got_v in cache.writes:
+                plan = cache.plans[layer_idx]
+                for x, got, side in ((k, got_k, "k"), (v, got_v, "v")):
+                    stored = formats.dequantize(got, plan.side_format(side))  # [B, H_kv, T_new, D] float32
+                    want = reference(x, side).float()
+                    real = torch.ones(x.shape[0], x.shape[-2], dtype=torch.bool) if valid is None else valid
+                    real = real.cpu()[:, None, :, None].expand_as(stored)
+                    assert torch.equal(stored[real].view(torch.int32), want[real].view(torch.int32)), (
+                        layer_idx,
+                        side,
+                    )
+                    assert not bool(stored[~real].any()), (layer_idx, side)  # padding stored as zeros
+                checked += 1
+        return checked
+
 
 @pytest.fixture(scope="session")
 def kv_recorder() -> Callable[[Any], KVRecorder]:
     """(runtime) -> a KVRecorder: the runtime's caches record every write; `.check_rows_stored_alone()` asserts
-    each row of a padded batch stored, byte for byte, what the same row's real K/V store when written alone."""
+    each row of a padded batch stored, byte for byte, what the same row's real K/V store when written alone;
+    `.check_stored_as(reference)` that every write stored bit for bit what an independent reference makes of
+    the K/V it was given."""
     return KVRecorder
-
-
-def _batch_bound(response: float, base: float, bf16_error: float) -> float:
-    """The most a format's scores may move between batch 1 and 4 on this machine, from three measurements made
-    there on the same inputs:
-    - base: the BF16 (and float32) cache's own batch-1-vs-4 difference — the batch's float32 rounding (other
-      matmul shapes) as seen through storage as fine as BF16;
-    - bf16_error: |BF16 storage - float32 storage|, the score effect of rounding every K/V element to BF16
-      (a relative perturbation up to 2^-9 per element);
-    - response: |format - the same format with its K/V input rounded to BF16 first| (`kv_input_dtype` bfloat16),
-      the format's score response to that same BF16 rounding.
-    The amplification of the format is response / bf16_error (measured, with its grid, its E4M3 block scales and
-    subnormals, and its scale policy: no constant from one CPU), and the bound is that amplification times the
-    BF16 rounding's effect, which must dominate the batch's (asserted: base <= bf16_error). Why not times base:
-    a perturbation changes FP4/FP8 storage only where it pushes an element across a rounding boundary, and then
-    by a whole step, so the response to a small perturbation is a few large flips — not proportional to its size
-    (measured on AMD EPYC: nvfp4 moved 0.32 nats where 38x the BF16 difference allows 0.30). Every element a
-    float32 perturbation flips lies within its size of a boundary, and the BF16 rounding (hundreds of times
-    larger) moves it across as well, among many more: the response bounds the batch's effect, with the margin of
-    sqrt(flips). A format as fine as BF16 (response 0) is held to the baseline's own difference."""
-    assert base <= bf16_error, (
-        "the batch perturbs more than BF16 rounding does: no bound derives",
-        base,
-        bf16_error,
-    )
-    return max(response, base)
-
-
-@pytest.fixture(scope="session")
-def batch_bound() -> Callable[[float, float, float], float]:
-    """(response, base, bf16_error) -> how far a format's scores may move between batch sizes on this machine
-    (see `_batch_bound`)."""
-    return _batch_bound
