@@ -324,6 +324,21 @@ def _describe_failure(rank: int, failure: Any) -> str:
     return f"rank {rank} {how}"
 
 
+def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that failed first. torch stamps a killed process's failure with the second it was noticed, so the
+    rank that died and the peers that followed it share a timestamp: a peer whose collective lost the other side
+    aborts (SIGABRT), and the agent stops the rest (SIGTERM). Those are consequences, so they lose the tie; among
+    equals torch's own order stands (the order it recorded the failures in, as its get_first_failure keeps)."""
+    consequences = (-signal.SIGABRT, -signal.SIGTERM)
+
+    def key(item: tuple[int, tuple[int, Any]]) -> tuple[float, bool, int]:
+        order, (_rank, failure) = item
+        code = int(getattr(failure, "exitcode", 1) or 1)
+        return (float(getattr(failure, "timestamp", 0) or 0), code in consequences, order)
+
+    return min(enumerate(failures.items()), key=key)[1]
+
+
 def _launcher_main(args: Sequence[str]) -> int:
     """torch.distributed.run with its ChildFailedError traceback replaced by one `Error:` line naming the rank
     that failed first (ranks that fail with their own Error line have printed it already)."""
@@ -339,7 +354,7 @@ def _launcher_main(args: Sequence[str]) -> int:
     try:
         run(parse_args(list(args)))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = _first_failure(exc.failures)
         code = int(getattr(failure, "exitcode", 1) or 1)
         if code < 0:  # killed: it printed nothing itself
             print(

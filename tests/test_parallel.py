@@ -153,3 +153,25 @@ def test_command_argv_rebuilds_the_options(monkeypatch: pytest.MonkeyPatch) -> N
     assert result.exit_code == 0, result.output
     assert seen["argv"] == ["eval", "m", "--tasks", "a", "--tasks", "b", "--strict"]
     assert seen["env"] == {"KVCAL_TEST_SECRET": "pw"}
+
+
+def test_the_first_failure_is_the_killed_rank_not_the_peer_that_aborted() -> None:
+    # torch stamps a killed process's failure with the second it noticed it: a rank killed from outside and the peer
+    # whose collective then aborted (SIGABRT) share it, and torch's own choice names the lower rank
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    aborted = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGABRT, error_file="<N/A>")
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file="<N/A>")
+    killed.timestamp = aborted.timestamp
+    assert parallel._first_failure({0: aborted, 1: killed})[0] == 1
+    stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file="<N/A>")
+    stopped.timestamp = killed.timestamp  # the agent stopping the others (SIGTERM) is a consequence too
+    assert parallel._first_failure({0: stopped, 1: killed})[0] == 1
+    other = ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file="<N/A>")
+    other.timestamp = killed.timestamp  # two equal kills: torch's recorded order stands
+    assert parallel._first_failure({1: other, 0: killed})[0] == 1
+    killed.timestamp = aborted.timestamp + 1  # a later kill: the earlier abort came first
+    assert parallel._first_failure({0: aborted, 1: killed})[0] == 0
+    assert "rank 1 was killed by SIGKILL" == parallel._describe_failure(1, killed)
