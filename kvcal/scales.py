@@ -491,21 +491,8 @@ def load_scales_for_model(
     A different format, layer count, KV heads or head_dim is always refused (the scales cannot fit). A binding
     mismatch (config, tokenizer, weights changed) is refused unless `force`; then the differences are returned
     in `ss.binding_warnings` (and logged) and the caller must warn loudly."""
-    return check_scales_for_model(load_scale_file(path), path, model_ref, model_dir, kv, kv_format, force)
-
-
-def check_scales_for_model(
-    ss: ScaleSet,
-    path: str | os.PathLike[str],
-    model_ref: str,
-    model_dir: str | os.PathLike[str],
-    kv: KVSpec,
-    kv_format: str | None = None,
-    force: bool = False,
-) -> ScaleSet:
-    """`load_scales_for_model`'s checks of an already loaded scale file (`path` names it in messages)."""
     want = None if kv_format is None else canonical_format(kv_format)
-    return _checked(ss, path, model_ref, model_dir, kv, want, force)[0]
+    return _checked(load_scale_file(path), path, model_ref, model_dir, kv, want, force)[0]
 
 
 def bind_scale_file(
@@ -519,7 +506,7 @@ def bind_scale_file(
     force: bool,
     attention: str,
 ) -> tuple[ScaleSet, dict[str, Any]]:
-    """An evaluation's scale file against its checkpoint (kvcal.evaluate.bound.bind): `check_scales_for_model`'s
+    """An evaluation's scale file against its checkpoint (kvcal.evaluate.bound.bind): `load_scales_for_model`'s
     checks with the spec's canonical `kv_format`, the query scales `--attention fp8` needs, and config.yaml's
     `scales` record (what the file is and how it fits the checkpoint; the binding compared once)."""
     ss, diffs = _checked(ss, path, model_ref, model_dir, kv, kv_format, force)
