@@ -15,13 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.drift import CLIP_RTOL, DRIFTED, FITS, check_drift
 from kvcal.calibrate.run import calibrate
 from kvcal.formats import fake_quantize, get_format
-from kvcal.models.loading import load_model
 from kvcal.scales import load_scale_file
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]
@@ -52,22 +49,6 @@ def short_scales(
         return made[(kv_format, granularity)]
 
     return get
-
-
-def _reference_kv(model_dir: Path, n: int, seq_len: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Layer -> (K, V) [1, H_kv, sum T, D] over kvcal's corpus samples, from a plain DynamicCache (no kvcal hook)."""
-    lm = load_model(model_dir)
-    data = build_samples(load_texts(None), lm.tokenizer, n, seq_len, seed=0)
-    ks: dict[int, list[torch.Tensor]] = {}
-    vs: dict[int, list[torch.Tensor]] = {}
-    with torch.no_grad():
-        for ids in data.samples:
-            cache = DynamicCache()
-            lm.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
-            for i, layer in enumerate(cache.layers):
-                ks.setdefault(i, []).append(layer.keys)
-                vs.setdefault(i, []).append(layer.values)
-    return {i: (torch.cat(ks[i], 2), torch.cat(vs[i], 2)) for i in ks}
 
 
 def _sqnr(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> float:
@@ -107,13 +88,13 @@ def test_same_data_as_calibration_fits_with_calibrates_numbers(
 
 
 def test_traffic_beyond_the_calibrated_amax_drifts_with_exact_clip_counts(
-    tiny_llama_dir: Path, short_scales: Callable[..., Path]
+    tiny_llama_dir: Path, short_scales: Callable[..., Path], plain_kv: Callable[..., dict]
 ) -> None:
     path = short_scales("fp8_e4m3")
     ss = load_scale_file(path)
     report = check_drift(path, str(tiny_llama_dir), dataset=None, num_samples=TRAFFIC_N, seq_len=TRAFFIC_L)
     assert report.verdict == DRIFTED and report.drifted
-    ref = _reference_kv(tiny_llama_dir, TRAFFIC_N, TRAFFIC_L)
+    ref = plain_kv(tiny_llama_dir, TRAFFIC_N, TRAFFIC_L)
     fmt = get_format("fp8_e4m3")
     for rec in report.layers:
         i = rec["layer"]

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.drift import FITS, check_drift
 from kvcal.calibrate.observation import ObserveOptions
 from kvcal.calibrate.observers import format_range, get_observer
@@ -116,25 +114,9 @@ def test_cli_drift_on_the_calibration_text_fits_and_refuses_another_rounding(
     assert "observed in bfloat16" in lines[0] and "drop --kv-input-dtype" in lines[0]
 
 
-def _plain_kv(model_dir: Path, n: int, seq_len: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Layer -> (K, V) [1, H_kv, sum T, D] over kvcal's corpus samples from a plain DynamicCache (no kvcal hook)."""
-    lm = load_model(model_dir)
-    data = build_samples(load_texts(None), lm.tokenizer, n, seq_len, seed=0)
-    ks: dict[int, list[torch.Tensor]] = {}
-    vs: dict[int, list[torch.Tensor]] = {}
-    with torch.no_grad():
-        for ids in data.samples:
-            cache = DynamicCache()
-            lm.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
-            for i, layer in enumerate(cache.layers):
-                ks.setdefault(i, []).append(layer.keys)
-                vs.setdefault(i, []).append(layer.values)
-    return {i: (torch.cat(ks[i], 2), torch.cat(vs[i], 2)) for i in ks}
-
-
-def test_unrounded_kv_exceed_bf16_scales(tiny_llama_dir: Path) -> None:
+def test_unrounded_kv_exceed_bf16_scales(tiny_llama_dir: Path, plain_kv: Callable[..., dict]) -> None:
     """The old drift path (K/V unrounded) against bf16-measured scales would clip on this very data."""
-    kv = _plain_kv(tiny_llama_dir, N, L)
+    kv = plain_kv(tiny_llama_dir, N, L)
     ss = calibrate(str(tiny_llama_dir), "fp8_e4m3", num_samples=N, seq_len=L, kv_input_dtype="bf16").scale_set
     assert any(float(k.abs().max()) > float(ss.k_scales[i]) * 448 * (1 + 1e-6) for i, (k, _) in kv.items())
 
@@ -143,13 +125,17 @@ def test_unrounded_kv_exceed_bf16_scales(tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 @pytest.mark.parametrize("kv_format", ["fp8_e4m3", "nvfp4"])
 def test_calibrate_minmax_scales_equal_an_independent_plain_path(
-    kv_format: str, granularity: str, kv_input_dtype: str | None, tiny_llama_dir: Path
+    kv_format: str,
+    granularity: str,
+    kv_input_dtype: str | None,
+    tiny_llama_dir: Path,
+    plain_kv: Callable[..., dict],
 ) -> None:
     """minmax scale = amax of the (rounded) K/V per group / the format's range, bit for bit (fp32)."""
     fmt = get_format(kv_format)
     res = calibrate(str(tiny_llama_dir), kv_format, granularity=granularity, num_samples=N, seq_len=L,
                     kv_input_dtype=kv_input_dtype)  # fmt: skip
-    for i, (k, v) in _plain_kv(tiny_llama_dir, N, L).items():
+    for i, (k, v) in plain_kv(tiny_llama_dir, N, L).items():
         for x, got in ((k, res.scale_set.k_scales[i]), (v, res.scale_set.v_scales[i])):
             if kv_input_dtype is not None:
                 x = x.to(KV_INPUT_DTYPES[kv_input_dtype]).float()

@@ -5,7 +5,7 @@ same cache plan as kvcal eval's spec."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,6 @@ import torch
 
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.spec import EvalConfig, eval_spec
-
-CORPUS = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 4
 
 # every function that turns an option string into a value (formats, attention, cache, plan, models, scales)
 PARSERS = (
@@ -31,28 +29,6 @@ PARSERS = (
     "load_scales_for_model",
     "eval_spec",
 )
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_lm_dir: Callable[..., Path]) -> Path:
-    return tiny_lm_dir("llama", CORPUS)
-
-
-@pytest.fixture(scope="module")
-def scale_file(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A per-tensor fp8 scale file bound to the tiny Llama."""
-    from kvcal.models.config import load_config
-    from kvcal.models.geometry import kv_spec
-    from kvcal.scales import compute_binding, make_scale_set, save_scale_file
-
-    kv = kv_spec(load_config(llama))
-    n = kv.num_layers
-    path = tmp_path_factory.mktemp("scales") / "fp8.safetensors"
-    binding = compute_binding(str(llama), llama, kv)
-    save_scale_file(
-        path, make_scale_set("fp8_e4m3", "tensor", [0.02] * n, [0.03] * n, observer="minmax", binding=binding)
-    )
-    return path
 
 
 def _bound(llama: Path, scale_file: Path) -> BoundSpec:

@@ -4,7 +4,6 @@ equal specs, one run-directory name, one recorded config; a scale file read once
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,29 +11,6 @@ import pytest
 from kvcal.errors import UsageError
 from kvcal.evaluate.spec import EvalConfig, eval_spec, run_dir_name
 from kvcal.rundir import RunConfig
-
-CORPUS = ["the cat sat on the mat", "a dog ran in the park", "the sun is warm today"] * 4
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_lm_dir: Callable[..., Path]) -> Path:
-    return tiny_lm_dir("llama", CORPUS)
-
-
-@pytest.fixture(scope="module")
-def scale_file(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A per-tensor fp8 scale file bound to the tiny Llama."""
-    from kvcal.models.config import load_config
-    from kvcal.models.geometry import kv_spec
-    from kvcal.scales import compute_binding, make_scale_set, save_scale_file
-
-    kv = kv_spec(load_config(llama))
-    n = kv.num_layers
-    path = tmp_path_factory.mktemp("scales") / "fp8.safetensors"
-    binding = compute_binding(str(llama), llama, kv)
-    save_scale_file(path, make_scale_set("fp8_e4m3", "tensor", [0.02] * n, [0.03] * n, observer="minmax", binding=binding))
-    return path
-
 
 SETTINGS = {"limit": 2, "kl_seq_len": 16, "seed": 3, "dtype": "float32", "kv_input_dtype": "fp32"}
 
