@@ -496,7 +496,7 @@ def load_scales_for_model(
 
 
 def bind_scale_file(
-    ss: ScaleSet,
+    ss: ScaleSet | None,
     path: str | os.PathLike[str],
     model_ref: str,
     model_dir: str | os.PathLike[str],
@@ -508,7 +508,10 @@ def bind_scale_file(
 ) -> tuple[ScaleSet, dict[str, Any]]:
     """An evaluation's scale file against its checkpoint (kvcal.evaluate.bound.bind): `load_scales_for_model`'s
     checks with the spec's canonical `kv_format`, the query scales `--attention fp8` needs, and config.yaml's
-    `scales` record (what the file is and how it fits the checkpoint; the binding compared once)."""
+    `scales` record (what the file is and how it fits the checkpoint; the binding compared once). `ss`: the file
+    as `eval_spec` loaded it, or None to read it now (a sweep cell's file, calibrated after the cell was named)."""
+    if ss is None:
+        ss = load_scale_file(path)
     ss, diffs = _checked(ss, path, model_ref, model_dir, kv, kv_format, force)
     query_scales(attention, ss, kv.num_layers)  # --attention fp8 refuses a scale file without q_scale
     observer = ss.manifest.get("observer")

@@ -86,6 +86,7 @@ def test_disk_offloaded_eval_equals_the_plain_load(
     four_layers: Path, tmp_path: Path, lm_eval_task: Callable[..., None]
 ) -> None:
     from kvcal.evaluate.run import EvalConfig, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     docs = [{"q": f"the {w} is", "choices": ["red", "blue", "green"], "label": i % 3} for i, w in
             enumerate(["sky", "sea", "leaf", "sun"])]  # fmt: skip
@@ -94,13 +95,13 @@ def test_disk_offloaded_eval_equals_the_plain_load(
         model=str(four_layers), kv_format="fp8_e4m3", tasks=["dm_mc", "kl"], include_path=str(tmp_path / "tasks"),
         limit=3, kl_seq_len=16, dtype="float32",
     )  # fmt: skip
-    plain = run_eval(EvalConfig(**base, output=str(tmp_path / "plain")))
-    placed = run_eval(
+    plain = run_eval(eval_spec(EvalConfig(**base, output=str(tmp_path / "plain"))))
+    placed = run_eval(eval_spec(
         EvalConfig(
             **base, output=str(tmp_path / "placed"), device_map=str(_half_on_disk(tmp_path)),
             offload_folder=str(tmp_path / "offload"),
         )
-    )  # fmt: skip
+    ))  # fmt: skip
     a, b = (json.loads((run / "results.json").read_text())["results"] for run in (plain, placed))
     assert a == b and a["kl"]["kl,none"] > 0
     for task in ("dm_mc", "kl"):

@@ -29,8 +29,7 @@ from kvcal import parallel
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
-from kvcal.models.geometry import kv_spec
-from kvcal.models.loading import input_device, load_model
+from kvcal.models.loading import input_device, load_resolved
 from kvcal.models.resolve import resolve_model
 
 
@@ -102,11 +101,14 @@ class KvcalLM(HFLM):
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
             if placement.active:  # accelerate's dispatch: kvcal loads, HFLM takes the placed model
-                placed = load_model(
+                placed = load_resolved(
                     bound.model_dir,
+                    bound.hf_config,
                     dtype=str(kwargs.pop("dtype", "auto")),
+                    device=bound.spec.device,
                     trust_remote_code=bound.spec.trust_remote_code,
                     placement=placement,
+                    ref=bound.spec.model,
                 )
                 pretrained, kwargs["tokenizer"] = placed.model, placed.tokenizer
                 kwargs.pop("device", None)
@@ -186,14 +188,14 @@ class KvcalLM(HFLM):
     def activate_runtime(self) -> None:
         """(Re)install this LM's cache plan on its model. A model carries one KVRuntime at a time, so anything
         that installs another one (the kl task's BF16 baseline) calls this afterwards."""
-        from kvcal.kernels.runtime import KVRuntime
+        from kvcal.kernels.runtime import KVRuntime, shard_by_head
 
         plan = self.cache
         if self.runtime is not None and self.runtime.first_batch is not None:
             # the scales the first batch fixed stay fixed (vLLM keeps them for the server's lifetime)
             plan = dataclasses.replace(plan, first_batch=self.runtime.first_batch)
         rt = KVRuntime.from_plan(self.model, plan)
-        shard_runtime_by_head(rt, self.model, self._kvcal_tp)
+        shard_by_head(rt, self._kvcal_tp)
         self.runtime = rt if plan.quantized else None
 
     @property
@@ -291,27 +293,6 @@ def _right_padding_mask(inps: torch.Tensor, lengths: list[int] | None) -> torch.
         return None
     n = torch.tensor(lengths, device=inps.device)
     return (torch.arange(inps.shape[1], device=inps.device)[None, :] < n[:, None]).long()
-
-
-def shard_runtime_by_head(runtime: Any, model: Any, tp: parallel.Dist) -> None:
-    """Tensor parallel (`tp_plan`, under torchrun): transformers splits k_proj / v_proj column-wise, so rank r's
-    attention writes only KV heads `parallel.heads_of_rank(H_kv, r, N)` to its cache, [B, H_kv / N, T, D]; its
-    cache then holds those heads' codes and scales (per-head scales sliced, per-tensor ones shared). Checked on CPU
-    with gloo: 2 ranks give 1 rank's logits to float rounding (docs/scaling-out.md)."""
-    if runtime is None or not tp.active:
-        return
-    from kvcal.kernels.runtime import install_plans
-
-    kv = kv_spec(model.config)
-
-    def cut(scale: Any, heads: int) -> Any:
-        return None if scale is None else parallel.slice_heads(scale, heads, tp.rank, tp.world_size)
-
-    runtime.plans = [
-        dataclasses.replace(p, k_scale=cut(p.k_scale, layer.kv_heads), v_scale=cut(p.v_scale, layer.kv_heads))
-        for p, layer in zip(runtime.plans, kv.layers, strict=True)
-    ]
-    install_plans(model, runtime.plans, runtime.impl, nonfinite=runtime.nonfinite)
 
 
 def lm_eval_main() -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.evaluate.tasks import PASSKEY_TASKS
+from kvcal.evaluate.tasks import PASSKEY_TASKS, TaskPlan
 
 PASSKEY_TASK, PASSKEY_MC_TASK = PASSKEY_TASKS
 PASSKEY_VERSION = 1
@@ -392,3 +392,38 @@ def task_specs(
         "filler": source,
     }
     return {name: task_config(name, docs, settings) for name in wanted}
+
+
+def bind_passkey(
+    plan: TaskPlan | None,
+    model_dir: str | os.PathLike[str],
+    *,
+    max_positions: int | None,
+    gen_toks: int | None,
+    data_dir: str | os.PathLike[str] | None,
+    lengths: list[int],
+    depths: list[float],
+    limit: int | None,
+    seed: int,
+    trust_remote_code: bool,
+) -> None:
+    """The passkey part of binding a spec to its checkpoint (kvcal.evaluate.bound.bind): every prompt length must
+    fit the model's positions, and the plan's passkey tasks get their lm-eval configs, the documents generated with
+    the model's own tokenizer (the one lm-eval's HFLM loads from the same folder). `limit`: samples per cell."""
+    check_positions(lengths, max_positions, gen_toks or GEN_TOKS)
+    if plan is None or not plan.has_passkey:
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    plan.lm_eval_specs.update(
+        task_specs(
+            plan.names,
+            tokenizer,
+            data_dir=data_dir,
+            lengths=lengths,
+            depths=depths,
+            per_cell=limit or DEFAULT_PER_CELL,
+            seed=seed,
+        )
+    )

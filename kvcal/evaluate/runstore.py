@@ -71,22 +71,20 @@ class RunStore:
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"-o '{self.root}' is a file; pass a directory for the run")
         existing = self.read_config()
-        if existing is None:
-            if self.root.is_dir() and any(p for p in self.root.iterdir() if not p.name.startswith(".")):
+        if existing is not None:
+            diffs = config_differences(existing, config)
+            if diffs:
                 raise KvcalError(
-                    f"'{self.root}' is not empty and holds no kvcal run (no {CONFIG}); choose an empty or new -o directory"
+                    f"run directory '{self.root}' belongs to a different configuration ({'; '.join(diffs[:4])}); "
+                    "choose another -o directory (nothing was changed)"
                 )
-            self._create(config)
-            return "fresh"
-        diffs = config_differences(existing, config)
-        if diffs:
+            return "complete" if self.is_complete(config) else "resume"
+        if self.root.is_dir() and any(p for p in self.root.iterdir() if not p.name.startswith(".")):
             raise KvcalError(
-                f"run directory '{self.root}' belongs to a different configuration ({'; '.join(diffs[:4])}); "
-                "choose another -o directory (nothing was changed)"
+                f"'{self.root}' is not empty and holds no kvcal run (no {CONFIG}); choose an empty or new -o directory"
             )
-        if self.is_complete(config):
-            return "complete"
-        return "resume"
+        self._create(config)
+        return "fresh"
 
     def _create(self, config: RunConfig) -> None:
         try:
@@ -119,6 +117,16 @@ class RunStore:
         atomic_write_json(self.task_result_path(task), result)
 
     # ---- whole run --------------------------------------------------------------------------------------
+
+    def finished_parts(self, tasks: list[str]) -> list[dict[str, Any]]:
+        """Every task's saved part ({} for one not saved)."""
+        return [self.finished_task(t) or {} for t in tasks]
+
+    def finish(self, records: dict[str, Any], config: RunConfig) -> None:
+        """The whole run's files (name -> JSON object: results.json, metrics.json, env.json), then COMPLETE."""
+        for name, obj in records.items():
+            atomic_write_json(self.root / name, obj)
+        self.mark_complete(config)
 
     def write_json(self, name: str, obj: Any) -> None:
         atomic_write_json(self.root / name, obj)
@@ -153,3 +161,23 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     return str(obj)
+
+
+def open_shared(store: RunStore, config: RunConfig, tasks: list[str], dist: Any) -> tuple[str, list[str]]:
+    """`store.open(config)` on rank 0 ('fresh', 'resume' or 'complete') and the `tasks` not finished yet, shared
+    with every rank of `dist` (kvcal.parallel.Dist), so every rank runs the same tasks; a refusal stops all of
+    them (rank 0 says why)."""
+    from kvcal.parallel import broadcast_object
+
+    outcome: tuple[str, str, list[str]] = ("", "", [])
+    if dist.is_main:
+        try:
+            pending = [t for t in tasks if store.finished_task(t) is None]  # read-only: nothing written yet
+            outcome = ("ok", store.open(config), pending)
+        except KvcalError as exc:
+            broadcast_object(("error", str(exc), []), dist)
+            raise
+    outcome = broadcast_object(outcome, dist)
+    if outcome[0] == "error":
+        raise UsageError(f"rank {dist.rank}: rank 0 refused the run directory: {outcome[1]}")
+    return outcome[1], outcome[2]

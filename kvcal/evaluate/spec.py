@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvcal.errors import UsageError
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
 from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
-from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, parse_task_list
+from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, parse_task_list, resolve_tasks
 from kvcal.formats import DEFAULT_KV_INPUT_DTYPE
 from kvcal.kernels.plan import CachePlan, parse_cache_plan
 from kvcal.models.loading import DTYPES, check_device, resolve_dtype
@@ -206,6 +206,15 @@ class EvalSpec:
     @property
     def run_dir(self) -> Path:
         return Path(self.output) if self.output else Path(run_dir_name(self))
+
+    def task_plan(self) -> TaskPlan:
+        """The tasks as lm-eval specs, their data files checked (nothing here imports lm-eval's model code)."""
+        return resolve_tasks(
+            list(self.tasks),
+            include_path=self.include_path,
+            data_dir=self.data_dir,
+            gpqa_password=self.gpqa_password,
+        )
 
     def with_output(self, output: str | Path) -> EvalSpec:
         return dataclasses.replace(self, output=str(output))

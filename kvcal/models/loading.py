@@ -35,17 +35,19 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
-def resolve_dtype(dtype: str, model_dir: str | os.PathLike[str]) -> str:
+def resolve_dtype(dtype: str, model_dir: str | os.PathLike[str], hf_config: Any = None) -> str:
     """The dtype a load of `model_dir` uses for `dtype`: float32 / bfloat16 / float16 as given; 'auto' -> the
     checkpoint's own, by transformers' rule for dtype='auto' (what lm-eval's HFLM passes by default): config.json's
-    dtype, else the first floating tensor of its .safetensors files, else float32. Reads no weights."""
+    dtype (`hf_config`, the folder's loaded config: kvcal.models.config.load_config), else the first floating
+    tensor of its .safetensors files, else float32. Reads no weights."""
     name = _DTYPE_ALIASES.get(str(dtype), str(dtype))
     if name != "auto":
         if name not in _TORCH_DTYPES:
             raise UsageError(f"unknown dtype '{dtype}'; use {', '.join(DTYPES)}")
         return name
-    config = load_config(model_dir)
-    raw = getattr(config, "dtype", None)
+    if hf_config is None:
+        raise ValueError("resolve_dtype('auto') needs the checkpoint's config (hf_config)")
+    raw = getattr(hf_config, "dtype", None)
     found = str(raw).replace("torch.", "") if raw is not None else _safetensors_float_dtype(Path(model_dir))
     found = found or "float32"
     if found not in _TORCH_DTYPES:
@@ -128,16 +130,43 @@ def load_model(
     """Load a causal LM and its tokenizer from a local folder, hub id or .gguf, in eval mode on `device`
     (`dtype` 'auto': the checkpoint's own, see resolve_dtype). `placement` with a device map: accelerate's
     dispatch (kvcal.placement) places the modules instead, and `device` is not used."""
+    device = check_device(device)
+    model_dir = resolve_model(model, trust_remote_code=trust_remote_code)
+    hf_config = load_config(model_dir, trust_remote_code)
+    return load_resolved(
+        model_dir,
+        hf_config,
+        dtype=dtype,
+        device=device,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        placement=placement,
+        ref=str(model),
+    )
+
+
+def load_resolved(
+    model_dir: Path,
+    hf_config: Any,
+    *,
+    dtype: str,
+    device: str,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    placement: Placement | None = None,
+    ref: str | None = None,
+) -> LoadedModel:
+    """`load_model` of a folder `resolve_model` returned, whose config is loaded already (`hf_config`); `device`
+    checked (check_device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = _torch_dtype(resolve_dtype(dtype, model_dir, hf_config))
+    ref = ref or str(model_dir)
     placement = placement or Placement()
-    device = check_device(device)
     placement.check()
-    model_dir = resolve_model(model, trust_remote_code=trust_remote_code)
-    torch_dtype = _torch_dtype(resolve_dtype(dtype, model_dir))
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if placement.active:
-        check_memory_fits(placement, load_config(model_dir, trust_remote_code), torch_dtype, str(model))
+        check_memory_fits(placement, hf_config, torch_dtype, ref)
         kwargs.update(placement.from_pretrained_kwargs())
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -146,12 +175,12 @@ def load_model(
         lm = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise UsageError(
-            f"cannot load '{model}' as a causal language model: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+            f"cannot load '{ref}' as a causal language model: {str(exc).splitlines()[0] if str(exc) else exc!r}"
         ) from exc
     if not placement.active:
         lm.to(device)
     lm.eval()
-    return LoadedModel(model=lm, tokenizer=tokenizer, model_dir=model_dir, ref=str(model))
+    return LoadedModel(model=lm, tokenizer=tokenizer, model_dir=model_dir, ref=ref)
 
 
 def input_device(model: Any) -> Any:

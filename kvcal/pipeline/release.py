@@ -376,7 +376,6 @@ def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str,
 
 def check_tasks(ctx: Context) -> None:
     """Everything kvcal eval checks without a model (tasks, data files), once per task, before any work."""
-    from kvcal.evaluate.bound import task_plan
     from kvcal.evaluate.spec import EvalConfig, eval_spec
 
     e = ctx.cfg.evaluate
@@ -384,7 +383,7 @@ def check_tasks(ctx: Context) -> None:
         options = EvalConfig(model=ctx.model, kv_format="bf16", tasks=[task], include_path=e.include_path,
                              data_dir=e.data_dir, gpqa_password=ctx.gpqa_password, impl=e.impl, dtype="auto",
                              device=e.device, limit=ctx.scfg.limit_for(task))  # fmt: skip
-        task_plan(eval_spec(options))
+        eval_spec(options).task_plan()
 
 
 def evaluate(ctx: Context, scales: Scales) -> tuple[list[sweep.Cell], dict[str, str]]:

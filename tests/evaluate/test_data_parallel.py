@@ -115,8 +115,7 @@ def test_tensor_parallel_rank_holds_its_heads_scales(tiny_llama_dir: Path) -> No
     modules get those heads' scales (2 KV heads over 2 ranks: rank 1 keeps head 1's)."""
     from transformers import AutoModelForCausalLM
 
-    from kvcal.evaluate.adapter import shard_runtime_by_head
-    from kvcal.kernels.runtime import KVRuntime, attention_modules
+    from kvcal.kernels.runtime import KVRuntime, attention_modules, shard_by_head
     from kvcal.models.geometry import kv_spec
     from kvcal.scales import compute_binding, make_scale_set
 
@@ -134,7 +133,7 @@ def test_tensor_parallel_rank_holds_its_heads_scales(tiny_llama_dir: Path) -> No
         binding=compute_binding(str(tiny_llama_dir), tiny_llama_dir, kv),
     )
     rt = KVRuntime(model, "fp8_e4m3", scales=scales)
-    shard_runtime_by_head(rt, model, parallel.Dist(rank=1, world_size=2))
+    shard_by_head(rt, parallel.Dist(rank=1, world_size=2))
     for i, plan in enumerate(rt.plans):
         assert torch.equal(plan.k_scale, k[i][1:]) and torch.equal(plan.v_scale, v[i][1:])
     mods = attention_modules(model)

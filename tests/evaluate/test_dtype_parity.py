@@ -74,16 +74,17 @@ def test_auto_at_defaults_equals_plain_lm_eval_on_a_bf16_checkpoint(
     bf16_model: Path, task_dir: Path, tmp_path: Path
 ) -> None:
     from kvcal.evaluate.run import EvalConfig, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     ref = json.loads(json.dumps(_plain_lm_eval(bf16_model, task_dir), default=str))
-    run = run_eval(
+    run = run_eval(eval_spec(
         EvalConfig(
             model=str(bf16_model),
             tasks=[",".join(TASKS)],
             include_path=str(task_dir),
             output=str(tmp_path / "run"),
         )
-    )
+    ))
     ours = json.loads((run / "results.json").read_text())
     assert yaml.safe_load((run / "config.yaml").read_text())["dtype"] == "bfloat16"
     assert ours["config"]["dtype"] == "bfloat16"
@@ -101,16 +102,18 @@ def test_dtype_auto_resolves_like_transformers(
     bf16_model: Path, tiny_lm_dir: Callable[..., Path], tmp_path: Path
 ) -> None:
     from kvcal.errors import UsageError
+    from kvcal.models.config import load_config
     from kvcal.models.loading import resolve_dtype
 
-    assert resolve_dtype("auto", bf16_model) == "bfloat16"
-    assert resolve_dtype("auto", tiny_lm_dir("llama", CORPUS)) == "float32"
+    tiny = tiny_lm_dir("llama", CORPUS)
+    assert resolve_dtype("auto", bf16_model, load_config(bf16_model)) == "bfloat16"
+    assert resolve_dtype("auto", tiny, load_config(tiny)) == "float32"
     assert resolve_dtype("float32", bf16_model) == "float32"
     # no dtype in config.json: the first floating tensor of the safetensors files decides, as in transformers
     bare = tmp_path / "bare"
     shutil.copytree(bf16_model, bare)
     cfg = json.loads((bare / "config.json").read_text())
     (bare / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "dtype"}))
-    assert resolve_dtype("auto", bare) == "bfloat16"
+    assert resolve_dtype("auto", bare, load_config(bare)) == "bfloat16"
     with pytest.raises(UsageError, match="unknown dtype"):
         resolve_dtype("float8", bf16_model)

@@ -140,12 +140,13 @@ def _config(tiny: dict[str, Path], out: Path, **kw: Any) -> Any:
 @pytest.fixture(scope="module")
 def fp8_run(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     from kvcal.evaluate.run import run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     # A fresh kvcal cache from here to the end of this module (the KL baseline-cache counts below start from it);
     # restored afterwards so later modules keep the session's cache.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCAL_CACHE", str(tmp_path_factory.mktemp("kvcal_cache")))
-        yield run_eval(_config(tiny, tmp_path_factory.mktemp("runs") / "fp8"))
+        yield run_eval(eval_spec(_config(tiny, tmp_path_factory.mktemp("runs") / "fp8")))
 
 
 def test_quantized_run_end_to_end(fp8_run: Path) -> None:
@@ -180,14 +181,15 @@ def test_quantized_logits_differ_from_auto(tiny: dict[str, Path]) -> None:
 
 def test_rerun_skips_resume_redoes_only_missing(tiny: dict[str, Path], fp8_run: Path) -> None:
     from kvcal.evaluate.run import run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     stamps = {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()}
-    assert run_eval(_config(tiny, fp8_run)) == fp8_run
+    assert run_eval(eval_spec(_config(tiny, fp8_run))) == fp8_run
     assert {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()} == stamps
     # interrupted: no marker, one task unfinished
     (fp8_run / "COMPLETE").unlink()
     (fp8_run / "tasks" / "tiny_gen.json").unlink()
-    run_eval(_config(tiny, fp8_run))
+    run_eval(eval_spec(_config(tiny, fp8_run)))
     assert (fp8_run / "COMPLETE").is_file()
     assert (fp8_run / "tasks" / "tiny_mc.json").stat().st_mtime_ns == stamps["tiny_mc.json"]
     assert (fp8_run / "tasks" / "tiny_gen.json").stat().st_mtime_ns != stamps["tiny_gen.json"]
@@ -196,16 +198,17 @@ def test_rerun_skips_resume_redoes_only_missing(tiny: dict[str, Path], fp8_run: 
 def test_bad_input_leaves_the_run_untouched(tiny: dict[str, Path], fp8_run: Path) -> None:
     from kvcal.errors import KvcalError, UsageError
     from kvcal.evaluate.run import run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     stamps = {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()}
     with pytest.raises(KvcalError, match="different configuration"):
-        run_eval(_config(tiny, fp8_run, kv_format="nvfp4"))
+        run_eval(eval_spec(_config(tiny, fp8_run, kv_format="nvfp4")))
     with pytest.raises(UsageError, match="--limit"):
-        run_eval(_config(tiny, fp8_run, limit=0))
+        run_eval(eval_spec(_config(tiny, fp8_run, limit=0)))
     with pytest.raises(UsageError, match="did you mean"):
-        run_eval(_config(tiny, fp8_run, tasks=["tiny_mcc"]))
+        run_eval(eval_spec(_config(tiny, fp8_run, tasks=["tiny_mcc"])))
     with pytest.raises(UsageError, match="quantized --kv-format"):
-        run_eval(_config(tiny, fp8_run, kv_format="auto", skip_layers="sliding_window"))
+        run_eval(eval_spec(_config(tiny, fp8_run, kv_format="auto", skip_layers="sliding_window")))
     assert {p.name: p.stat().st_mtime_ns for p in fp8_run.rglob("*") if p.is_file()} == stamps
 
 
@@ -213,8 +216,9 @@ def test_kl_of_identical_runs_is_zero_and_baseline_is_cached(
     tiny: dict[str, Path], fp8_run: Path, tmp_path: Path
 ) -> None:
     from kvcal.evaluate.run import run_eval
+    from kvcal.evaluate.spec import eval_spec
 
-    out = run_eval(_config(tiny, tmp_path / "bf16", kv_format="bf16", tasks=["kl"], limit=3))
+    out = run_eval(eval_spec(_config(tiny, tmp_path / "bf16", kv_format="bf16", tasks=["kl"], limit=3)))
     res = json.loads((out / "results.json").read_text())
     kl = res["results"]["kl"]
     assert kl["kl,none"] == 0.0 and kl["top1_agree,none"] == 1.0
@@ -227,6 +231,7 @@ def test_scales_bound_to_another_checkpoint(tiny: dict[str, Path], fp8_run: Path
 
     from kvcal.errors import KvcalError
     from kvcal.evaluate.run import run_eval
+    from kvcal.evaluate.spec import eval_spec
     from kvcal.models.config import load_config
     from kvcal.models.geometry import kv_spec
     from kvcal.scales import compute_binding, make_scale_set, save_scale_file
@@ -251,17 +256,17 @@ def test_scales_bound_to_another_checkpoint(tiny: dict[str, Path], fp8_run: Path
 
     cfg = dict(kv_format="fp8_e4m3", tasks=["kl"], limit=1, scales=str(scales))
     with pytest.raises(KvcalError, match="--force|force"):
-        run_eval(_config(tiny, tmp_path / "refused", **cfg))
+        run_eval(eval_spec(_config(tiny, tmp_path / "refused", **cfg)))
     assert not (tmp_path / "refused").exists()
     with pytest.raises(KvcalError, match="nvfp4"):
-        run_eval(_config(tiny, tmp_path / "fmt", **{**cfg, "kv_format": "nvfp4"}))
-    out = run_eval(_config(tiny, tmp_path / "forced", force_scales=True, **cfg))
+        run_eval(eval_spec(_config(tiny, tmp_path / "fmt", **{**cfg, "kv_format": "nvfp4"})))
+    out = run_eval(eval_spec(_config(tiny, tmp_path / "forced", force_scales=True, **cfg)))
     import yaml
 
     recorded = yaml.safe_load((out / "config.yaml").read_text())
     assert recorded["force_scales"] is True and recorded["scales"]["binding_differences"]
     assert "WARNING" in recorded["scales"] and recorded["scales"]["granularity"] == "tensor"
     # bound to its own checkpoint: accepted without force, and the run reads the static scales
-    out2 = run_eval(_config(tiny, tmp_path / "bound", **{**cfg, "model": str(other)}))
+    out2 = run_eval(eval_spec(_config(tiny, tmp_path / "bound", **{**cfg, "model": str(other)})))
     res = json.loads((out2 / "results.json").read_text())
     assert res["kvcal"]["runtime"]["scale_source"].startswith("scale file")

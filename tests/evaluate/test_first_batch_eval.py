@@ -33,6 +33,7 @@ def test_first_batch_run_records_and_keeps_its_scales(
 ) -> None:
     from kvcal.errors import UsageError
     from kvcal.evaluate.run import EvalConfig, run_dir_name, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     model = tiny_lm_dir("gemma3", CORPUS)
     lm_eval_task(tmp_path / "tasks", "fb_mc", "multiple_choice", MC_DOCS, ["acc"])
@@ -51,8 +52,8 @@ def test_first_batch_run_records_and_keeps_its_scales(
         )
 
     assert "__fp8_e4m3__first-batch__" in run_dir_name(config("x", ["fb_mc"]))
-    alone = run_eval(config("alone", ["fb_mc"]))
-    both = run_eval(config("both", ["fb_mc", "kl"]))
+    alone = run_eval(eval_spec(config("alone", ["fb_mc"])))
+    both = run_eval(eval_spec(config("both", ["fb_mc", "kl"])))
     recorded = yaml.safe_load((both / "config.yaml").read_text())
     assert recorded["scale_source"] == "first-batch" and recorded["scales_path"] is None
     assert recorded["kv_input_dtype"] == "bfloat16"
@@ -62,4 +63,4 @@ def test_first_batch_run_records_and_keeps_its_scales(
     assert all(s is not None for s in scales[0]["k"] + scales[0]["v"])
     assert scales[1] == scales[0]  # the kl task (and its baseline) did not recompute them
     with pytest.raises(UsageError, match="first-batch"):
-        run_eval(EvalConfig(model=str(model), kv_format="mxfp4", scales="first-batch", tasks=["kl"]))
+        run_eval(eval_spec(EvalConfig(model=str(model), kv_format="mxfp4", scales="first-batch", tasks=["kl"])))

@@ -84,11 +84,12 @@ def test_auto_kl_perplexity_matches_plain_transformers(
 
     from kvcal.evaluate.kl import EMBEDDED_TEXT
     from kvcal.evaluate.run import EvalConfig, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     model = tiny_lm_dir("llama", CORPUS)
-    run = run_eval(
+    run = run_eval(eval_spec(
         EvalConfig(model=str(model), tasks=["kl"], limit=3, kl_seq_len=24, output=str(tmp_path / "run"))
-    )
+    ))
     res = json.loads((run / "results.json").read_text())
     cfg = res["configs"]["kl"]
     assert cfg["bos"]["bos_token_id"] is None and "does not add" in cfg["bos"]["rule"]

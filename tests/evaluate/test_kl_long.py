@@ -233,10 +233,11 @@ def fresh_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.mark.usefixtures("fresh_cache")
 def test_eval_records_chunk_only_when_windows_are_chunked(gemma: Path, tmp_path: Path) -> None:
     from kvcal.evaluate.run import EvalConfig, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     def run(name: str, **kw: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        out = run_eval(EvalConfig(model=str(gemma), kv_format="fp8_e4m3", tasks=["kl"], limit=2,
-                                  output=str(tmp_path / name), **kw))  # fmt: skip
+        out = run_eval(eval_spec(EvalConfig(model=str(gemma), kv_format="fp8_e4m3", tasks=["kl"], limit=2,
+                                  output=str(tmp_path / name), **kw)))  # fmt: skip
         results = json.loads((out / "results.json").read_text())
         part = json.loads((out / "tasks" / "kl.json").read_text())
         return yaml.safe_load((out / "config.yaml").read_text()), results, part

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kvcal.evaluate.run import EvalConfig, run_dir_name, run_eval
+from kvcal.evaluate.spec import eval_spec
 from kvcal.report.compare import describe_scales
 from kvcal.rundir import CONFIG, RunConfig
 
@@ -32,7 +33,7 @@ def _kl(model: Path, out: Path, **kw: object) -> tuple[RunConfig, dict]:
     cfg = EvalConfig(
         model=str(model), kv_format="nvfp4", tasks=["kl"], limit=2, kl_seq_len=16, output=str(out), **kw
     )
-    run_dir = run_eval(cfg)
+    run_dir = run_eval(eval_spec(cfg))
     recorded = RunConfig.from_dict(yaml.safe_load((run_dir / CONFIG).read_text()))
     results = json.loads((run_dir / "results.json").read_text())
     return recorded, results
@@ -59,7 +60,7 @@ def test_other_formats_record_no_policy(model: Path, tmp_path: Path) -> None:
     cfg = EvalConfig(
         model=str(model), kv_format="fp8", tasks=["kl"], limit=1, kl_seq_len=16, output=str(tmp_path / "r")
     )
-    recorded = RunConfig.from_dict(yaml.safe_load((run_eval(cfg) / CONFIG).read_text()))
+    recorded = RunConfig.from_dict(yaml.safe_load((run_eval(eval_spec(cfg)) / CONFIG).read_text()))
     assert recorded.nvfp4_global is None
     assert "nvfp4_global" not in recorded.to_dict()  # so earlier runs keep their identity hash
 

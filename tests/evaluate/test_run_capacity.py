@@ -21,9 +21,10 @@ def test_metrics_json_equals_kvcal_capacity(
     skip: str | None,
 ) -> None:
     from kvcal.evaluate.run import EvalConfig, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     model = tiny_lm_dir("gemma3", CORPUS)  # float32 weights; 2 sliding + 1 full layer
-    run = run_eval(
+    run = run_eval(eval_spec(
         EvalConfig(
             model=str(model),
             kv_format=kv_format,
@@ -33,7 +34,7 @@ def test_metrics_json_equals_kvcal_capacity(
             kl_seq_len=8,
             output=str(tmp_path / "run"),
         )
-    )
+    ))
     metrics = json.loads((run / "metrics.json").read_text())
     args = ["capacity", str(model), "--kv-format", kv_format, "--json"] + (
         ["--skip-layers", skip] if skip else []

@@ -13,7 +13,8 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import KvcalError
-from kvcal.evaluate.run import _nonfinite_kv, _sum_nonfinite
+from kvcal.evaluate.record import sum_nonfinite
+from kvcal.evaluate.task_runs import nonfinite_kv
 from kvcal.kernels.reference import quantized_attention_ref
 from kvcal.kernels.runtime import KVRuntime
 
@@ -59,7 +60,7 @@ def test_padding_nonfinite_is_neither_counted_nor_stored(kv_model: Callable[...,
     assert count.take() == {"per_layer": [{"layer": 0, "k": 1, "v": 0}], "total": 1}
 
 
-def test_eval_reports_warns_or_fails_on_nonfinite_kv(
+def test_eval_reports_warns_or_fails_onnonfinite_kv(
     kv_model: Callable[..., torch.nn.Module], batch: Callable
 ) -> None:
     model = _overflowing_llama(kv_model)
@@ -68,18 +69,18 @@ def test_eval_reports_warns_or_fails_on_nonfinite_kv(
     said: list[str] = []
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=lm.runtime.new_cache())
-    counts = _nonfinite_kv(lm, "wikitext", False, said.append)
+    counts = nonfinite_kv(lm, "wikitext", False, said.append)
     assert counts is not None and counts["total"] > 0
     assert len(said) == 1 and said[0].startswith("WARNING: wikitext:") and "layers 1" in said[0]
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=lm.runtime.new_cache())
     with pytest.raises(KvcalError, match="non-finite K/V values"):
-        _nonfinite_kv(lm, "wikitext", True, said.append)
-    assert _nonfinite_kv(types.SimpleNamespace(runtime=None), "kl", True, said.append) is None  # format auto
-    total = _sum_nonfinite([{"nonfinite_kv": counts}, {"nonfinite_kv": counts}, {"nonfinite_kv": None}])
+        nonfinite_kv(lm, "wikitext", True, said.append)
+    assert nonfinite_kv(types.SimpleNamespace(runtime=None), "kl", True, said.append) is None  # format auto
+    total = sum_nonfinite([{"nonfinite_kv": counts}, {"nonfinite_kv": counts}, {"nonfinite_kv": None}])
     assert total is not None and total["total"] == 2 * counts["total"]
     assert [e["k"] for e in total["per_layer"]] == [2 * e["k"] for e in counts["per_layer"]]
-    assert _sum_nonfinite([{}, {"nonfinite_kv": None}]) is None
+    assert sum_nonfinite([{}, {"nonfinite_kv": None}]) is None
 
 
 # fp8 is left out: its NaN is the format's own, decoded by the GPU's conversion, and the Triton interpreter decodes
