@@ -14,6 +14,7 @@ from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.io import atomic_write_text
 
 if TYPE_CHECKING:
+    from kvcal.engines import EngineSetup
     from kvcal.report.compare import Comparison
 
 
@@ -95,10 +96,12 @@ def compare_cmd(
 
 def _write_outputs(cmp: Comparison, output: Path | None, html_out: Path | None, as_json: bool) -> None:
     """The Markdown report (-o), the HTML report (--html), and on stdout the JSON or a summary table."""
+    from kvcal.engines import commands_dict, markdown_section
     from kvcal.report.html import render_html
     from kvcal.report.markdown import render_markdown
 
-    md = render_markdown(cmp)
+    named = _engine_setups(cmp)
+    md = render_markdown(cmp).rstrip("\n") + "\n\n" + markdown_section(named) + "\n"
     if output is not None:
         atomic_write_text(output, md)
     if html_out is not None:
@@ -107,13 +110,27 @@ def _write_outputs(cmp: Comparison, output: Path | None, html_out: Path | None, 
         payload = cmp.to_dict()
         payload["report"] = str(output) if output else None
         payload["html"] = str(html_out) if html_out else None
+        payload["engine_commands"] = {label: commands_dict(setup) for label, setup in named}
         print_json(payload)
         return
     console.print(_summary_table(cmp))
+    if output is not None or html_out:
+        from kvcal.commands.engines import print_engine_commands
+
+        print_engine_commands(named)
     if output is not None:
         console.print(f"Report: {output}" + (f"  HTML: {html_out}" if html_out else ""), highlight=False)
     elif not html_out:
         console.print(md, markup=False, highlight=False)
+
+
+def _engine_setups(cmp: Comparison) -> list[tuple[str, EngineSetup]]:
+    """(label, EngineSetup) per configuration, the tasks of all its runs merged."""
+    from kvcal.engines import EngineSetup, group_setups
+
+    return group_setups(
+        [(c.label, EngineSetup.from_run_config(r.config, c.label)) for c in cmp.configs for r in c.runs]
+    )
 
 
 _GATE_STYLE = {

@@ -207,13 +207,23 @@ def eval_cmd(
         return  # rank 0 wrote the run directory and renders it
     results = json.loads((run_dir / rundir.RESULTS).read_text())
     metrics = json.loads((run_dir / rundir.METRICS).read_text())
+    from kvcal.engines import commands_dict, setup_from_run_dir
+
+    engine_setup = setup_from_run_dir(run_dir)
     if json_out:
-        print_json({"run_dir": str(run_dir), "results": results.get("results", {}), "metrics": metrics})
+        print_json({
+            "run_dir": str(run_dir), "results": results.get("results", {}), "metrics": metrics,
+            "engine_commands": commands_dict(engine_setup) if engine_setup else {},
+        })  # fmt: skip
         return
     kv = results.get("kvcal", {}).get("kv_format", kv_format)
     console.print(_results_table(results, title=f"{model} · kv {kv} · {run_dir}"))
     env = json.loads((run_dir / rundir.ENV).read_text()) if (run_dir / rundir.ENV).is_file() else {}
     console.print(_metrics_line(metrics, env), highlight=False)
+    if engine_setup is not None:
+        from kvcal.commands.engines import print_engine_commands
+
+        print_engine_commands([(run_dir.name, engine_setup)])
 
 
 def _fmt(value: Any) -> str:

@@ -1,0 +1,393 @@
+"""The engine commands of one evaluated configuration: how vLLM, SGLang and TensorRT-LLM serve exactly what a kvcal
+run measured, and the `lm_eval` command that evaluates the same tasks on that engine with `--log_samples` (so its
+output can be compared with the kvcal run). Where an engine cannot run the configuration, the reason instead.
+
+    cmds = engine_commands(EngineSetup.from_run_config(run_config))   # one EngineCommand per engine
+    [c.to_dict() for c in cmds]                                       # what reports and release.json hold
+
+Every flag below was checked against the engine's own source (file @ commit):
+- vLLM `vllm/config/cache.py` @ 002f10e0cfa1373a19a0d2756598a34b700d20e5: `CacheDType` (auto, bfloat16, fp8,
+  fp8_e4m3, fp8_e5m2, int8_per_token_head, nvfp4, nvfp4_4over6, ...) is `--kv-cache-dtype`;
+  `kv_cache_dtype_skip_layers: list[str]` ("layer indices (e.g., '0', '2', '4') or attention type names") is
+  `--kv-cache-dtype-skip-layers` (a list option: the values follow the flag, space separated); there is no
+  `calculate_kv_scales` field any more (vLLM PR #49389 removed `--calculate-kv-scales`).
+  `vllm/engine/arg_utils.py` (EngineArgs.add_cli_args): `--kv-cache-dtype-skip-layers` and
+  `--attention-backend` (AttentionConfig.backend; FLASH_ATTN, TRITON_ATTN).
+  Checkpoint scales: vLLM reads `k_scale` / `v_scale` of a compressed-tensors `kv_cache_scheme` checkpoint, what
+  `kvcal export --to vllm` writes (kvcal/calibrate/export.py); per-head (attn_head) scales need FLASH_ATTN.
+- SGLang `python/sglang/srt/server_args.py` @ 001067fffe33427bee0ed2f007fb7551a1d76b44: `--kv-cache-dtype`
+  choices auto, fp8_e5m2, fp8_e4m3, mxfp8, bf16, bfloat16, nvfp4, fp4_mx_block16, fp4_e2m1;
+  `--quantization-param-path` ("JSON file containing the KV cache scaling factors ... Otherwise, KV cache scaling
+  factors default to 1.0"); `--model-path`; no option keeps layers out of KV quantization. Its scale JSON holds one
+  scale per layer for K and V (`kvcal export --to sglang`).
+- TensorRT-LLM `tensorrt_llm/llmapi/llm_args.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412: `KvCacheConfig.dtype`
+  (PyTorch backend; "auto" follows the checkpoint's metadata), set through `trtllm-serve MODEL --backend pytorch
+  --extra_llm_api_options FILE.yaml` (`tensorrt_llm/commands/serve.py`). Calibrated KV scales come from a ModelOpt
+  checkpoint, which kvcal does not write: calibrated configurations are refused for it.
+- lm-eval 0.4.13 (`lm_eval/_cli/run.py`): `--model vllm|sglang|local-completions`, `--model_args` as JSON (lists
+  survive, key=value strings split on commas), `--tasks`, `--num_fewshot`, `--limit`, `--gen_kwargs`,
+  `--batch_size`, `--log_samples`, `--output_path`. Its vllm model passes unknown model_args on to `vllm.LLM`
+  (EngineArgs: kv_cache_dtype, kv_cache_dtype_skip_layers, attention_backend); its sglang model to `sgl.Engine`
+  (ServerArgs: kv_cache_dtype, quantization_param_path).
+
+No shell string is built from input: commands are argument lists; `shell` is shlex.join of them, for display.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvcal.formats import get_format
+from kvcal.rundir import CONFIG, RunConfig
+
+ENGINES = ("vllm", "sglang", "trtllm")
+# kvcal's own tasks: they need kvcal's BF16 reference logits or its generated documents; no engine runs them.
+KVCAL_ONLY_TASKS = frozenset({"kl", "passkey", "passkey_mc"})
+ENDPOINT = "http://localhost:8000/v1/completions"  # the OpenAI completions route vLLM / trtllm-serve open
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """One evaluated configuration, as an engine would need it."""
+
+    model_dir: str  # the checkpoint folder
+    kv_format: str  # kvcal canonical name (or a K/V pair k=A,v=B)
+    scales_path: str | None = None  # a calibrated scale file; None = the format's defaults (1.0, dynamic)
+    granularity: str | None = None  # the scale file's: 'tensor' | 'head'
+    first_batch: bool = False  # `--scales first-batch` (vLLM <= 0.18 calculate_kv_scales)
+    skip_layers: tuple[int, ...] = ()  # layer indices kept in 16 bits
+    attention: str | None = None  # 'fp8' = FlashAttention-3's FP8 attention
+    nvfp4_global: str | None = None  # 'one' | 'per_sequence' (nvfp4 without a scale file)
+    dtype: str = "auto"
+    tasks: tuple[str, ...] = ()
+    num_fewshot: int | None = None
+    limit: int | None = None
+    max_gen_toks: int | None = None
+    include_path: str | None = None
+    label: str = ""  # names the lm-eval output folder
+
+    @classmethod
+    def from_run_config(cls, rc: RunConfig, label: str = "") -> EngineSetup:
+        return cls(
+            model_dir=rc.model_dir or rc.model,
+            kv_format=rc.kv_format,
+            scales_path=rc.scales_path,
+            granularity=rc.scales_granularity,
+            first_batch=rc.scale_source == "first-batch",
+            skip_layers=tuple(sorted(rc.skip_layer_indices)),
+            attention=rc.attention,
+            nvfp4_global=rc.nvfp4_global,
+            dtype=rc.dtype or "auto",
+            tasks=tuple(rc.tasks),
+            num_fewshot=rc.num_fewshot,
+            limit=rc.limit,
+            max_gen_toks=rc.max_gen_toks,
+            include_path=rc.include_path,
+            label=label,
+        )
+
+    def merged_tasks(self, other: EngineSetup) -> EngineSetup:
+        """The same configuration with the tasks of both (a configuration runs one task per run directory in a
+        sweep)."""
+        tasks = self.tasks + tuple(t for t in other.tasks if t not in self.tasks)
+        return EngineSetup(**{**self.__dict__, "tasks": tasks})
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """What one engine needs to run a configuration, or why it cannot."""
+
+    engine: str
+    serve: tuple[str, ...] | None = None  # the serving command line (argument list)
+    export: tuple[str, ...] | None = (
+        None  # the kvcal command that writes what `serve` loads, when it loads scales
+    )
+    lm_eval: tuple[str, ...] | None = None  # evaluates the same tasks on the engine, per-sample output kept
+    files: dict[str, str] = field(default_factory=dict)  # file name -> contents the commands read
+    refused: str | None = None  # why the engine cannot run this configuration (then no commands)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"engine": self.engine}
+        if self.refused:
+            out["refused"] = self.refused
+        for key in ("export", "serve", "lm_eval"):
+            argv = getattr(self, key)
+            if argv is not None:
+                out[key] = shlex.join(argv)
+                out[f"{key}_argv"] = list(argv)
+        if self.files:
+            out["files"] = dict(self.files)
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+    def lines(self) -> list[str]:
+        """Human-readable lines (what the CLI prints and the Markdown report holds)."""
+        if self.refused:
+            return [f"{self.engine}: cannot run this configuration: {self.refused}"]
+        out = []
+        for name, text in self.files.items():
+            out.append(f"{self.engine} {name}: {text.strip()}")
+        for key in ("export", "serve", "lm_eval"):
+            argv = getattr(self, key)
+            if argv is not None:
+                out.append(f"{self.engine} {key.replace('_', '-')}: {shlex.join(argv)}")
+        out += [f"{self.engine} note: {n}" for n in self.notes]
+        return out
+
+
+def engine_commands(setup: EngineSetup) -> list[EngineCommand]:
+    """One EngineCommand per engine of ENGINES."""
+    return [_vllm(setup), _sglang(setup), _trtllm(setup)]
+
+
+def commands_dict(setup: EngineSetup) -> dict[str, dict[str, Any]]:
+    """{engine: EngineCommand.to_dict()} (what reports, sweep.json and release.json hold)."""
+    return {c.engine: c.to_dict() for c in engine_commands(setup)}
+
+
+def setup_from_run_dir(path: str | os.PathLike[str], label: str = "") -> EngineSetup | None:
+    """The EngineSetup of a run directory's config.yaml; None when it has none or it does not parse (the
+    callers report such runs themselves)."""
+    try:
+        raw = yaml.safe_load((Path(path) / CONFIG).read_text(encoding="utf-8"))
+        rc = RunConfig.from_dict(raw) if isinstance(raw, dict) else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, ValueError, TypeError):
+        return None
+    return None if rc is None else EngineSetup.from_run_config(rc, label or Path(path).name)
+
+
+def group_setups(named: list[tuple[str, EngineSetup]]) -> list[tuple[str, EngineSetup]]:
+    """One setup per label, the tasks of all its runs merged (first-seen order)."""
+    out: dict[str, EngineSetup] = {}
+    for label, setup in named:
+        out[label] = out[label].merged_tasks(setup) if label in out else setup
+    return list(out.items())
+
+
+def markdown_section(named: list[tuple[str, EngineSetup]]) -> str:
+    """## Engine commands: per configuration, each engine's commands or the reason it cannot run it."""
+    lines = [
+        "## Engine commands",
+        "",
+        "How each engine serves each configuration, and the `lm_eval` command that evaluates the same tasks on it "
+        "with `--log_samples` (its output folder can be compared with these runs). Flags checked against each "
+        "engine's source (kvcal/engines.py names file and commit).",
+        "",
+    ]
+    for label, setup in group_setups(named):
+        lines += [f"### {label}", "", "```"]
+        for cmd in engine_commands(setup):
+            lines += cmd.lines()
+        lines += ["```", ""]
+    return "\n".join(lines)
+
+
+# ---- refusals shared by every engine ---------------------------------------------------------------------------
+
+
+def _common_refusal(s: EngineSetup, engine: str) -> str | None:
+    if "=" in s.kv_format:
+        return (
+            f"{s.kv_format} stores K and V in two formats; released engines take one KV cache dtype for both "
+            "(vLLM PR #53770's fp8_k_nvfp4_v is unreleased)"
+        )
+    if s.nvfp4_global == "per_sequence":
+        return "a per-sequence NVFP4 global scale (--nvfp4-global per_sequence) is no engine's behaviour"
+    fmt = get_format(s.kv_format)
+    if fmt.engine_names.get(engine) is None and not (engine == "trtllm" and fmt.name in ("auto", "bf16")):
+        return f"{_ENGINE_NAMES[engine]} has no KV cache dtype for {s.kv_format}"
+    return None
+
+
+_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+
+
+def _calibrated_fp8(s: EngineSetup, engine: str) -> str | None:
+    """A calibrated scale file only reaches an engine through `kvcal export`, which writes FP8 E4M3 scales only."""
+    if s.scales_path is not None and s.kv_format != "fp8_e4m3":
+        return (
+            f"calibrated {s.kv_format} scales have no checkpoint layout {_ENGINE_NAMES[engine]} loads "
+            "(kvcal export writes FP8 E4M3 scales only); run it without --scales for the engine's defaults"
+        )
+    return None
+
+
+# ---- lm-eval ---------------------------------------------------------------------------------------------------
+
+
+def _engine_tasks(s: EngineSetup) -> tuple[list[str], list[str]]:
+    """(lm-eval tasks, notes): kvcal's own tasks dropped with a note."""
+    tasks = [t for t in s.tasks if t not in KVCAL_ONLY_TASKS]
+    own = [t for t in s.tasks if t in KVCAL_ONLY_TASKS]
+    notes = (
+        [
+            f"{', '.join(own)}: kvcal's own task(s) (BF16 reference logits / generated documents); no lm-eval command"
+        ]
+        if own
+        else []
+    )
+    return tasks, notes
+
+
+def _lm_eval(model: str, model_args: dict[str, Any], s: EngineSetup, engine: str) -> tuple[str, ...]:
+    tasks, _ = _engine_tasks(s)
+    argv = ["lm_eval", "--model", model, "--model_args", json.dumps(model_args, separators=(",", ":"))]
+    argv += ["--tasks", ",".join(tasks)]
+    if s.num_fewshot is not None:
+        argv += ["--num_fewshot", str(s.num_fewshot)]
+    if s.limit is not None:
+        argv += ["--limit", str(s.limit)]
+    if s.max_gen_toks is not None:
+        argv += ["--gen_kwargs", f"max_gen_toks={s.max_gen_toks}"]
+    if s.include_path:
+        argv += ["--include_path", s.include_path]
+    out = Path("lm-eval") / f"{engine}-{s.label or s.kv_format}"
+    argv += ["--batch_size", "auto", "--log_samples", "--output_path", str(out)]
+    return tuple(argv)
+
+
+def _dtype_arg(s: EngineSetup) -> dict[str, str]:
+    return {} if s.dtype in ("auto", "", None) else {"dtype": s.dtype}
+
+
+# ---- vLLM ------------------------------------------------------------------------------------------------------
+
+
+def _export_dir(s: EngineSetup, engine: str) -> str:
+    assert s.scales_path is not None
+    p = Path(s.scales_path)
+    return (
+        str(p.with_name(f"{p.stem}-{engine}"))
+        if engine == "vllm"
+        else str(p.with_name(f"{p.stem}-sglang.json"))
+    )
+
+
+def _vllm(s: EngineSetup) -> EngineCommand:
+    refusal = _common_refusal(s, "vllm") or _calibrated_fp8(s, "vllm")
+    if refusal:
+        return EngineCommand("vllm", refused=refusal)
+    dtype = str(get_format(s.kv_format).engine_names["vllm"])
+    notes: list[str] = []
+    if s.first_batch:
+        return EngineCommand(
+            "vllm",
+            refused="vLLM removed --calculate-kv-scales (PR #49389; vllm/config/cache.py has no "
+            "calculate_kv_scales); vLLM <= 0.18 ran it with `--calculate-kv-scales`",
+        )
+    model, export = s.model_dir, None
+    if s.scales_path is not None:
+        model = _export_dir(s, "vllm")
+        export = ("kvcal", "export", s.scales_path, s.model_dir, "--to", "vllm", "-o", model)
+    flags = ["--kv-cache-dtype", dtype]
+    if s.skip_layers and dtype not in ("auto", "bfloat16"):
+        flags += ["--kv-cache-dtype-skip-layers", *(str(i) for i in s.skip_layers)]
+    backend = None
+    quantized = dtype not in ("auto", "bfloat16")
+    if s.attention == "fp8":
+        backend = "FLASH_ATTN"
+        notes.append("FP8 attention (Q and P in e4m3) is FlashAttention-3's: a Hopper GPU")
+    elif s.granularity == "head":
+        backend = "FLASH_ATTN"
+        notes.append(
+            "per-head scales need the FLASH_ATTN backend; on Hopper FlashAttention-3 also quantizes Q to FP8, "
+            "which this run did not emulate (kvcal eval --attention fp8 does)"
+        )
+    elif quantized and dtype.startswith("fp8"):
+        backend = "TRITON_ATTN"  # attention in the model dtype, as this run computed it (no FP8 Q)
+    if backend:
+        flags += ["--attention-backend", backend]
+    serve = ("vllm", "serve", model, *flags)
+    model_args: dict[str, Any] = {"pretrained": model, "kv_cache_dtype": dtype, **_dtype_arg(s)}
+    if "--kv-cache-dtype-skip-layers" in flags:
+        model_args["kv_cache_dtype_skip_layers"] = [str(i) for i in s.skip_layers]
+    if backend:
+        model_args["attention_backend"] = backend
+    tasks, task_notes = _engine_tasks(s)
+    lm = _lm_eval("vllm", model_args, s, "vllm") if tasks else None
+    return EngineCommand("vllm", serve=serve, export=export, lm_eval=lm, notes=tuple(notes + task_notes))
+
+
+# ---- SGLang ----------------------------------------------------------------------------------------------------
+
+
+def _sglang(s: EngineSetup) -> EngineCommand:
+    refusal = _common_refusal(s, "sglang") or _calibrated_fp8(s, "sglang")
+    if refusal:
+        return EngineCommand("sglang", refused=refusal)
+    dtype = str(get_format(s.kv_format).engine_names["sglang"])
+    if s.skip_layers and dtype not in ("auto", "bf16"):
+        return EngineCommand(
+            "sglang",
+            refused=f"SGLang has no option to keep layers out of KV quantization (skip layers "
+            f"{','.join(map(str, s.skip_layers))}); server_args.py has --kv-cache-dtype for every layer",
+        )
+    if s.first_batch:
+        return EngineCommand("sglang", refused="SGLang computes no scales from the first batch")
+    if s.attention == "fp8":
+        return EngineCommand("sglang", refused="FP8 attention (--attention fp8) is vLLM FlashAttention-3's")
+    if s.granularity == "head":
+        return EngineCommand(
+            "sglang",
+            refused="SGLang's --quantization-param-path holds one scale per layer for K and V; this run used "
+            "per-head scales (calibrate --granularity tensor, or kvcal export --to sglang --reduce-heads for a "
+            "different configuration that needs its own kvcal run)",
+        )
+    flags = ["--kv-cache-dtype", dtype]
+    export, notes = None, []
+    model_args: dict[str, Any] = {"pretrained": s.model_dir, "kv_cache_dtype": dtype, **_dtype_arg(s)}
+    if s.scales_path is not None:
+        path = _export_dir(s, "sglang")
+        export = ("kvcal", "export", s.scales_path, s.model_dir, "--to", "sglang", "-o", path)
+        flags += ["--quantization-param-path", path]
+        model_args["quantization_param_path"] = path
+        notes.append("SGLang applies one scale per layer to K and V: the export writes max(k_scale, v_scale)")
+    serve = ("python", "-m", "sglang.launch_server", "--model-path", s.model_dir, *flags)
+    tasks, task_notes = _engine_tasks(s)
+    lm = _lm_eval("sglang", model_args, s, "sglang") if tasks else None
+    return EngineCommand("sglang", serve=serve, export=export, lm_eval=lm, notes=tuple(notes + task_notes))
+
+
+# ---- TensorRT-LLM ----------------------------------------------------------------------------------------------
+
+
+def _trtllm(s: EngineSetup) -> EngineCommand:
+    refusal = _common_refusal(s, "trtllm")
+    if refusal:
+        return EngineCommand("trtllm", refused=refusal)
+    if s.first_batch:
+        return EngineCommand("trtllm", refused="TensorRT-LLM computes no KV scales from the first batch")
+    if s.scales_path is not None:
+        return EngineCommand(
+            "trtllm",
+            refused="TensorRT-LLM takes calibrated KV scales from a ModelOpt checkpoint, which kvcal does not "
+            "write; run it without --scales to compare with TensorRT-LLM's defaults",
+        )
+    if s.skip_layers:
+        return EngineCommand("trtllm", refused="KvCacheConfig has no per-layer KV dtype (skip layers)")
+    if s.attention == "fp8":
+        return EngineCommand("trtllm", refused="FP8 attention (--attention fp8) is vLLM FlashAttention-3's")
+    fmt = get_format(s.kv_format)
+    dtype = "auto" if fmt.name in ("auto", "bf16") else str(fmt.engine_names["trtllm"]).lower()
+    name = "kv_cache.yaml"
+    files = {name: f"kv_cache_config:\n  dtype: {dtype}\n"}
+    serve = ("trtllm-serve", s.model_dir, "--backend", "pytorch", "--extra_llm_api_options", name)
+    tasks, task_notes = _engine_tasks(s)
+    lm = None
+    if tasks:
+        args = {"model": s.model_dir, "base_url": ENDPOINT, "tokenized_requests": False}
+        lm = _lm_eval("local-completions", args, s, "trtllm")
+    notes = (
+        "lm-eval has no TensorRT-LLM model: lm_eval reads the running trtllm-serve endpoint",
+        *task_notes,
+    )
+    return EngineCommand("trtllm", serve=serve, lm_eval=lm, files=files, notes=notes)
