@@ -51,6 +51,19 @@ ENGINES = ("vllm", "sglang", "trtllm")
 # kvcal's own tasks: they need kvcal's BF16 reference logits or its generated documents; no engine runs them.
 KVCAL_ONLY_TASKS = frozenset({"kl", "passkey", "passkey_mc"})
 ENDPOINT = "http://localhost:8000/v1/completions"  # the OpenAI completions route vLLM / trtllm-serve open
+# --kv-cache-dtype choices, transcribed: vLLM vllm/config/cache.py CacheDType @ 002f10e0; SGLang
+# python/sglang/srt/server_args.py kv_cache_dtype choices @ 001067ff. A name kvcal's format table gives an engine
+# must be one of them (tests/test_engines.py).
+KV_CACHE_DTYPES: dict[str, frozenset[str]] = {
+    "vllm": frozenset({
+        "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
+        "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "int4_per_token_head",
+        "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
+    }),
+    "sglang": frozenset({
+        "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16", "fp4_e2m1",
+    }),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -203,8 +216,11 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
     if s.nvfp4_global == "per_sequence":
         return "a per-sequence NVFP4 global scale (--nvfp4-global per_sequence) is no engine's behaviour"
     fmt = get_format(s.kv_format)
-    if fmt.engine_names.get(engine) is None and not (engine == "trtllm" and fmt.name in ("auto", "bf16")):
+    name = fmt.engine_names.get(engine)
+    if name is None and not (engine == "trtllm" and fmt.name in ("auto", "bf16")):
         return f"{_ENGINE_NAMES[engine]} has no KV cache dtype for {s.kv_format}"
+    if engine in KV_CACHE_DTYPES and name not in KV_CACHE_DTYPES[engine]:
+        return f"'{name}' is not a --kv-cache-dtype of {_ENGINE_NAMES[engine]} (see kvcal/engines.py)"
     return None
 
 

@@ -63,3 +63,29 @@ def atomic_write_with(path: str | os.PathLike[str], writer: Callable[[Path], Non
     """Call `writer(tmp_path)` (e.g. safetensors' save_file) and rename the result onto `path`."""
     with atomic_path(path) as tmp:
         writer(tmp)
+
+
+@contextmanager
+def file_lock(path: str | os.PathLike[str], blocking: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on `path` (created if missing) for the block; yields False without waiting when
+    `blocking` is False and another process holds it.
+
+    flock(2): the kernel releases the lock when the holder exits, however it exits (a killed process leaves no
+    stale lock behind, so its work can be taken over at once). The lock file itself stays; it holds the
+    holder's pid for a human looking at it."""
+    import fcntl
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield True
+    finally:
+        os.close(fd)

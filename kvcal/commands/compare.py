@@ -15,6 +15,7 @@ from kvcal.io import atomic_write_text
 
 if TYPE_CHECKING:
     from kvcal.engines import EngineSetup
+    from kvcal.pipeline.sweep import SweepConfig, SweepPlan
     from kvcal.report.compare import Comparison
 
 
@@ -176,6 +177,17 @@ def sweep_cmd(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the plan (what is done, what would run) and stop."
     ),
+    shard: str | None = typer.Option(
+        None,
+        "--shard",
+        help="I/N: run only slice I of N disjoint slices of the cells (a Slurm array or Kubernetes indexed Job "
+        "runs one per task); processes may share one RUNS_DIR (a lock per cell).",
+    ),
+    report_only: bool = typer.Option(
+        False,
+        "--report-only",
+        help="Run nothing: once every cell is complete (all slices done), write RUNS_DIR/report.md and sweep.json.",
+    ),
     context: CapacityContextOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -185,14 +197,29 @@ def sweep_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvcal.errors import UsageError
-    from kvcal.pipeline.sweep import execute_sweep, load_sweep_config, plan_sweep
+    from kvcal.pipeline.sweep import (
+        execute_sweep,
+        load_sweep_config,
+        parse_shard,
+        plan_sweep,
+        shard_plan,
+        summary_name,
+    )
 
+    slice_ = parse_shard(shard) if shard is not None else None
+    if slice_ is not None and report_only:
+        raise UsageError("--report-only assembles every slice's cells; drop --shard")
     cfg = load_sweep_config(config)
     if context is not None:  # --context over the YAML's `context:`
         if context < 1:
             raise UsageError(f"--context must be a positive number of tokens (e.g. 8192), got {context}")
         cfg = dataclasses.replace(cfg, context=context)
     plan = plan_sweep(cfg, output)
+    if report_only:
+        _sweep_report(cfg, output, plan, as_json)
+        return
+    if slice_ is not None:
+        plan = shard_plan(plan, slice_)
     if dry_run:
         if as_json:
             print_json(plan.to_dict())
@@ -223,13 +250,26 @@ def sweep_cmd(
         def on_progress(event: dict) -> None:
             progress.update(bar, completed=event["done"], description=event["message"][:80])
 
-        result = execute_sweep(cfg, output, plan=plan, progress=on_progress, warn=warn)
+        result = execute_sweep(cfg, output, plan=plan, progress=on_progress, warn=warn, shard=slice_)
     if as_json:
         print_json(result)
     else:
+        from kvcal.commands.engines import print_engine_commands
+        from kvcal.engines import setup_from_run_dir
+
+        print_engine_commands(
+            [(c.name, s) for c in plan.cells if (s := setup_from_run_dir(c.path, c.name)) is not None]
+        )
+        where = f"slice {shard} " if shard else ""
+        then = (
+            f"When every slice is done: kvcal sweep {config} -o {output} --report-only"
+            if slice_
+            else f"Compare with: kvcal compare {output} -o REPORT.md"
+        )
         console.print(
-            f"sweep finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
-            f"{len(result['failed'])} failed. Compare with: kvcal compare {output} -o REPORT.md"
+            f"sweep {where}finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
+            f"{len(result['busy'])} running in another process, {len(result['failed'])} failed "
+            f"({output / summary_name(slice_)}). {then}"
             + (f" (capacity at {cfg.context} tokens of context, from sweep.yaml)" if cfg.context else ""),
             highlight=False,
         )
@@ -237,3 +277,47 @@ def sweep_cmd(
         for f in result["failed"]:
             err_console.print(f"failed: {f['cell']}: {f['error']}", highlight=False, markup=False)
         sys.exit(1)
+
+
+def _sweep_report(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool) -> None:
+    """--report-only: every cell complete, else one Error naming what is missing; then the comparison of RUNS_DIR
+    into RUNS_DIR/report.md and the assembled plan (with every slice's summary) into sweep.json."""
+    from kvcal.errors import KvcalError
+    from kvcal.io import atomic_write_json
+    from kvcal.pipeline.sweep import engine_commands_of
+    from kvcal.report.compare import compare_runs
+
+    missing = [c for c in plan.cells if c.status != "complete"]
+    if missing:
+        shown = ", ".join(f"{c.task}/{c.name} ({c.status})" for c in missing[:3])
+        raise KvcalError(
+            f"--report-only: {len(missing)} of {len(plan.cells)} cells are not complete ({shown}"
+            f"{', ...' if len(missing) > 3 else ''}); run the slices that hold them (kvcal sweep CONFIG -o "
+            f"{output} --shard I/N, or without --shard) and report again"
+        )
+    cmp = compare_runs(
+        [output], warn=warn, context=cfg.context, context_source="the sweep's context: in sweep.yaml"
+    )
+    report = output / "report.md"
+    shards = sorted(output.glob("sweep.shard-*-of-*.json"))
+    atomic_write_json(
+        output / "sweep.json",
+        {
+            "runs_dir": str(output),
+            "report": str(report),
+            "shards": {p.name: _json_or_none(p) for p in shards},
+            "context": cfg.context,
+            "plan": plan.to_dict(),
+            "engine_commands": engine_commands_of(plan),
+        },
+    )
+    _write_outputs(cmp, report, None, as_json)
+
+
+def _json_or_none(path: Path) -> object:
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -223,7 +223,7 @@ def calibrated_scales(ctx: Context, recipe: sweep.Recipe) -> Path:
         ctx.say(f"scales: {path.name} already calibrated on this checkpoint, reused")
         return path
     cal = sweep.Calibration(recipe, ship.kv_format, ship.granularity, path, "todo")
-    errors = sweep.calibrate_all(ctx.scfg, [cal], lambda m, _a: ctx.say(m), ctx.warn)
+    errors = sweep.calibrate_all(ctx.scfg, [cal], lambda m, _a: ctx.say(m), ctx.warn).errors
     if errors:
         raise KvcalError(f"calibration of {path.name} failed: {errors[str(path)]}")
     ctx.work.calibrations_run += 1
@@ -393,10 +393,15 @@ def evaluate(ctx: Context, scales: Scales) -> tuple[list[sweep.Cell], dict[str, 
         raise KvcalError(f"{plan.stale[0].detail}")
     ctx.work.evaluations_reused += plan.n_done
     ctx.say(f"evaluate: {plan.n_done} of {len(plan.cells)} runs complete, {len(plan.todo)} to run")
-    ran, failed = sweep.run_cells(ctx.scfg, plan, {}, lambda m, _a: ctx.say(m), ctx.gpqa_password)
-    ctx.work.evaluations_run += ran
-    if failed:
-        raise KvcalError(f"evaluation {failed[0]['cell']} failed: {failed[0]['error']}")
+    work = sweep.run_cells(ctx.scfg, plan, {}, lambda m, _a: ctx.say(m), ctx.gpqa_password)
+    ctx.work.evaluations_run += len(work.ran)
+    ctx.work.evaluations_reused += len(work.found_complete)
+    if work.failed:
+        raise KvcalError(f"evaluation {work.failed[0]['cell']} failed: {work.failed[0]['error']}")
+    if work.busy:
+        raise KvcalError(
+            f"evaluation {work.busy[0]} is running in another process on {ctx.out}; rerun when it has finished"
+        )
     return plan.cells, roles
 
 

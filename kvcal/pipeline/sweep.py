@@ -8,12 +8,24 @@ Layout of RUNS_DIR:
     scales/<recipe>__<format>__<granularity>.safetensors     calibrated once per recipe x format x granularity
     <task>/<model>__<format>__<scales_tag>__skip-<skip_tag>/  one `kvcal eval` run directory per cell
     sweep.yaml, sweep.json                                     the config as run, and the plan with each status
+    sweep.shard-<I>-of-<N>.json                                what `--shard I/N` ran (one file per shard)
+    report.md                                                  `kvcal sweep --report-only`: the comparison
+    .locks/                                                    one lock file per cell and scale file
 
 One run directory per (configuration, task) so that adding a task or a format later runs only the new cells;
 `kvcal compare RUNS_DIR` groups the directories of one configuration back together. A cell is complete when
 its run directory has COMPLETE and its config.yaml (kvcal.rundir.RunConfig, docs/run-directory.md) matches the
 sweep's settings; an interrupted cell resumes (run_eval skips its finished tasks); a directory holding another
 configuration is never overwritten.
+
+Scale-out (`--shard I/N`, `execute_sweep(..., shard=(I, N))`): cell k of the matrix (in plan order) belongs to
+shard k mod N + 1, so N processes (a Slurm array, a Kubernetes indexed Job) run disjoint slices. Any number of
+processes may share one RUNS_DIR: a process runs a cell only while it holds the cell's lock (flock on
+.locks/<task>/<cell>.lock, released by the kernel when the holder dies) and only after re-reading the cell's state
+under that lock, so no cell runs twice and a killed process's cell is taken over by the next process that reaches
+it (it resumes: run_eval skips the cell's finished tasks). A scale file needed by several slices is calibrated once:
+its lock is waited for, then the file is re-checked. `kvcal sweep --report-only` writes report.md once every cell
+is complete.
 
 Scale variants only where meaningful: uncalibrated / calibrated per tensor / per head for the calibratable
 formats (fp8_e4m3, fp8_e5m2, nvfp4); every other format runs once with its dynamic scales. The BF16 baseline
@@ -22,6 +34,7 @@ runs once per task, without skipped layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
@@ -43,7 +56,7 @@ from kvcal.evaluate.spec import (
 )
 from kvcal.filecache import sha256_file
 from kvcal.formats import get_format, kv_pair, parse_kv_format
-from kvcal.io import atomic_write_json, atomic_write_text
+from kvcal.io import atomic_write_json, atomic_write_text, file_lock
 from kvcal.models.loading import load_model
 from kvcal.models.resolve import resolve_model
 from kvcal.pipeline.settings import (
@@ -281,6 +294,43 @@ class SweepPlan:
         }
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' (1 <= I <= N) -> (I, N); UsageError naming the problem otherwise."""
+    head, sep, tail = str(text).strip().partition("/")
+    try:
+        i, n = int(head), int(tail)
+    except ValueError:
+        i = n = 0
+    if not sep or n < 1:
+        raise UsageError(f"--shard {text}: give I/N with N >= 1 slices, e.g. --shard 1/4 (slice 1 of 4)")
+    if not 1 <= i <= n:
+        raise UsageError(
+            f"--shard {text}: slice {i} does not exist in {n} slices; I runs from 1 to N (e.g. --shard 1/{n} ... "
+            f"--shard {n}/{n})"
+        )
+    return i, n
+
+
+def shard_plan(plan: SweepPlan, shard: tuple[int, int]) -> SweepPlan:
+    """Slice I of N: cell k of the plan (its order is the config's, the same in every process) when k mod N is
+    I - 1, with the scale files those cells need."""
+    i, n = shard
+    cells = [c for k, c in enumerate(plan.cells) if k % n == i - 1]
+    needed = {id(c.calibration) for c in cells if c.calibration is not None}
+    return SweepPlan(plan.runs_dir, cells, [c for c in plan.calibrations if id(c) in needed])
+
+
+def lock_path(root: Path, what: Cell | Calibration) -> Path:
+    """The lock file of one cell (.locks/<task>/<cell>.lock) or scale file (.locks/scales/<file>.lock)."""
+    if isinstance(what, Cell):
+        return root / ".locks" / what.task / f"{what.name}.lock"
+    return root / ".locks" / "scales" / f"{what.path.name}.lock"
+
+
+def summary_name(shard: tuple[int, int] | None) -> str:
+    return "sweep.json" if shard is None else f"sweep.shard-{shard[0]}-of-{shard[1]}.json"
+
+
 def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
     """The whole matrix with the status of every cell and scale file, from what is on disk (touches nothing)."""
     root = Path(runs_dir)
@@ -442,15 +492,19 @@ def execute_sweep(
     progress: ProgressCallback | None = None,
     warn: Callable[[str], None] | None = None,
     gpqa_password: str | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Calibrate what is missing, run the baseline and every incomplete cell, and report what happened.
 
     `progress(event)` receives {"done", "total", "message"} over the whole matrix (complete cells and existing
     scale files count as done from the start). A failing cell is recorded and the sweep goes on; stale cells
-    (another configuration in their directory) are never touched.
+    (another configuration in their directory) are never touched. `shard=(I, N)` runs slice I of N (shard_plan);
+    a cell another process holds is left to it (`busy`).
     """
     root = Path(runs_dir)
     plan = plan or plan_sweep(cfg, root)
+    if shard is not None:
+        plan = shard_plan(plan, shard)
     step = _stepper(plan, progress)
     root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(root / "sweep.yaml", yaml.safe_dump(config_dict(cfg), sort_keys=False))
@@ -462,19 +516,35 @@ def execute_sweep(
     for c in plan.calibrations:  # scale files whose cells are all complete or stale: nothing to do
         if c.status == "todo" and c not in needed:
             step(f"{c.name}: not needed", True)
-    cal_errors = calibrate_all(cfg, needed, step, warn or (lambda _m: None))
-    ran, cell_failures = run_cells(cfg, plan, cal_errors, step, gpqa_password)
+    made = calibrate_all(cfg, needed, step, warn or (lambda _m: None), root)
+    work = run_cells(cfg, plan, made.errors, step, gpqa_password)
     summary = {
         "runs_dir": str(root),
-        "ran": ran,
-        "skipped_complete": skipped,
-        "failed": failed + cell_failures,
-        "calibrated": sum(1 for c in needed if c.status == "done"),
+        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+        "ran": len(work.ran),
+        "skipped_complete": skipped + len(work.found_complete),
+        "failed": failed + work.failed,
+        "calibrated": made.calibrated,
+        "ran_cells": work.ran,
+        "busy": work.busy,
         "context": cfg.context,
         "plan": plan.to_dict(),
+        "engine_commands": engine_commands_of(plan),
     }
-    atomic_write_json(root / "sweep.json", summary)
+    atomic_write_json(root / summary_name(shard), summary)
     return summary
+
+
+def engine_commands_of(plan: SweepPlan) -> dict[str, dict[str, Any]]:
+    """{configuration: {engine: commands}} of the plan's complete cells (kvcal.engines), tasks merged."""
+    from kvcal.engines import commands_dict, group_setups, setup_from_run_dir
+
+    named = []
+    for cell in plan.cells:
+        setup = setup_from_run_dir(cell.path, cell.name) if (cell.path / COMPLETE).is_file() else None
+        if setup is not None:
+            named.append((cell.name, setup))
+    return {label: commands_dict(setup) for label, setup in group_setups(named)}
 
 
 def _stepper(plan: SweepPlan, progress: ProgressCallback | None) -> Step:
@@ -490,63 +560,132 @@ def _stepper(plan: SweepPlan, progress: ProgressCallback | None) -> Step:
     return step
 
 
-def calibrate_all(
-    cfg: SweepConfig, todo: list[Calibration], step: Step, warn: Callable[[str], None]
-) -> dict[str, str]:
-    """Write every missing scale file; one model load for all of them. Returns {scale file: error}."""
-    if not todo:
-        return {}
-    from kvcal.calibrate.run import calibrate  # imports transformers: planning (--dry-run) stays without it
+@dataclass
+class Calibrated:
+    errors: dict[str, str]  # scale file -> error
+    calibrated: int  # scale files this process wrote
 
+
+def calibrate_all(
+    cfg: SweepConfig,
+    todo: list[Calibration],
+    step: Step,
+    warn: Callable[[str], None],
+    root: Path | None = None,
+) -> Calibrated:
+    """Write every missing scale file; one model load for all of them (loaded only when one is still missing).
+    With `root` (RUNS_DIR) each file is written under its lock and re-checked first: a file another process
+    wrote meanwhile is used as is."""
+    errors: dict[str, str] = {}
+    written = 0
+    lm = None
+    for cal in todo:
+        lock = file_lock(lock_path(root, cal)) if root is not None else contextlib.nullcontext(True)
+        with lock:
+            if root is not None and _scale_file_ok(cal.path):  # another process calibrated it meanwhile
+                cal.status = "done"
+                step(f"{cal.name}: calibrated by another process", True)
+                continue
+            if lm is None:
+                lm = _calibration_model(cfg, step)
+            if _calibrate_one(cfg, lm, cal, step, warn, errors):
+                written += 1
+    return Calibrated(errors, written)
+
+
+def _calibration_model(cfg: SweepConfig, step: Step) -> Any:
     model_dir = resolve_model(cfg.model)
     step(f"loading {cfg.model} for calibration", False)
-    lm = load_model(str(model_dir), dtype=cfg.dtype, device=cfg.device)
-    errors: dict[str, str] = {}
-    for cal in todo:
-        r = cal.recipe
-        step(f"calibrating {cal.name}", False)
-        try:
-            res = calibrate(
-                lm, cal.kv_format, granularity=cal.granularity, observer=r.observer, dataset=r.dataset,
-                num_samples=r.num_samples, seq_len=r.seq_len, seed=r.seed, engine=r.engine, output=cal.path,
-                observer_params=r.observer_params, text_field=r.text_field, dtype=cfg.dtype, device=cfg.device,
-                kv_input_dtype=cfg.kv_input_dtype,
-            )  # fmt: skip
-            for w in res.warnings:
-                warn(f"{cal.name}: {w}")
-            cal.status = "done"
-        except KvcalError as exc:
-            if os.environ.get("KVCAL_DEBUG"):
-                raise
-            errors[str(cal.path)] = str(exc)
-        step(f"calibrated {cal.name}", True)
-    return errors
+    return load_model(str(model_dir), dtype=cfg.dtype, device=cfg.device)
+
+
+def _calibrate_one(
+    cfg: SweepConfig,
+    lm: Any,
+    cal: Calibration,
+    step: Step,
+    warn: Callable[[str], None],
+    errors: dict[str, str],
+) -> bool:
+    """Write one scale file; True when written, else its error is put in `errors`."""
+    from kvcal.calibrate.run import calibrate  # imports transformers: planning (--dry-run) stays without it
+
+    r = cal.recipe
+    step(f"calibrating {cal.name}", False)
+    ok = False
+    try:
+        res = calibrate(
+            lm, cal.kv_format, granularity=cal.granularity, observer=r.observer, dataset=r.dataset,
+            num_samples=r.num_samples, seq_len=r.seq_len, seed=r.seed, engine=r.engine, output=cal.path,
+            observer_params=r.observer_params, text_field=r.text_field, dtype=cfg.dtype, device=cfg.device,
+            kv_input_dtype=cfg.kv_input_dtype,
+        )  # fmt: skip
+        for w in res.warnings:
+            warn(f"{cal.name}: {w}")
+        cal.status = "done"
+        ok = True
+    except KvcalError as exc:
+        if os.environ.get("KVCAL_DEBUG"):
+            raise
+        errors[str(cal.path)] = str(exc)
+    step(f"calibrated {cal.name}", True)
+    return ok
+
+
+@dataclass
+class CellWork:
+    """What run_cells did, by cell label (task/name)."""
+
+    ran: list[str] = dataclasses.field(default_factory=list)
+    failed: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    busy: list[str] = dataclasses.field(default_factory=list)  # held by another process: left to it
+    # completed by another process between the plan and this process taking the cell's lock
+    found_complete: list[str] = dataclasses.field(default_factory=list)
 
 
 def run_cells(
     cfg: SweepConfig, plan: SweepPlan, cal_errors: dict[str, str], step: Step, gpqa_password: str | None
-) -> tuple[int, list[dict[str, str]]]:
-    """Run every cell still to run (the baseline first). Returns (cells run, [{cell, error}] of the failures)."""
-    ran = 0
-    failed: list[dict[str, str]] = []
+) -> CellWork:
+    """Run every cell still to run (the baseline first), each under its lock and only if it is still to run
+    when the lock is held."""
+    work = CellWork()
     for cell in sorted(plan.todo, key=lambda c: (not c.is_baseline, c.name, c.task)):
         label = f"{cell.task}/{cell.name}"
         if cell.calibration is not None and str(cell.calibration.path) in cal_errors:
-            failed.append(
+            work.failed.append(
                 {"cell": label, "error": f"calibration failed: {cal_errors[str(cell.calibration.path)]}"}
             )
             step(f"{label}: skipped (calibration failed)", True)
             continue
-        step(f"{label}: running", False)
-        try:
-            spec = dataclasses.replace(cell.spec, gpqa_password=gpqa_password)
-            run_eval(spec, progress=lambda m, _l=label: step(f"{_l}: {m}", False))
-            cell.status = "complete"
-            ran += 1
-        except KvcalError as exc:
-            if os.environ.get("KVCAL_DEBUG"):
-                raise
-            failed.append({"cell": label, "error": str(exc)})
-            cell.status, cell.detail = "failed", str(exc)
-        step(f"{label}: {cell.status}", True)
-    return ran, failed
+        with file_lock(lock_path(plan.runs_dir, cell), blocking=False) as held:
+            if not held:
+                work.busy.append(label)
+                step(f"{label}: running in another process", True)
+                continue
+            _run_locked(cell, label, step, gpqa_password, work)
+    return work
+
+
+def _run_locked(cell: Cell, label: str, step: Step, gpqa_password: str | None, work: CellWork) -> None:
+    """One cell, its lock held: re-read its state (another process may have finished it), then run it."""
+    cell.status, cell.detail = _cell_state(cell)
+    if cell.status == "complete":
+        work.found_complete.append(label)
+        step(f"{label}: completed by another process", True)
+        return
+    if cell.status == "stale":
+        work.failed.append({"cell": label, "error": cell.detail})
+        step(f"{label}: stale", True)
+        return
+    step(f"{label}: running", False)
+    try:
+        spec = dataclasses.replace(cell.spec, gpqa_password=gpqa_password)
+        run_eval(spec, progress=lambda m: step(f"{label}: {m}", False))
+        cell.status = "complete"
+        work.ran.append(label)
+    except KvcalError as exc:
+        if os.environ.get("KVCAL_DEBUG"):
+            raise
+        work.failed.append({"cell": label, "error": str(exc)})
+        cell.status, cell.detail = "failed", str(exc)
+    step(f"{label}: {cell.status}", True)

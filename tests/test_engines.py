@@ -1,0 +1,156 @@
+"""kvcal.engines: the serving and lm_eval commands of each configuration, the refusals, and the lm_eval command
+parsed by lm-eval's own CLI parser."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from kvcal.engines import (
+    KV_CACHE_DTYPES,
+    EngineSetup,
+    commands_dict,
+    engine_commands,
+    group_setups,
+    markdown_section,
+    setup_from_run_dir,
+)
+from kvcal.formats import FORMATS
+from kvcal.rundir import RunConfig
+
+
+def _by_engine(setup: EngineSetup) -> dict[str, dict]:
+    return commands_dict(setup)
+
+
+def _lm_eval_args(argv: list[str]):  # noqa: ANN202 - lm-eval's argparse Namespace
+    """lm-eval 0.4.13's own parser (`lm_eval run ...`) on the command kvcal prints."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    assert argv[0] == "lm_eval"
+    return HarnessCLI()._parser.parse_args(["run", *argv[1:]])
+
+
+def test_every_engine_name_in_the_format_table_is_an_engine_choice() -> None:
+    for fmt in FORMATS.values():
+        for engine, names in KV_CACHE_DTYPES.items():
+            name = fmt.engine_names.get(engine)
+            assert name is None or name in names, (fmt.name, engine, name)
+
+
+def test_calibrated_fp8_with_skip_layers() -> None:
+    s = EngineSetup(
+        "ckpt", "fp8_e4m3", scales_path="runs/scales/a.safetensors", granularity="tensor", skip_layers=(0, 3),
+        tasks=("kl", "gsm8k"), num_fewshot=5, limit=50, max_gen_toks=256, label="fp8-cal",
+    )  # fmt: skip
+    d = _by_engine(s)
+    v = d["vllm"]
+    assert v["export_argv"] == [
+        "kvcal", "export", "runs/scales/a.safetensors", "ckpt", "--to", "vllm", "-o", "runs/scales/a-vllm"
+    ]  # fmt: skip
+    # the exported checkpoint carries the scales; skip layers as vLLM's list option; attention in the model dtype
+    assert v["serve_argv"] == [
+        "vllm", "serve", "runs/scales/a-vllm", "--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0", "3",
+        "--attention-backend", "TRITON_ATTN",
+    ]  # fmt: skip
+    args = _lm_eval_args(v["lm_eval_argv"])
+    assert args.model == "vllm"
+    assert args.model_args == {
+        "pretrained": "runs/scales/a-vllm",
+        "kv_cache_dtype": "fp8",
+        "kv_cache_dtype_skip_layers": ["0", "3"],
+        "attention_backend": "TRITON_ATTN",
+    }
+    assert args.tasks == ["gsm8k"]  # kl is kvcal's own task: noted, not passed
+    assert args.num_fewshot == 5 and args.limit == 50 and args.log_samples is True
+    assert args.gen_kwargs == {"max_gen_toks": 256}
+    assert args.output_path == "lm-eval/vllm-fp8-cal"
+    assert any("kl" in n for n in v["notes"])
+    assert shlex.split(v["lm_eval"]) == v["lm_eval_argv"]  # the printed line is the argument list
+    # SGLang cannot keep layers out of KV quantization; TRT-LLM loads no kvcal scales
+    assert "skip" in d["sglang"]["refused"] and "serve" not in d["sglang"]
+    assert "ModelOpt" in d["trtllm"]["refused"]
+
+
+def test_sglang_scale_file_and_lm_eval() -> None:
+    s = EngineSetup("ckpt", "fp8_e4m3", scales_path="s/x.safetensors", granularity="tensor", tasks=("gsm8k",))
+    g = _by_engine(s)["sglang"]
+    assert g["export_argv"][-3:] == ["sglang", "-o", "s/x-sglang.json"]
+    assert g["serve_argv"] == [
+        "python", "-m", "sglang.launch_server", "--model-path", "ckpt", "--kv-cache-dtype", "fp8_e4m3",
+        "--quantization-param-path", "s/x-sglang.json",
+    ]  # fmt: skip
+    args = _lm_eval_args(g["lm_eval_argv"])
+    assert args.model == "sglang"
+    assert args.model_args == {
+        "pretrained": "ckpt",
+        "kv_cache_dtype": "fp8_e4m3",
+        "quantization_param_path": "s/x-sglang.json",
+    }
+
+
+@pytest.mark.parametrize(
+    ("setup", "engine", "reason"),
+    [
+        (EngineSetup("m", "fp4_e2m1"), "vllm", "no KV cache dtype for fp4_e2m1"),
+        (EngineSetup("m", "mxfp4"), "sglang", "no KV cache dtype for mxfp4"),
+        (EngineSetup("m", "int8_per_token_head"), "trtllm", "no KV cache dtype"),
+        (EngineSetup("m", "k=fp8_e4m3,v=nvfp4"), "vllm", "two formats"),
+        (EngineSetup("m", "nvfp4", nvfp4_global="per_sequence"), "vllm", "per-sequence"),
+        (EngineSetup("m", "fp8_e4m3", scales_path="a.safetensors", granularity="head"), "sglang", "per-head"),
+        (
+            EngineSetup("m", "nvfp4", scales_path="a.safetensors", granularity="tensor"),
+            "vllm",
+            "no checkpoint",
+        ),
+        (EngineSetup("m", "fp8_e4m3", first_batch=True), "vllm", "--calculate-kv-scales"),
+        (EngineSetup("m", "fp8_e4m3", attention="fp8"), "sglang", "FlashAttention-3"),
+    ],
+)
+def test_refusals(setup: EngineSetup, engine: str, reason: str) -> None:
+    d = _by_engine(setup)[engine]
+    assert reason in d["refused"]
+    assert not {"serve", "lm_eval", "export"} & set(d)
+
+
+def test_per_head_scales_and_fp8_attention_pick_flash_attn() -> None:
+    head = _by_engine(EngineSetup("m", "fp8_e4m3", scales_path="a.safetensors", granularity="head"))["vllm"]
+    assert head["serve_argv"][-2:] == ["--attention-backend", "FLASH_ATTN"]
+    fa3 = _by_engine(EngineSetup("m", "fp8_e4m3", attention="fp8"))["vllm"]
+    assert fa3["serve_argv"][-2:] == ["--attention-backend", "FLASH_ATTN"]
+    nv = _by_engine(EngineSetup("m", "nvfp4", tasks=("gsm8k",)))
+    assert nv["vllm"]["serve_argv"] == ["vllm", "serve", "m", "--kv-cache-dtype", "nvfp4"]
+    assert nv["trtllm"]["files"] == {"kv_cache.yaml": "kv_cache_config:\n  dtype: nvfp4\n"}
+    args = _lm_eval_args(nv["trtllm"]["lm_eval_argv"])
+    assert args.model == "local-completions" and args.model_args["base_url"].endswith("/v1/completions")
+
+
+def test_baseline_and_kl_only() -> None:
+    d = _by_engine(EngineSetup("m", "bf16", tasks=("kl",)))
+    assert d["vllm"]["serve_argv"] == ["vllm", "serve", "m", "--kv-cache-dtype", "bfloat16"]
+    assert d["sglang"]["serve_argv"][-2:] == ["--kv-cache-dtype", "bf16"]
+    assert "lm_eval" not in d["vllm"]  # no lm-eval task to run
+
+
+def test_from_run_dir_groups_tasks_and_renders(tmp_path) -> None:  # noqa: ANN001
+    import yaml
+
+    for task in ("gsm8k", "gpqa_diamond_zeroshot"):
+        d = tmp_path / task / "cfg"
+        d.mkdir(parents=True)
+        rc = RunConfig(model="m", model_dir="/ckpt", kv_format="fp8_e4m3", tasks=[task], num_fewshot=0,
+                       skip_layer_indices=[1], dtype="bfloat16")  # fmt: skip
+        (d / "config.yaml").write_text(yaml.safe_dump(rc.to_dict()))
+    named = [("cfg", setup_from_run_dir(tmp_path / t / "cfg")) for t in ("gsm8k", "gpqa_diamond_zeroshot")]
+    (label, setup), = group_setups(named)  # fmt: skip
+    assert label == "cfg" and setup.tasks == ("gsm8k", "gpqa_diamond_zeroshot")
+    vllm = engine_commands(setup)[0]
+    args = _lm_eval_args(list(vllm.lm_eval))
+    assert args.tasks == ["gsm8k,gpqa_diamond_zeroshot"] or args.tasks == ["gsm8k", "gpqa_diamond_zeroshot"]
+    assert args.model_args["dtype"] == "bfloat16" and args.model_args["kv_cache_dtype_skip_layers"] == ["1"]
+    md = markdown_section(named)
+    assert md.startswith("## Engine commands") and "### cfg" in md and "vllm serve: vllm serve /ckpt" in md
+    assert setup_from_run_dir(tmp_path / "missing") is None
+    json.dumps(commands_dict(setup))  # JSON-ready (release.json, sweep.json)
