@@ -144,17 +144,19 @@ class EngineCommand:
 
     def lines(self) -> list[str]:
         """Human-readable lines (what the CLI prints and the Markdown report holds)."""
-        if self.refused:
-            return [f"{self.engine}: cannot run this configuration: {self.refused}"]
-        out = []
-        for name, text in self.files.items():
-            out.append(f"{self.engine} {name}: {text.strip()}")
-        for key in ("export", "serve", "lm_eval"):
-            argv = getattr(self, key)
-            if argv is not None:
-                out.append(f"{self.engine} {key.replace('_', '-')}: {shlex.join(argv)}")
-        out += [f"{self.engine} note: {n}" for n in self.notes]
-        return out
+        return command_lines(self.to_dict())
+
+
+def command_lines(d: dict[str, Any]) -> list[str]:
+    """The lines of one engine's EngineCommand.to_dict() (release.json and sweep.json hold these dicts)."""
+    engine = d["engine"]
+    if d.get("refused"):
+        return [f"{engine}: cannot run this configuration: {d['refused']}"]
+    out = [f"{engine} {name}: {text.strip()}" for name, text in (d.get("files") or {}).items()]
+    out += [
+        f"{engine} {key.replace('_', '-')}: {d[key]}" for key in ("export", "serve", "lm_eval") if key in d
+    ]
+    return out + [f"{engine} note: {n}" for n in d.get("notes", [])]
 
 
 def engine_commands(setup: EngineSetup) -> list[EngineCommand]:
@@ -188,6 +190,11 @@ def group_setups(named: list[tuple[str, EngineSetup]]) -> list[tuple[str, Engine
 
 def markdown_section(named: list[tuple[str, EngineSetup]]) -> str:
     """## Engine commands: per configuration, each engine's commands or the reason it cannot run it."""
+    return markdown_from_dicts({label: commands_dict(setup) for label, setup in group_setups(named)})
+
+
+def markdown_from_dicts(by_config: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """markdown_section from {configuration: commands_dict(...)} (what release.json and sweep.json hold)."""
     lines = [
         "## Engine commands",
         "",
@@ -196,10 +203,10 @@ def markdown_section(named: list[tuple[str, EngineSetup]]) -> str:
         "engine's source (kvcal/engines.py names file and commit).",
         "",
     ]
-    for label, setup in group_setups(named):
+    for label, engines in by_config.items():
         lines += [f"### {label}", "", "```"]
-        for cmd in engine_commands(setup):
-            lines += cmd.lines()
+        for d in engines.values():
+            lines += command_lines(d)
         lines += ["```", ""]
     return "\n".join(lines)
 

@@ -154,3 +154,44 @@ def test_from_run_dir_groups_tasks_and_renders(tmp_path) -> None:  # noqa: ANN00
     assert md.startswith("## Engine commands") and "### cfg" in md and "vllm serve: vllm serve /ckpt" in md
     assert setup_from_run_dir(tmp_path / "missing") is None
     json.dumps(commands_dict(setup))  # JSON-ready (release.json, sweep.json)
+
+
+DOCS = [{"text": "t5 t6 t7 t8 t9 t10 t11 t12"}, {"text": "t20 t21 t22 t23 t24 t25"}]
+
+
+@pytest.mark.slow  # four lm-eval runs end to end
+def test_eval_and_compare_print_and_record_the_commands(
+    tmp_path,
+    word_llama_dir,
+    lm_eval_task,
+    invoke,  # noqa: ANN001 - fixtures
+) -> None:
+    lm_eval_task(tmp_path / "tasks", "roll", "loglikelihood_rolling", DOCS, ["word_perplexity"])
+    common = ["--tasks", "roll", "--include-path", str(tmp_path / "tasks"), "--skip-layers", "1"]
+    code, out, err = invoke(
+        ["eval", str(word_llama_dir), "-f", "bf16", *common[:4], "-o", str(tmp_path / "bf16")]
+    )
+    assert code == 0, err
+    code, out, err = invoke(
+        ["eval", str(word_llama_dir), "-f", "fp8_e4m3", *common, "-o", str(tmp_path / "fp8")]
+    )
+    assert code == 0, err
+    assert "engine commands for fp8:" in out
+    assert (
+        f"vllm serve: vllm serve {word_llama_dir} --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1 "
+        "--attention-backend TRITON_ATTN" in out
+    )
+    assert "sglang: cannot run this configuration: SGLang has no option to keep layers out" in out
+    lm_line = next(ln.strip() for ln in out.splitlines() if ln.strip().startswith("vllm lm-eval: "))
+    args = _lm_eval_args(shlex.split(lm_line.removeprefix("vllm lm-eval: ")))
+    assert args.tasks in (["roll"],) and args.include_path == str(tmp_path / "tasks") and args.log_samples
+    report = tmp_path / "report.md"
+    code, out, err = invoke(["compare", str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--baseline", "bf16",
+                             "-o", str(report), "--json", "--bootstrap", "200"])  # fmt: skip
+    assert code == 0, err
+    md = report.read_text()
+    assert "## Engine commands" in md and "### fp8" in md and "### bf16" in md
+    ec = json.loads(out)["engine_commands"]
+    assert ec["fp8"]["vllm"]["serve_argv"][-4:] == ["--kv-cache-dtype-skip-layers", "1", "--attention-backend",
+                                                    "TRITON_ATTN"]  # fmt: skip
+    assert "refused" in ec["fp8"]["sglang"] and ec["bf16"]["sglang"]["serve_argv"][-1] == "bf16"

@@ -218,6 +218,7 @@ def sweep_cmd(
     if report_only:
         _sweep_report(cfg, output, plan, as_json)
         return
+    full = plan  # execute_sweep takes the whole plan and slices it itself
     if slice_ is not None:
         plan = shard_plan(plan, slice_)
     if dry_run:
@@ -250,7 +251,7 @@ def sweep_cmd(
         def on_progress(event: dict) -> None:
             progress.update(bar, completed=event["done"], description=event["message"][:80])
 
-        result = execute_sweep(cfg, output, plan=plan, progress=on_progress, warn=warn, shard=slice_)
+        result = execute_sweep(cfg, output, plan=full, progress=on_progress, warn=warn, shard=slice_)
     if as_json:
         print_json(result)
     else:
@@ -308,7 +309,7 @@ def _sweep_report(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool
             "shards": {p.name: _json_or_none(p) for p in shards},
             "context": cfg.context,
             "plan": plan.to_dict(),
-            "engine_commands": engine_commands_of(plan),
+            "engine_commands": engine_commands_of(plan.cells),
         },
     )
     _write_outputs(cmp, report, None, as_json)

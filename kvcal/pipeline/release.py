@@ -553,6 +553,7 @@ def run_release(
     t = time.perf_counter()
     cells, roles = evaluate(ctx, scales)
     timings["evaluate_s"] = time.perf_counter() - t
+    record["engine_commands"] = sweep.engine_commands_of(cells)  # every configuration's, kvcal.engines
     t = time.perf_counter()
     cmp = gate(ctx, cells)
     passed = not cmp.failures
@@ -597,6 +598,7 @@ def _record(ctx: Context, scales: Scales, drift: dict[str, Any] | None) -> dict[
         "exports": {},
         "serve_flags": {},
         "serve_commands": {},
+        "engine_commands": {},
         "runs": [],
     }
 

@@ -58,10 +58,19 @@ def _serve(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _engines(r: dict[str, Any]) -> list[str]:
+    """Every evaluated configuration's engine commands (kvcal.engines), or why an engine cannot run it."""
+    if not r.get("engine_commands"):
+        return []
+    from kvcal.engines import markdown_from_dicts
+
+    return markdown_from_dicts(r["engine_commands"]).splitlines() + [""]
+
+
 def render_release(record: dict[str, Any], cmp: Any) -> str:
     """The Markdown of a release record; `cmp` (a kvcal.report.compare.Comparison, or None when nothing was
     evaluated) adds kvcal compare's full report below."""
-    lines = _header(record) + _configurations(record) + _serve(record)
+    lines = _header(record) + _configurations(record) + _serve(record) + _engines(record)
     if cmp is not None:
         from kvcal.report.markdown import render_markdown
 

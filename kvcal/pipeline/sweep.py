@@ -498,8 +498,8 @@ def execute_sweep(
 
     `progress(event)` receives {"done", "total", "message"} over the whole matrix (complete cells and existing
     scale files count as done from the start). A failing cell is recorded and the sweep goes on; stale cells
-    (another configuration in their directory) are never touched. `shard=(I, N)` runs slice I of N (shard_plan);
-    a cell another process holds is left to it (`busy`).
+    (another configuration in their directory) are never touched. `shard=(I, N)` runs slice I of N (shard_plan)
+    of `plan`, which is the whole matrix's (plan_sweep); a cell another process holds is left to it (`busy`).
     """
     root = Path(runs_dir)
     plan = plan or plan_sweep(cfg, root)
@@ -529,18 +529,18 @@ def execute_sweep(
         "busy": work.busy,
         "context": cfg.context,
         "plan": plan.to_dict(),
-        "engine_commands": engine_commands_of(plan),
+        "engine_commands": engine_commands_of(plan.cells),
     }
     atomic_write_json(root / summary_name(shard), summary)
     return summary
 
 
-def engine_commands_of(plan: SweepPlan) -> dict[str, dict[str, Any]]:
-    """{configuration: {engine: commands}} of the plan's complete cells (kvcal.engines), tasks merged."""
+def engine_commands_of(cells: list[Cell]) -> dict[str, dict[str, Any]]:
+    """{configuration: {engine: commands}} of the complete cells (kvcal.engines), tasks merged."""
     from kvcal.engines import commands_dict, group_setups, setup_from_run_dir
 
     named = []
-    for cell in plan.cells:
+    for cell in cells:
         setup = setup_from_run_dir(cell.path, cell.name) if (cell.path / COMPLETE).is_file() else None
         if setup is not None:
             named.append((cell.name, setup))

@@ -125,6 +125,14 @@ def test_release_calibrates_then_reuses_then_recalibrates_when_stale(
         "--kv-cache-dtype", "fp8_e4m3", "--quantization-param-path", first["exports"]["sglang"]["path"],
     ]  # fmt: skip
     assert f"serve (vllm): vllm serve {vllm} --kv-cache-dtype fp8" in stdout
+    # every evaluated configuration's engine commands (kvcal.engines): in release.json, release.md and stdout
+    assert sorted(first["engine_commands"]) == sorted(c["label"] for c in first["configurations"])
+    ship = first["engine_commands"][first["configurations"][1]["label"]]
+    assert ship["vllm"]["serve_argv"][:2] == ["vllm", "serve"]
+    assert ship["vllm"]["serve_argv"][3:5] == ["--kv-cache-dtype", "fp8"]
+    assert ship["vllm"]["export_argv"][:2] == ["kvcal", "export"]
+    assert f"engine commands for {first['configurations'][1]['label']}:" in stdout
+    assert "## Engine commands" in (out / "release.md").read_text()
     assert "# kvcal release: SHIP" in (out / "release.md").read_text()
     assert counts["forward"] > 0 and counts["load_model"] == 1  # calibration (eval loads through lm-eval)
 

@@ -257,9 +257,12 @@ def test_three_shards_at_once_then_report_equals_one_process(
     assert [c["label"] for c in sharded["configurations"]] == [
         c["label"] for c in reference["configurations"]
     ]
-    # the scale files are the same bytes as one process's
+    # the scale files hold the same scales as one process's (their headers record when and where they were made)
+    from safetensors.torch import load_file
+
     for f in (one / "scales").glob("*.safetensors"):
-        assert (shared / "scales" / f.name).read_bytes() == f.read_bytes()
+        mine, ref = load_file(str(shared / "scales" / f.name)), load_file(str(f))
+        assert mine.keys() == ref.keys() and all(mine[k].equal(ref[k]) for k in ref)
 
 
 @pytest.mark.slow
