@@ -297,7 +297,11 @@ def _sweep_report(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool
             f"{output} --shard I/N, or without --shard) and report again"
         )
     cmp = compare_runs(
-        [output], warn=warn, context=cfg.context, context_source="the sweep's context: in sweep.yaml"
+        [output],
+        baseline=cfg.baseline,
+        warn=warn,
+        context=cfg.context,
+        context_source="the sweep's context: in sweep.yaml",
     )
     report = output / "report.md"
     shards = sorted(output.glob("sweep.shard-*-of-*.json"))
