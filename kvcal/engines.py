@@ -22,8 +22,10 @@ Every flag below was checked against the engine's own source (file @ commit):
   scale per layer for K and V (`kvcal export --to sglang`).
 - TensorRT-LLM `tensorrt_llm/llmapi/llm_args.py` @ 0004396720054fd8e205cbf616f21f0b57c6b412: `KvCacheConfig.dtype`
   (PyTorch backend; "auto" follows the checkpoint's metadata), set through `trtllm-serve MODEL --backend pytorch
-  --extra_llm_api_options FILE.yaml` (`tensorrt_llm/commands/serve.py`). Calibrated KV scales come from a ModelOpt
-  checkpoint, which kvcal does not write: calibrated configurations are refused for it.
+  --extra_llm_api_options FILE.yaml` (`tensorrt_llm/commands/serve.py`); `tensorrt_llm/_torch/pyexecutor/
+  model_loader.py` @ 004b733e0ed7c03c83dcfa7de48e8ee6e4fa58d0 accepts `_VALID_KV_CACHE_DTYPES = ("fp8", "nvfp4",
+  "auto")` and refuses to override a checkpoint whose own kv_cache_quant_algo differs. Calibrated KV scales come
+  from a ModelOpt checkpoint, which kvcal does not write: calibrated configurations are refused for it.
 - lm-eval 0.4.13 (`lm_eval/_cli/run.py`): `--model vllm|sglang|local-completions`, `--model_args` as JSON (lists
   survive, key=value strings split on commas), `--tasks`, `--num_fewshot`, `--limit`, `--gen_kwargs`,
   `--batch_size`, `--log_samples`, `--output_path`. Its vllm model passes unknown model_args on to `vllm.LLM`
@@ -63,6 +65,8 @@ KV_CACHE_DTYPES: dict[str, frozenset[str]] = {
     "sglang": frozenset({
         "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16", "fp4_e2m1",
     }),
+    # kv_cache_config.dtype, lower case (TensorRT-LLM model_loader.py _VALID_KV_CACHE_DTYPES @ 004b733e)
+    "trtllm": frozenset({"fp8", "nvfp4", "auto"}),
 }  # fmt: skip
 
 
@@ -226,9 +230,17 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
     name = fmt.engine_names.get(engine)
     if name is None and not (engine == "trtllm" and fmt.name in ("auto", "bf16")):
         return f"{_ENGINE_NAMES[engine]} has no KV cache dtype for {s.kv_format}"
-    if engine in KV_CACHE_DTYPES and name not in KV_CACHE_DTYPES[engine]:
-        return f"'{name}' is not a --kv-cache-dtype of {_ENGINE_NAMES[engine]} (see kvcal/engines.py)"
+    if _engine_dtype(fmt.name, engine) not in KV_CACHE_DTYPES[engine]:
+        return f"'{name}' is not a KV cache dtype of {_ENGINE_NAMES[engine]} (see kvcal/engines.py)"
     return None
+
+
+def _engine_dtype(fmt_name: str, engine: str) -> str:
+    """The engine's KV cache dtype for a kvcal format (TensorRT-LLM: lower case; bf16/auto -> auto)."""
+    name = get_format(fmt_name).engine_names.get(engine)
+    if engine == "trtllm":
+        return "auto" if fmt_name in ("auto", "bf16") else str(name).lower()
+    return str(name)
 
 
 _ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
@@ -299,7 +311,7 @@ def _vllm(s: EngineSetup) -> EngineCommand:
     refusal = _common_refusal(s, "vllm") or _calibrated_fp8(s, "vllm")
     if refusal:
         return EngineCommand("vllm", refused=refusal)
-    dtype = str(get_format(s.kv_format).engine_names["vllm"])
+    dtype = _engine_dtype(s.kv_format, "vllm")
     notes: list[str] = []
     if s.first_batch:
         return EngineCommand(
@@ -347,7 +359,7 @@ def _sglang(s: EngineSetup) -> EngineCommand:
     refusal = _common_refusal(s, "sglang") or _calibrated_fp8(s, "sglang")
     if refusal:
         return EngineCommand("sglang", refused=refusal)
-    dtype = str(get_format(s.kv_format).engine_names["sglang"])
+    dtype = _engine_dtype(s.kv_format, "sglang")
     if s.skip_layers and dtype not in ("auto", "bf16"):
         return EngineCommand(
             "sglang",
@@ -399,8 +411,7 @@ def _trtllm(s: EngineSetup) -> EngineCommand:
         return EngineCommand("trtllm", refused="KvCacheConfig has no per-layer KV dtype (skip layers)")
     if s.attention == "fp8":
         return EngineCommand("trtllm", refused="FP8 attention (--attention fp8) is vLLM FlashAttention-3's")
-    fmt = get_format(s.kv_format)
-    dtype = "auto" if fmt.name in ("auto", "bf16") else str(fmt.engine_names["trtllm"]).lower()
+    dtype = _engine_dtype(s.kv_format, "trtllm")
     name = "kv_cache.yaml"
     files = {name: f"kv_cache_config:\n  dtype: {dtype}\n"}
     serve = ("trtllm-serve", s.model_dir, "--backend", "pytorch", "--extra_llm_api_options", name)
