@@ -98,6 +98,21 @@ def test_bad_shard_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_dry_run_shows_the_slice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = tmp_path / "s.yaml"
+    conf.write_text(yaml.safe_dump(STUDY))
+    plan = sweep.plan_sweep(sweep.parse_sweep_config(STUDY), tmp_path / "runs")
+    mine = sweep.shard_plan(plan, (2, 3))
+    with pytest.raises(SystemExit) as exc:
+        app(["sweep", str(conf), "-o", str(tmp_path / "runs"), "--shard", "2/3", "--dry-run", "--json"],
+            prog_name="kvcal")  # fmt: skip
+    assert exc.value.code in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert [c["name"] + "/" + c["task"] for c in out["cells"]] == [c.name + "/" + c.task for c in mine.cells]
+    assert out["summary"]["to_calibrate"] == len(mine.calibrations)  # only the scale files its cells need
+    assert not (tmp_path / "runs").exists()
+
+
 def test_report_only_refuses_an_unfinished_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     conf = tmp_path / "s.yaml"
     conf.write_text(yaml.safe_dump(STUDY))
