@@ -294,6 +294,12 @@ def _dtype_arg(s: EngineSetup) -> dict[str, str]:
     return {} if s.dtype in ("auto", "", None) else {"dtype": s.dtype}
 
 
+def _dtype_flag(s: EngineSetup) -> list[str]:
+    """`--dtype D` (vLLM ModelConfig.dtype, SGLang ServerArgs.dtype: both take bfloat16 / float16 / float32): the
+    run's resolved model dtype, so the engine computes in the dtype kvcal did."""
+    return [] if s.dtype in ("auto", "", None) else ["--dtype", s.dtype]
+
+
 # ---- vLLM ------------------------------------------------------------------------------------------------------
 
 
@@ -323,7 +329,7 @@ def _vllm(s: EngineSetup) -> EngineCommand:
     if s.scales_path is not None:
         model = _export_dir(s, "vllm")
         export = ("kvcal", "export", s.scales_path, s.model_dir, "--to", "vllm", "-o", model)
-    flags = ["--kv-cache-dtype", dtype]
+    flags = [*_dtype_flag(s), "--kv-cache-dtype", dtype]
     if s.skip_layers and dtype not in ("auto", "bfloat16"):
         flags += ["--kv-cache-dtype-skip-layers", *(str(i) for i in s.skip_layers)]
     backend = None
@@ -377,7 +383,7 @@ def _sglang(s: EngineSetup) -> EngineCommand:
             "per-head scales (calibrate --granularity tensor, or kvcal export --to sglang --reduce-heads for a "
             "different configuration that needs its own kvcal run)",
         )
-    flags = ["--kv-cache-dtype", dtype]
+    flags = [*_dtype_flag(s), "--kv-cache-dtype", dtype]
     export, notes = None, []
     model_args: dict[str, Any] = {"pretrained": s.model_dir, "kv_cache_dtype": dtype, **_dtype_arg(s)}
     if s.scales_path is not None:

@@ -7,6 +7,7 @@ import json
 import shlex
 
 import pytest
+import yaml
 
 from kvcal.engines import (
     KV_CACHE_DTYPES,
@@ -139,8 +140,6 @@ def test_baseline_and_kl_only() -> None:
 
 
 def test_from_run_dir_groups_tasks_and_renders(tmp_path) -> None:  # noqa: ANN001
-    import yaml
-
     for task in ("gsm8k", "gpqa_diamond_zeroshot"):
         d = tmp_path / task / "cfg"
         d.mkdir(parents=True)
@@ -154,6 +153,7 @@ def test_from_run_dir_groups_tasks_and_renders(tmp_path) -> None:  # noqa: ANN00
     args = _lm_eval_args(list(vllm.lm_eval))
     assert args.tasks == ["gsm8k,gpqa_diamond_zeroshot"] or args.tasks == ["gsm8k", "gpqa_diamond_zeroshot"]
     assert args.model_args["dtype"] == "bfloat16" and args.model_args["kv_cache_dtype_skip_layers"] == ["1"]
+    assert vllm.serve[3:5] == ("--dtype", "bfloat16")  # the engine computes in the run's model dtype
     md = markdown_section(named)
     assert md.startswith("## Engine commands") and "### cfg" in md and "vllm serve: vllm serve /ckpt" in md
     assert setup_from_run_dir(tmp_path / "missing") is None
@@ -181,8 +181,10 @@ def test_eval_and_compare_print_and_record_the_commands(
     )
     assert code == 0, err
     assert "engine commands for fp8:" in out
+    # the run's resolved model dtype (the checkpoint's) is what the engine is told to compute in
+    dtype = yaml.safe_load((tmp_path / "fp8" / "config.yaml").read_text())["dtype"]
     assert (
-        f"vllm serve: vllm serve {word_llama_dir} --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1 "
+        f"vllm serve: vllm serve {word_llama_dir} --dtype {dtype} --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1 "
         "--attention-backend TRITON_ATTN" in out
     )
     assert "sglang: cannot run this configuration: SGLang has no option to keep layers out" in out
