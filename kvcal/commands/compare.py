@@ -255,12 +255,9 @@ def sweep_cmd(
     if as_json:
         print_json(result)
     else:
-        from kvcal.commands.engines import print_engine_commands
-        from kvcal.engines import setup_from_run_dir
+        from kvcal.commands.engines import print_engine_dicts
 
-        print_engine_commands(
-            [(c.name, s) for c in plan.cells if (s := setup_from_run_dir(c.path, c.name)) is not None]
-        )
+        print_engine_dicts(result["engine_commands"])
         where = f"slice {shard} " if shard else ""
         then = (
             f"When every slice is done: kvcal sweep {config} -o {output} --report-only"

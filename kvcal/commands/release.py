@@ -78,13 +78,9 @@ def _render(r: dict[str, Any], output: Path) -> None:
         _line(f"release failed: {r['failed_because']}", err=True)
     for engine, cmd in r["serve_commands"].items():
         _line(f"serve ({engine}): {cmd}")
-    from kvcal.engines import command_lines
+    from kvcal.commands.engines import print_engine_dicts
 
-    for label, engines in r.get("engine_commands", {}).items():
-        _line(f"engine commands for {label}:")
-        for d in engines.values():
-            for text in command_lines(d):
-                _line(f"  {text}")
+    print_engine_dicts(r.get("engine_commands", {}))
     if w["reused_everything"]:
         done = "everything reused"
     else:
