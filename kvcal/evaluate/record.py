@@ -97,6 +97,7 @@ _RESULT_KEYS = (
     "n-samples",
     "kl_by_position",
     "passkey_by_cell",
+    "divergence_by_position",
 )
 
 

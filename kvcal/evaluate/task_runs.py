@@ -20,7 +20,7 @@ from kvcal.evaluate.bound import BoundSpec
 from kvcal.evaluate.git_probe import quiet_git_probe
 from kvcal.evaluate.record import seeds, sum_nonfinite, task_part
 from kvcal.evaluate.runstore import RunStore
-from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, task_manager_for
+from kvcal.evaluate.tasks import DIVERGENCE_TASKS, KL_TASK, PASSKEY_TASKS, task_manager_for
 from kvcal.evaluate.timing import FORWARDS_KEY, ForwardTimer, ForwardTotals
 from kvcal.rundir import RunConfig
 
@@ -53,6 +53,10 @@ class TaskLoop:
         t0 = time.perf_counter()
         if task == KL_TASK:
             part, samples = run_kl_task(self.lm, bound, task, self.dist)
+        elif task in DIVERGENCE_TASKS:
+            from kvcal.evaluate.divergence import run_divergence_task
+
+            part, samples = run_divergence_task(self.lm, bound, task, self.dist)
         else:
             part, samples = run_lm_eval_task(self.lm, bound, task, self.dist)
         mine = (self.timer.take().to_record(), nonfinite_kv(self.lm, task, False, _silent))

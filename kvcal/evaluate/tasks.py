@@ -38,6 +38,13 @@ GPQA_PASSWORD_ENV = "KVCAL_GPQA_PASSWORD"
 # kvcal's passkey tasks (kvcal.evaluate.passkey generates their documents with the model's tokenizer); their
 # filler is kl's held-out text. They shadow lm-eval's LIBRA task `passkey` (Russian) of the same name.
 PASSKEY_TASKS = ("passkey", "passkey_mc")
+# kvcal's divergence tasks (kvcal.evaluate.divergence): task name -> the lm-eval task whose prompts it decodes.
+DIVERGENCE_TASKS: dict[str, str] = {
+    "divergence": "gsm8k",
+    "divergence_gsm8k": "gsm8k",
+    "divergence_aime25": "aime25",
+    "divergence_gpqa_diamond": "gpqa_diamond_zeroshot",
+}
 
 # Task names kvcal knows without indexing lm-eval: name -> YAML path relative to lm_eval/tasks.
 BUILTIN_YAML: dict[str, str] = {
@@ -153,6 +160,10 @@ def resolve_tasks(
         elif name in PASSKEY_TASKS:  # its lm-eval config is built with the model's tokenizer (run_eval)
             if ddir is not None:
                 read_text_file(_require(ddir / KL_TEXT_FILE, name), f"task '{name}'")
+        elif name in DIVERGENCE_TASKS:  # its prompts are its source task's lm-eval requests
+            _add_lm_eval_task(plan, DIVERGENCE_TASKS[name], ddir, gpqa_password)
+            if DIVERGENCE_TASKS[name] in plan.private:
+                plan.private.add(name)
         elif name in user_names:
             _check_user_data_files(inc, name)
             plan.lm_eval_specs[name] = name  # the user's YAML, exactly as lm_eval --include_path
@@ -209,7 +220,11 @@ def _add_lm_eval_task(plan: TaskPlan, name: str, ddir: Path | None, gpqa_passwor
 
 def _unknown_tasks_message(unknown: list[str], user_names: set[str]) -> str:
     known = sorted(
-        set(BUILTIN_YAML) | set(ALIASES) | {KL_TASK, *PASSKEY_TASKS} | user_names | set(lm_eval_task_index())
+        set(BUILTIN_YAML)
+        | set(ALIASES)
+        | {KL_TASK, *PASSKEY_TASKS, *DIVERGENCE_TASKS}
+        | user_names
+        | set(lm_eval_task_index())
     )
     parts = []
     for name in unknown:

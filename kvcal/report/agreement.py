@@ -1,0 +1,251 @@
+"""Output agreement with the baseline: how long a quantized cache's greedy output stays token-identical.
+
+One observation per (document, repeat): the 1-based generated position `t` of the first token where the
+evaluated output differs from the baseline's (an *event*), or the length both outputs were compared over when
+they never differ (*censored*: one output ended, or both hit the generation cap — not "agreeing forever").
+
+- Survival curve S(t) = P(no divergence by generated token t): Kaplan-Meier with its Hall-Wellner 95% band,
+  median tokens to divergence and its interval (statsmodels `SurvfuncRight`: `quantile`, `quantile_ci`).
+- Hazard per 1,000 generated tokens: events / token exposure (every compared token is one token at risk), with
+  the exact Poisson interval (statsmodels `confint_poisson`, method "exact-c").
+- Constant hazard: early vs late hazard (token exposure split at a cut), the two Poisson rates compared by
+  statsmodels `test_poisson_2indep` (score test of the ratio = 1). A small p-value says the hazard is not
+  constant, so a projection that assumes one is not to be trusted.
+- Projection: under a constant hazard h, P(identical after L tokens) = exp(-h L); over a task's own output
+  lengths L_i the expected identical fraction is mean_i exp(-h L_i). Monotone in h, so h's interval bounds it.
+- Answer agreement: the fraction of samples whose extracted answers match, Wilson interval; with repeats the
+  document is the unit (`cluster_mean_interval`, statsmodels' cluster-robust OLS of the flags on a constant).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    value: float | None
+    lo: float | None
+    hi: float | None
+
+    def to_record(self) -> dict[str, float | None]:
+        return {"value": self.value, "lo": self.lo, "hi": self.hi}
+
+
+def _finite(x: Any) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def kaplan_meier(times: Sequence[int], events: Sequence[bool]) -> dict[str, Any]:
+    """S(t) of first-divergence times (events) and censoring times, by statsmodels' SurvfuncRight: the curve at
+    every event time with the Hall-Wellner 95% band (None where statsmodels cannot form it), and the median
+    tokens to divergence with its 95% interval (None = not reached / unbounded)."""
+    from statsmodels.duration.survfunc import SurvfuncRight
+
+    t = np.asarray(times, dtype=float)
+    e = np.asarray(events, dtype=int)
+    if t.size == 0:
+        raise ValueError("kaplan_meier needs at least one observation")
+    if not e.any():  # no divergence at all: S(t) = 1 wherever anything was observed
+        return {"times": [], "surv": [], "lo": [], "hi": [], "median": Interval(None, None, None).to_record()}
+    sf = SurvfuncRight(t, e)
+    try:
+        lo, hi = sf.simultaneous_cb(alpha=1 - LEVEL)
+        band = ([_finite(v) for v in lo], [_finite(v) for v in hi])
+    except (ValueError, ZeroDivisionError, FloatingPointError):
+        band = ([None] * len(sf.surv_times), [None] * len(sf.surv_times))
+    med = _finite(sf.quantile(0.5))
+    try:
+        mlo, mhi = sf.quantile_ci(0.5, alpha=1 - LEVEL)
+        mlo, mhi = _finite(mlo), _finite(mhi)
+    except (ValueError, IndexError):
+        mlo, mhi = None, None
+    return {
+        "times": [int(x) for x in sf.surv_times],
+        "surv": [float(x) for x in sf.surv_prob],
+        "lo": band[0],
+        "hi": band[1],
+        "median": Interval(med, mlo, mhi).to_record(),
+    }
+
+
+def hazard(times: Sequence[int], events: Sequence[bool], per: int = 1000) -> dict[str, Any]:
+    """Divergences per `per` generated tokens: events / exposure (sum of the times: tokens compared), with the
+    exact Poisson interval. {"value", "lo", "hi", "events", "exposure"}."""
+    from statsmodels.stats.rates import confint_poisson
+
+    n_events = int(sum(bool(x) for x in events))
+    exposure = int(sum(int(x) for x in times))
+    if exposure <= 0:
+        return {**Interval(None, None, None).to_record(), "events": n_events, "exposure": exposure}
+    lo, hi = confint_poisson(n_events, exposure, method="exact-c", alpha=1 - LEVEL)
+    return {
+        "value": n_events / exposure * per,
+        "lo": float(lo) * per,
+        "hi": float(hi) * per,
+        "events": n_events,
+        "exposure": exposure,
+    }
+
+
+def constant_hazard_test(
+    times: Sequence[int], events: Sequence[bool], cut: int | None = None
+) -> dict[str, Any]:
+    """Early (tokens 1..cut) vs late (tokens > cut) hazard, by statsmodels' `test_poisson_2indep` (two-sided score
+    test of rate ratio late/early = 1). `cut`: default half of the longest time. None fields where either side
+    has no exposure."""
+    from statsmodels.stats.rates import test_poisson_2indep
+
+    t = [int(x) for x in times]
+    e = [bool(x) for x in events]
+    cut = cut if cut is not None else max(1, max(t, default=0) // 2)
+    early_exp = sum(min(x, cut) for x in t)
+    late_exp = sum(max(0, x - cut) for x in t)
+    early_ev = sum(1 for x, ev in zip(t, e, strict=True) if ev and x <= cut)
+    late_ev = sum(1 for x, ev in zip(t, e, strict=True) if ev and x > cut)
+    out: dict[str, Any] = {
+        "cut": cut,
+        "early": {"events": early_ev, "exposure": early_exp},
+        "late": {"events": late_ev, "exposure": late_exp},
+        "ratio": None,
+        "p_value": None,
+        "method": "statsmodels test_poisson_2indep (score, ratio late/early = 1)",
+    }
+    if early_exp == 0 or late_exp == 0 or early_ev + late_ev == 0:
+        return out
+    res = test_poisson_2indep(late_ev, late_exp, early_ev, early_exp, method="score")
+    out["ratio"] = _finite(res.ratio) if early_ev else None
+    out["p_value"] = float(res.pvalue)
+    return out
+
+
+def project(hz: dict[str, Any], lengths: Sequence[int], per: int = 1000) -> dict[str, float | None]:
+    """Expected fraction of outputs still identical after each of `lengths` tokens (mean of exp(-h L_i)) under
+    the constant hazard `hz` (from `hazard`), with the bounds its interval gives (exp(-h L) falls as h grows)."""
+    if hz.get("value") is None or not lengths:
+        return Interval(None, None, None).to_record()
+    L = np.asarray(lengths, dtype=float)
+
+    def frac(h: float) -> float:
+        return float(np.mean(np.exp(-h / per * L)))
+
+    return Interval(frac(hz["value"]), frac(hz["hi"]), frac(hz["lo"])).to_record()
+
+
+def proportion(successes: int, n: int) -> dict[str, float | None]:
+    """A fraction with its Wilson interval (statsmodels `proportion_confint`)."""
+    from statsmodels.stats.proportion import proportion_confint
+
+    if n == 0:
+        return Interval(None, None, None).to_record()
+    lo, hi = proportion_confint(successes, n, alpha=1 - LEVEL, method="wilson")
+    return Interval(successes / n, float(lo), float(hi)).to_record()
+
+
+def cluster_mean_interval(values: Sequence[float], clusters: Sequence[Any]) -> dict[str, float | None]:
+    """Mean of `values` with a 95% interval that treats each cluster (document) as one unit: OLS of the values on
+    a constant with cluster-robust standard errors (statsmodels, cov_type="cluster"; t with G-1 degrees of
+    freedom). With one value per cluster it is the ordinary t interval (up to statsmodels' small-sample
+    correction G/(G-1))."""
+    import statsmodels.api as sm
+
+    y = np.asarray(values, dtype=float)
+    if y.size == 0:
+        return Interval(None, None, None).to_record()
+    groups = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)[1]
+    mean = float(y.mean())
+    if np.all(y == y[0]):  # no spread: the interval is the point (statsmodels would divide by zero)
+        return Interval(mean, mean, mean).to_record()
+    if groups.max() < 1:  # one cluster: no interval
+        return Interval(mean, None, None).to_record()
+    fit = sm.OLS(y, np.ones((y.size, 1))).fit(cov_type="cluster", cov_kwds={"groups": groups}, use_t=True)
+    lo, hi = fit.conf_int(alpha=1 - LEVEL)[0]
+    return Interval(float(fit.params[0]), float(lo), float(hi)).to_record()
+
+
+def summarize(
+    times: Sequence[int],
+    events: Sequence[bool],
+    *,
+    at_lengths: Sequence[int] = (4096, 16384, 32768),
+    task_lengths: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Everything the report says about one configuration's divergence: KM curve + median, hazard, the
+    constant-hazard test, and the projections (to each of `at_lengths`, and over `task_lengths`)."""
+    hz = hazard(times, events)
+    out = {
+        "n": len(times),
+        "diverged": int(sum(bool(e) for e in events)),
+        "km": kaplan_meier(times, events),
+        "hazard_per_1k": hz,
+        "constant_hazard": constant_hazard_test(times, events),
+        "projection": {str(L): project(hz, [L]) for L in at_lengths},
+    }
+    if task_lengths:
+        out["projection_task_lengths"] = {"n": len(task_lengths), **project(hz, task_lengths)}
+    return out
+
+
+# ---- the report's rows: one per (configuration, divergence task) ----------------------------------------------
+
+DIVERGENCE_OUTPUT_TYPE = (
+    "kvcal_divergence"  # configs.<task>.output_type of kvcal.evaluate.divergence's results
+)
+AT_LENGTHS = (4096, 16384, 32768)
+
+
+def divergence_tasks(run: Any) -> list[str]:
+    """The divergence tasks a loaded run (kvcal.report.runs.Run) holds."""
+    cfgs = run.results.get("configs") or {}
+    return [t for t in run.samples if (cfgs.get(t) or {}).get("output_type") == DIVERGENCE_OUTPUT_TYPE]
+
+
+def _raw_samples(run: Any, task: str) -> list[dict[str, Any]]:
+    import json
+
+    from kvcal.rundir import samples_file
+
+    lines = (run.path / samples_file(task)).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def divergence_rows(
+    configs: list[tuple[str, list[Any]]], at_lengths: Sequence[int] = AT_LENGTHS
+) -> list[dict]:
+    """Per (configuration label, divergence task): answer agreement and output identity with their intervals,
+    vLLM's logprobs-close pass rate, the survival summary (`summarize`, projected to `at_lengths` and over the
+    BF16 trajectories' own lengths), and decode vs prefill KL."""
+    rows = []
+    for label, runs in configs:
+        for run in runs:
+            for task in divergence_tasks(run):
+                s = _raw_samples(run, task)
+                n = len(s)
+                summary = summarize(
+                    [int(x["first_divergence"]) for x in s],
+                    [bool(x["diverged"]) for x in s],
+                    at_lengths=at_lengths,
+                    task_lengths=[int(x["base_len"]) for x in s],
+                )
+                rows.append(
+                    {
+                        "config": label,
+                        "task": task,
+                        "gen_len": (run.results.get("configs") or {}).get(task, {}).get("gen_len"),
+                        "answer_agree": proportion(sum(int(x["answer_agree"]) for x in s), n),
+                        "identical": proportion(sum(int(x["identical"]) for x in s), n),
+                        "logprobs_close": proportion(sum(int(x["logprobs_close"]) for x in s), n),
+                        "decode_kl": float(np.mean([x["decode_kl"] for x in s])),
+                        "prefill_kl": float(np.mean([x["prefill_kl"] for x in s])),
+                        **summary,
+                    }
+                )
+    return rows

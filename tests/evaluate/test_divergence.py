@@ -1,0 +1,119 @@
+"""kvcal's divergence tasks: decode through the cache vs chunked prefill, and the task end to end (tiny models)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvcal.evaluate.divergence import prefilled, teacher_forced
+from kvcal.evaluate.kl import forward_session
+from kvcal.kernels.runtime import KVRuntime
+
+PROMPT = [1, 17, 42, 99, 5, 63]
+TOKENS = [int(x) for x in torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))]
+
+
+def _decode_and_prefill(model: Any, make_rt: Callable[[], KVRuntime]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [n, V] predicting TOKENS after PROMPT: one token per forward (decode), and chunked prefill of
+    PROMPT + TOKENS[:-1] in chunks of 16, each through a fresh runtime's cache."""
+    prompt = torch.tensor([PROMPT])
+    full = torch.tensor([PROMPT + TOKENS[:-1]])
+    with torch.no_grad():
+        dec = teacher_forced(forward_session(model, make_rt().new_cache()), prompt, TOKENS)
+        pre = prefilled(forward_session(model, make_rt().new_cache()), full, len(PROMPT) - 1, 16)
+    return dec, pre
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding layers (window 8) and a full one
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4", "mxfp4"])
+def test_decode_through_the_cache_equals_chunked_prefill_for_static_scales(
+    tiny_model: Callable[[str], Any], arch: str, fmt: str
+) -> None:
+    # float64 weights: K/V computed by a 1-token and a 16-token forward differ in the last bits only, far from
+    # any rounding boundary of a code (in float32 an int8 code or two flips, a jump of one quantum)
+    model = copy.deepcopy(tiny_model(arch)).double()
+    dec, pre = _decode_and_prefill(model, lambda: KVRuntime(model, fmt, impl="torch"))
+    assert dec.shape == pre.shape == (len(TOKENS), model.config.vocab_size)
+    # the same codes and scales either way; only the summation order differs
+    torch.testing.assert_close(dec, pre, rtol=1e-5, atol=1e-5)  # kvcal attends in float32
+
+
+def test_decode_differs_from_prefill_where_the_scale_is_fixed_at_the_first_write(
+    tiny_model: Callable[[str], Any],
+) -> None:
+    model = tiny_model("llama")
+    static_dec, static_pre = _decode_and_prefill(model, lambda: KVRuntime(model, "fp8_e4m3", impl="torch"))
+    # vLLM's calculate_kv_scales: decode's first write is the prompt (its amax fixes the scale); prefill's first
+    # write is the whole sequence
+    dec, pre = _decode_and_prefill(model, lambda: KVRuntime(model, "fp8_e4m3", impl="torch", first_batch=True))
+    static_gap = float((static_dec - static_pre).abs().max())
+    gap = float((dec - pre).abs().max())
+    assert gap > 1e-3 and gap > 100 * static_gap
+
+
+# ---- the task, end to end ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_lm_dir: Callable[..., Path]) -> Path:
+    corpus = ["Natalia sold clips to 48 of her friends in April.", "Question: how many? Answer: 72"] * 6
+    return tiny_lm_dir("llama", corpus, k_gain=8.0)
+
+
+def _run(model: Path, fmt: str, out: Path, data: Path, **kw: Any) -> dict[str, Any]:
+    from kvcal.evaluate.run import EvalConfig, run_eval
+
+    cfg = EvalConfig(
+        model=str(model),
+        kv_format=fmt,
+        tasks=["divergence"],
+        data_dir=str(data),
+        limit=3,
+        num_fewshot=0,
+        max_gen_toks=12,
+        dtype="float32",
+        output=str(out),
+        **kw,
+    )
+    run_eval(cfg)
+    return json.loads((out / "results.json").read_text())
+
+
+def _samples(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "samples_divergence.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
+    tiny_llama: Path, shared_data: Path, tmp_path: Path
+) -> None:
+    res = _run(tiny_llama, "bf16", tmp_path / "bf16", shared_data)
+    r = res["results"]["divergence"]
+    assert r["identical,none"] == 1.0 and r["answer_agree,none"] == 1.0 and r["logprobs_close,none"] == 1.0
+    assert r["decode_kl,none"] == 0.0 and r["divergences_per_1k,none"] == 0.0
+    samples = _samples(tmp_path / "bf16")
+    assert [s["doc_id"] for s in samples] == [0, 1, 2]
+    assert all(not s["diverged"] and s["base_tokens"] == s["quant_tokens"] for s in samples)
+    assert all(s["first_divergence"] == s["base_len"] for s in samples)  # censored at the output's end
+    buckets = res["divergence_by_position"]["divergence"]["buckets"]
+    assert buckets[0]["lo"] == 1 and buckets[0]["decode_kl"] == 0.0
+    # the baseline trajectory was decoded once: the int8 run reads it from the cache
+    res4 = _run(tiny_llama, "int8_per_token_head", tmp_path / "int8", shared_data)
+    assert res4["configs"]["divergence"]["baseline_cache_hits"] == 3
+    r4 = res4["results"]["divergence"]
+    assert r4["decode_kl,none"] > 0.0 and r4["prefill_kl,none"] > 0.0
+    for s in _samples(tmp_path / "int8"):
+        t = s["first_divergence"]
+        if s["diverged"]:  # the recorded position is the first token that differs
+            assert s["base_tokens"][: t - 1] == s["quant_tokens"][: t - 1]
+            assert s["base_tokens"][t - 1] != s["quant_tokens"][t - 1]
+        else:
+            assert s["base_tokens"] == s["quant_tokens"][: len(s["base_tokens"])] or s["quant_tokens"] == s[
+                "base_tokens"
+            ][: len(s["quant_tokens"])]
