@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.report import longcontext, stats
+from kvcal.report import agreement, longcontext, stats
 from kvcal.report.longcontext import PasskeyGrid, PositionCurve
 from kvcal.report.metrics import MetricSpec, arrays, metric_specs
 from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, load_run
@@ -90,6 +90,8 @@ class Comparison:
     passkey: list[PasskeyGrid] = field(default_factory=list)  # passkey accuracy by (length, depth)
     # kvcal's emulation speed of runs timed side by side (kvcal.report.speed); None: nothing comparable
     speed: EmulationSpeed | None = None
+    # output agreement of divergence tasks (kvcal.report.agreement.divergence_rows), one row per (config, task)
+    agreement_rows: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def by_position(self) -> list[PositionCurve]:
@@ -632,4 +634,5 @@ def compare_runs(
         ),
         passkey=[g for c in configs for g in longcontext.passkey_grids(c.label, c.runs, _warn)],
         speed=emulation_speed([(c.label, c.runs) for c in configs], base_tasks),
+        agreement_rows=agreement.divergence_rows([(c.label, c.runs) for c in configs]),
     )  # fmt: skip
