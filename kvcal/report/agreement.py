@@ -223,10 +223,12 @@ def divergence_rows(
     """Per (configuration label, divergence task): answer agreement and output identity with their intervals,
     vLLM's logprobs-close pass rate, the survival summary (`summarize`, projected to `at_lengths` and over the
     BF16 trajectories' own lengths), and decode vs prefill KL."""
-    rows = []
+    rows: list[dict[str, Any]] = []
+    settings: dict[str, dict[str, Any]] = {}  # task -> the first configuration's generation settings
     for label, runs in configs:
         for run in runs:
             for task in divergence_tasks(run):
+                _check_same_generation(settings, task, label, run)
                 s = _raw_samples(run, task)
                 n = len(s)
                 summary = summarize(
@@ -249,3 +251,23 @@ def divergence_rows(
                     }
                 )
     return rows
+
+
+# What must match for two configurations' divergence outputs to be compared (kvcal.evaluate.divergence's config).
+GENERATION_KEYS = ("gen_len", "greedy", "num_fewshot", "prompts", "eos_token_ids", "baseline")
+
+
+def _check_same_generation(seen: dict[str, dict[str, Any]], task: str, label: str, run: Any) -> None:
+    cfg = (run.results.get("configs") or {}).get(task) or {}
+    mine = {k: cfg.get(k) for k in GENERATION_KEYS} | {"limit": len(run.samples[task])}
+    first = seen.setdefault(task, {"label": label, **mine})
+    diff = [k for k in mine if mine[k] != first[k]]
+    if diff:
+        from kvcal.errors import UsageError
+
+        k = diff[0]
+        raise UsageError(
+            f"{task}: `{label}` generated with {k}={mine[k]!r} but `{first['label']}` with {first[k]!r}; "
+            "compare runs of the same generation settings (rerun one with the other's --max-gen-toks, "
+            "--num-fewshot and --limit)"
+        )

@@ -11,6 +11,7 @@ from kvcal.report import longcontext as lc
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
 from kvcal.report.markdown import (
+    agreement_table,
     by_task,
     gated_list,
     how_to_read,
@@ -21,7 +22,7 @@ from kvcal.report.markdown import (
     position_table,
     speed_table,
 )
-from kvcal.report.plots import forest_png, kl_position_png, pareto_png, passkey_png
+from kvcal.report.plots import forest_png, kl_position_png, pareto_png, passkey_png, survival_png
 from kvcal.report.speed import speed_heading, speed_intro
 from kvcal.report.verdicts import MetricResult
 
@@ -171,6 +172,15 @@ def _long_context(cmp: Comparison) -> list[str]:
     return out
 
 
+def _agreement(cmp: Comparison) -> list[str]:
+    if not cmp.agreement_rows:
+        return []
+    out = ["<h2>Output agreement with the BF16 trajectory</h2>"]
+    for task in dict.fromkeys(r["task"] for r in cmp.agreement_rows):
+        out += _img(f"{task} survival", survival_png(cmp, task))
+    return out + _table(*agreement_table(cmp))
+
+
 def _speed(cmp: Comparison) -> list[str]:
     if cmp.speed is None:
         return []
@@ -185,7 +195,7 @@ def _speed(cmp: Comparison) -> list[str]:
 def render_html(cmp: Comparison) -> str:
     """One self-contained HTML page: summary, plots (embedded PNG data URIs), per-task tables, long-context
     curves and heatmaps, warnings."""
-    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _long_context(cmp) + _speed(cmp)
+    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _agreement(cmp) + _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         out += ["<h2>Warnings</h2><ul>", *(f"<li>{e(w)}</li>" for w in cmp.warnings), "</ul>"]
     out += ["<h2>How to read this report</h2><ul class='note'>"]

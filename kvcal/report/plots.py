@@ -245,3 +245,32 @@ def passkey_png(cmp: Comparison, task: str) -> str | None:
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy")
     return _png(fig)
+
+
+# ---- output agreement --------------------------------------------------------------------------------------------
+
+
+def survival_png(cmp: Comparison, task: str) -> str | None:
+    """P(no divergence by generated token t): the Kaplan-Meier step curve of each configuration of divergence task
+    `task` (kvcal.report.agreement) with its Hall-Wellner 95% band where statsmodels forms one."""
+    rows = [r for r in cmp.agreement_rows if r["task"] == task]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    cmap = plt.get_cmap("tab10")
+    end = max((r.get("gen_len") or 1) for r in rows)
+    for i, r in enumerate(rows):
+        km = r["km"]
+        xs, ys = [0, *km["times"], end], [1.0, *km["surv"], km["surv"][-1] if km["surv"] else 1.0]
+        ax.step(xs, ys, where="post", color=cmap(i % 10), label=r["config"])
+        if km["times"] and all(v is not None for v in km["lo"] + km["hi"]):
+            ax.fill_between(km["times"], km["lo"], km["hi"], step="post", color=cmap(i % 10), alpha=0.15)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("generated token")
+    ax.set_ylabel("P(identical to the BF16 output so far)")
+    ax.set_title(f"{task}: survival of greedy outputs (Kaplan-Meier, 95% band)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,26 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
             assert s["base_tokens"] == s["quant_tokens"][: len(s["base_tokens"])] or s["quant_tokens"] == s[
                 "base_tokens"
             ][: len(s["quant_tokens"])]
+    # the report: one agreement row per configuration, survival from the samples, a plot in the HTML
+    from kvcal.errors import UsageError
+    from kvcal.report.compare import compare_runs
+    from kvcal.report.html import render_html
+    from kvcal.report.markdown import render_markdown
+
+    cmp = compare_runs([tmp_path / "bf16", tmp_path / "int8"], min_samples=1)
+    rows = {r["config"]: r for r in cmp.agreement_rows}
+    assert len(rows) == 2 and all(r["task"] == "divergence" for r in rows.values())
+    base = next(r for r in rows.values() if r["identical"]["value"] == 1.0)
+    assert base["diverged"] == 0 and base["km"]["median"]["value"] is None
+    int8 = next(r for r in rows.values() if r is not base)
+    assert int8["diverged"] == sum(bool(s["diverged"]) for s in _samples(tmp_path / "int8"))
+    assert "## Output agreement with the BF16 trajectory" in render_markdown(cmp)
+    assert "survival" in render_html(cmp)
+    # runs generated with other settings are not compared
+    other = tmp_path / "int8_other"
+    shutil.copytree(tmp_path / "int8", other)
+    res = json.loads((other / "results.json").read_text())
+    res["configs"]["divergence"]["gen_len"] = 6
+    (other / "results.json").write_text(json.dumps(res))
+    with pytest.raises(UsageError, match="gen_len=6"):
+        compare_runs([tmp_path / "bf16", other], min_samples=1)
