@@ -271,3 +271,57 @@ def _check_same_generation(seen: dict[str, dict[str, Any]], task: str, label: st
             "compare runs of the same generation settings (rerun one with the other's --max-gen-toks, "
             "--num-fewshot and --limit)"
         )
+
+
+# ---- lm-eval's own generative tasks: agreement of the text outputs with the baseline run's ---------------------
+
+
+def _first_filter_records(run: Any, task: str) -> dict[str, dict[str, Any]]:
+    """doc_id -> the record of the first filter (lm-eval writes one record per (doc, filter))."""
+    recs = _raw_samples(run, task)
+    first = next((r.get("filter") for r in recs), None)
+    return {str(r["doc_id"]): r for r in recs if r.get("filter") == first}
+
+
+def _text(rec: dict[str, Any]) -> str | None:
+    resps = rec.get("resps")
+    if isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0]:
+        return str(resps[0][0])
+    return None  # GPQA's private records keep no output text
+
+
+def text_agreement_rows(configs: list[tuple[str, list[Any]]]) -> list[dict[str, Any]]:
+    """Per (configuration, lm-eval generative task) other than the first (the baseline): the fraction of documents
+    whose extracted answer (lm-eval's first filter's filtered response) and whose output text equal the baseline
+    run's, with Wilson intervals. Documents are paired by doc_id. lm-eval records text, not token ids, so the
+    first divergence by token is the divergence tasks' (`divergence_rows`)."""
+    if not configs:
+        return []
+    base_label, base_runs = configs[0]
+    rows: list[dict[str, Any]] = []
+    for task in (t for r in base_runs for t in r.samples):
+        base_run = next(r for r in base_runs if task in r.samples)
+        cfg = (base_run.results.get("configs") or {}).get(task) or {}
+        if cfg.get("output_type") != "generate_until":
+            continue
+        base = _first_filter_records(base_run, task)
+        for label, runs in configs[1:]:
+            run = next((r for r in runs if task in r.samples), None)
+            if run is None:
+                continue
+            mine = _first_filter_records(run, task)
+            docs = [d for d in base if d in mine]
+            answers = sum(base[d].get("filtered_resps") == mine[d].get("filtered_resps") for d in docs)
+            texts = [(_text(base[d]), _text(mine[d])) for d in docs]
+            comparable = [(a, b) for a, b in texts if a is not None and b is not None]
+            rows.append(
+                {
+                    "config": label,
+                    "task": task,
+                    "baseline": base_label,
+                    "n": len(docs),
+                    "answer_agree": proportion(int(answers), len(docs)),
+                    "identical": proportion(sum(a == b for a, b in comparable), len(comparable)),
+                }
+            )
+    return rows

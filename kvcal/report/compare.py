@@ -92,6 +92,8 @@ class Comparison:
     speed: EmulationSpeed | None = None
     # output agreement of divergence tasks (kvcal.report.agreement.divergence_rows), one row per (config, task)
     agreement_rows: list[dict[str, Any]] = field(default_factory=list)
+    # lm-eval generative tasks: answer / text agreement with the baseline run (agreement.text_agreement_rows)
+    text_agreement_rows: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def by_position(self) -> list[PositionCurve]:
@@ -635,4 +637,5 @@ def compare_runs(
         passkey=[g for c in configs for g in longcontext.passkey_grids(c.label, c.runs, _warn)],
         speed=emulation_speed([(c.label, c.runs) for c in configs], base_tasks),
         agreement_rows=agreement.divergence_rows([(c.label, c.runs) for c in configs]),
+        text_agreement_rows=agreement.text_agreement_rows([(c.label, c.runs) for c in configs]),
     )  # fmt: skip

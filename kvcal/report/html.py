@@ -21,6 +21,7 @@ from kvcal.report.markdown import (
     position_intro,
     position_table,
     speed_table,
+    text_agreement_table,
 )
 from kvcal.report.plots import forest_png, kl_position_png, pareto_png, passkey_png, survival_png
 from kvcal.report.speed import speed_heading, speed_intro
@@ -173,9 +174,13 @@ def _long_context(cmp: Comparison) -> list[str]:
 
 
 def _agreement(cmp: Comparison) -> list[str]:
+    out: list[str] = []
+    if cmp.text_agreement_rows:
+        out += ["<h2>Output agreement with the baseline run (generative tasks)</h2>"]
+        out += _table(*text_agreement_table(cmp))
     if not cmp.agreement_rows:
-        return []
-    out = ["<h2>Output agreement with the BF16 trajectory</h2>"]
+        return out
+    out += ["<h2>Output agreement with the BF16 trajectory</h2>"]
     for task in dict.fromkeys(r["task"] for r in cmp.agreement_rows):
         out += _img(f"{task} survival", survival_png(cmp, task))
     return out + _table(*agreement_table(cmp))

@@ -324,10 +324,32 @@ def agreement_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def text_agreement_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): per (configuration, lm-eval generative task) agreement with the baseline run's outputs."""
+    header = ["task", "configuration", "documents", "same extracted answer", "identical output text"]
+    rows = [
+        [r["task"], f"`{r['config']}`", str(r["n"]), _iv(r["answer_agree"]), _iv(r["identical"])]
+        for r in cmp.text_agreement_rows
+    ]
+    return header, rows
+
+
 def _agreement(cmp: Comparison) -> list[str]:
+    lines: list[str] = []
+    if cmp.text_agreement_rows:
+        lines += [
+            "## Output agreement with the baseline run (generative tasks)",
+            "",
+            f"Per document, against `{cmp.baseline}`'s output: the answer lm-eval's first filter extracts, and the "
+            "output text itself (n/a where the run keeps no text, e.g. GPQA). 95% Wilson intervals. Tokens to "
+            "divergence need token ids: run the matching divergence task.",
+            "",
+            *_table(*text_agreement_table(cmp)),
+            "",
+        ]
     if not cmp.agreement_rows:
-        return []
-    return [
+        return lines
+    return lines + [
         "## Output agreement with the BF16 trajectory",
         "",
         "Greedy outputs of each configuration against the BF16 cache's, prompt by prompt (divergence tasks). "

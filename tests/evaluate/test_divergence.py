@@ -32,7 +32,7 @@ def _decode_and_prefill(model: Any, make_rt: Callable[[], KVRuntime]) -> tuple[t
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding layers (window 8) and a full one
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4", "fp4_e2m1"])
 def test_decode_through_the_cache_equals_chunked_prefill_for_static_scales(
     tiny_model: Callable[[str], Any], arch: str, fmt: str
 ) -> None:
@@ -124,7 +124,7 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
     from kvcal.report.html import render_html
     from kvcal.report.markdown import render_markdown
 
-    cmp = compare_runs([tmp_path / "bf16", tmp_path / "int8"], min_samples=1)
+    cmp = compare_runs([tmp_path / "bf16", tmp_path / "int8"], min_samples=2)
     rows = {r["config"]: r for r in cmp.agreement_rows}
     assert len(rows) == 2 and all(r["task"] == "divergence" for r in rows.values())
     base = next(r for r in rows.values() if r["identical"]["value"] == 1.0)
@@ -140,4 +140,4 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
     res["configs"]["divergence"]["gen_len"] = 6
     (other / "results.json").write_text(json.dumps(res))
     with pytest.raises(UsageError, match="gen_len=6"):
-        compare_runs([tmp_path / "bf16", other], min_samples=1)
+        compare_runs([tmp_path / "bf16", other], min_samples=2)

@@ -114,3 +114,39 @@ def test_repeats_cluster_by_document() -> None:
     assert (naive["hi"] - naive["lo"]) < (ours["hi"] - ours["lo"])
     # clustering 5 identical repeats gives the interval of the 10 documents themselves
     assert ours["hi"] - ours["lo"] == pytest.approx(per_doc["hi"] - per_doc["lo"], rel=0.1)
+
+
+def _gen_records(outputs: list[str], answers: list[str]) -> list[dict]:
+    """lm-eval generate_until records: one per (doc, filter), the output text in resps, the answer filtered."""
+    return [
+        {"doc_id": i, "filter": flt, "metrics": ["exact_match"], "exact_match": float(a == "1"),
+         "resps": [[o]], "filtered_resps": [a if flt == "strict-match" else "x"], "doc_hash": f"h{i}"}
+        for i, (o, a) in enumerate(zip(outputs, answers, strict=True))
+        for flt in ("strict-match", "flexible-extract")
+    ]  # fmt: skip
+
+
+def test_generative_tasks_agree_by_answer_and_text_with_the_baseline_run(write_run, tmp_path) -> None:
+    import json
+
+    from kvcal.report.compare import compare_runs
+    from kvcal.report.markdown import render_markdown
+
+    n = 12
+    base_out = [f"so the answer is {i} #### 1" for i in range(n)]
+    base_ans = ["1"] * n
+    # doc 0: other text, same answer; doc 1: other text and answer; the rest identical
+    q_out = ["the answer is 1 #### 1", "#### 2", *base_out[2:]]
+    q_ans = ["1", "2", *base_ans[2:]]
+    for name, fmt, out, ans in (("bf16", "bf16", base_out, base_ans), ("fp8", "fp8_e4m3", q_out, q_ans)):
+        d = write_run(tmp_path, name, fmt, {"gsm8k": _gen_records(out, ans)})
+        res = json.loads((d / "results.json").read_text())
+        res["configs"]["gsm8k"] = {"output_type": "generate_until"}
+        (d / "results.json").write_text(json.dumps(res))
+    cmp = compare_runs([tmp_path / "bf16", tmp_path / "fp8"], min_samples=2)
+    (row,) = cmp.text_agreement_rows
+    assert row["config"] == "fp8" and row["n"] == n
+    assert row["answer_agree"]["value"] == pytest.approx((n - 1) / n)  # the first filter (strict-match) only
+    assert row["identical"]["value"] == pytest.approx((n - 2) / n)
+    assert row["answer_agree"]["lo"] < row["answer_agree"]["value"] < row["answer_agree"]["hi"]
+    assert "## Output agreement with the baseline run (generative tasks)" in render_markdown(cmp)
