@@ -69,6 +69,7 @@ def tiny_llama(tiny_lm_dir: Callable[..., Path]) -> Path:
 
 def _run(model: Path, fmt: str, out: Path, data: Path, **kw: Any) -> dict[str, Any]:
     from kvcal.evaluate.run import EvalConfig, run_eval
+    from kvcal.evaluate.spec import eval_spec
 
     cfg = EvalConfig(
         model=str(model),
@@ -82,7 +83,7 @@ def _run(model: Path, fmt: str, out: Path, data: Path, **kw: Any) -> dict[str, A
         output=str(out),
         **kw,
     )
-    run_eval(cfg)
+    run_eval(eval_spec(cfg))
     return json.loads((out / "results.json").read_text())
 
 
