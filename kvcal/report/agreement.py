@@ -309,6 +309,7 @@ def text_agreement_rows(configs: list[tuple[str, list[Any]]]) -> list[dict[str, 
             run = next((r for r in runs if task in r.samples), None)
             if run is None:
                 continue
+            _check_same_text_generation(task, (base_label, base_run), (label, run))
             mine = _first_filter_records(run, task)
             docs = [d for d in base if d in mine]
             answers = sum(base[d].get("filtered_resps") == mine[d].get("filtered_resps") for d in docs)
@@ -325,3 +326,20 @@ def text_agreement_rows(configs: list[tuple[str, list[Any]]]) -> list[dict[str, 
                 }
             )
     return rows
+
+
+# config.yaml keys that change what a generative task generates (kvcal.rundir.RunConfig)
+TEXT_GENERATION_KEYS = ("max_gen_toks", "num_fewshot", "seed")
+
+
+def _check_same_text_generation(task: str, base: tuple[str, Any], other: tuple[str, Any]) -> None:
+    """Outputs generated with another cap, few-shot count or seed are not the same outputs to compare."""
+    from kvcal.errors import UsageError
+
+    for k in TEXT_GENERATION_KEYS:
+        a, b = getattr(base[1].config, k, None), getattr(other[1].config, k, None)
+        if a != b:
+            raise UsageError(
+                f"{task}: `{other[0]}` generated with {k}={b!r} but the baseline `{base[0]}` with {a!r}; "
+                f"compare runs of the same generation settings (rerun one with the other's --{k.replace('_', '-')})"
+            )

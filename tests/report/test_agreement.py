@@ -150,3 +150,23 @@ def test_generative_tasks_agree_by_answer_and_text_with_the_baseline_run(write_r
     assert row["identical"]["value"] == pytest.approx((n - 2) / n)
     assert row["answer_agree"]["lo"] < row["answer_agree"]["value"] < row["answer_agree"]["hi"]
     assert "## Output agreement with the baseline run (generative tasks)" in render_markdown(cmp)
+
+
+def test_generative_runs_of_other_generation_settings_are_not_compared(write_run, tmp_path) -> None:
+    import json
+
+    import yaml
+
+    from kvcal.errors import UsageError
+    from kvcal.report.compare import compare_runs
+
+    for name, fmt in (("bf16", "bf16"), ("fp8", "fp8_e4m3")):
+        d = write_run(tmp_path, name, fmt, {"gsm8k": _gen_records(["#### 1"] * 4, ["1"] * 4)})
+        res = json.loads((d / "results.json").read_text())
+        res["configs"]["gsm8k"] = {"output_type": "generate_until"}
+        (d / "results.json").write_text(json.dumps(res))
+    cfg = yaml.safe_load((tmp_path / "fp8" / "config.yaml").read_text())
+    cfg["max_gen_toks"] = 64
+    (tmp_path / "fp8" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(UsageError, match="max_gen_toks=64"):
+        compare_runs([tmp_path / "bf16", tmp_path / "fp8"], min_samples=2)
