@@ -142,3 +142,16 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
     (other / "results.json").write_text(json.dumps(res))
     with pytest.raises(UsageError, match="gen_len=6"):
         compare_runs([tmp_path / "bf16", other], min_samples=2)
+
+
+def test_divergence_bad_input_is_one_error_line_and_nothing_written(
+    tiny_llama: Path, tmp_path: Path, invoke: Callable[[list[str]], tuple[int, str, str]]
+) -> None:
+    out = tmp_path / "run"
+    args = ["eval", str(tiny_llama), "-f", "fp8_e4m3", "--tasks", "divergence", "-o", str(out)]
+    # a generation as long as the model's positions (256) leaves no room for the prompt: the limit is named
+    code, _, err = invoke([*args, "--max-gen-toks", "256"])
+    assert code == 2 and err.startswith("Error: ") and err.count("\n") == 1
+    assert "--max-gen-toks 256" in err and "256 positions" in err and not out.exists()
+    code, _, err = invoke([*args, "--max-gen-toks", "0"])
+    assert code == 2 and err.startswith("Error: ") and "--max-gen-toks" in err and not out.exists()
