@@ -121,7 +121,8 @@ def constant_hazard_test(
     }
     if early_exp == 0 or late_exp == 0 or early_ev + late_ev == 0:
         return out
-    res = test_poisson_2indep(late_ev, late_exp, early_ev, early_exp, method="score")
+    with np.errstate(divide="ignore", invalid="ignore"):  # no early event: statsmodels' ratio is inf (unused)
+        res = test_poisson_2indep(late_ev, late_exp, early_ev, early_exp, method="score")
     out["ratio"] = _finite(res.ratio) if early_ev else None
     out["p_value"] = float(res.pvalue)
     return out
