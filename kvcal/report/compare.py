@@ -189,6 +189,10 @@ class Comparison:
             out["passkey_by_cell"] = [g.to_dict() for g in self.passkey]
         if self.speed is not None:
             out["emulation_speed"] = self.speed.to_dict()
+        if self.agreement_rows:
+            out["output_agreement"] = self.agreement_rows
+        if self.text_agreement_rows:
+            out["text_agreement"] = self.text_agreement_rows
         return out
 
     def _gate_dict(self) -> dict[str, Any]:

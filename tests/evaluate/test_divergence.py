@@ -134,6 +134,7 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
     assert int8["diverged"] == sum(bool(s["diverged"]) for s in _samples(tmp_path / "int8"))
     assert "## Output agreement with the BF16 trajectory" in render_markdown(cmp)
     assert "survival" in render_html(cmp)
+    assert json.loads(json.dumps(cmp.to_dict()))["output_agreement"] == json.loads(json.dumps(cmp.agreement_rows))
     # runs generated with other settings are not compared
     other = tmp_path / "int8_other"
     shutil.copytree(tmp_path / "int8", other)
