@@ -44,8 +44,8 @@ TasksOpt = Annotated[
     list[str],
     typer.Option(
         "--tasks",
-        help="Comma-separated or repeated: gsm8k, aime25, gpqa_diamond, wikitext, kl, passkey, passkey_mc, or a task "
-        "of --include-path.",
+        help="Comma-separated or repeated: gsm8k, aime25, gpqa_diamond, wikitext, kl, passkey, passkey_mc, "
+        "divergence (divergence_aime25, divergence_gpqa_diamond), or a task of --include-path.",
     ),
 ]
 RunDirOpt = Annotated[str, output_option("Run directory (skipped when complete, resumed otherwise).")]
@@ -104,7 +104,11 @@ KlSubsampleOpt = Annotated[
     ),
 ]
 MaxGenToksOpt = Annotated[
-    int | None, typer.Option("--max-gen-toks", help="Cap generated tokens (lm-eval's aime25 asks for 32768).")
+    int | None,
+    typer.Option(
+        "--max-gen-toks",
+        help="Cap generated tokens (lm-eval's aime25 asks for 32768); divergence tasks: the length (default 256).",
+    ),
 ]
 TrustRemoteCodeOpt = Annotated[
     bool,
