@@ -515,10 +515,10 @@ def run_divergence_task(lm: Any, bound: Any, task: str, dist: Any = None) -> tup
         "impl": recorded.impl,
         "skip_layers": recorded.skip_layer_indices,
     }
-    seed = (
-        spec.seed if spec.seed else 1234
-    )  # lm-eval's default fewshot_random_seed (kvcal.evaluate.run._seeds)
-    return run_divergence(
+    from kvcal.evaluate.record import seeds
+
+    seed = seeds(spec.seed)["fewshot_random_seed"]  # the few-shot seed lm-eval tasks of the run get
+    part, samples = run_divergence(
         lm,
         task=task,
         prompts_spec=plan.lm_eval_specs[DIVERGENCE_TASKS[task]],
@@ -534,3 +534,14 @@ def run_divergence_task(lm: Any, bound: Any, task: str, dist: Any = None) -> tup
         fewshot_seed=seed,
         prefill_chunk=spec.prefill_chunk,
     )
+    if task in plan.private:  # GPQA: no output a reader could decode back into the question's text
+        samples = [private_record(r) for r in samples]
+    return part, samples
+
+
+def private_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A divergence record of a private task: token ids dropped (decodable text), answers hashed."""
+    out = {k: v for k, v in rec.items() if k not in ("base_tokens", "quant_tokens")}
+    for k in ("base_answer", "quant_answer"):
+        out[k] = "sha256:" + hashlib.sha256(str(rec[k]).encode()).hexdigest()
+    return out

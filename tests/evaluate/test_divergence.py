@@ -156,3 +156,16 @@ def test_divergence_bad_input_is_one_error_line_and_nothing_written(
     assert "--max-gen-toks 256" in err and "256 positions" in err and not out.exists()
     code, _, err = invoke([*args, "--max-gen-toks", "0"])
     assert code == 2 and err.startswith("Error: ") and "--max-gen-toks" in err and not out.exists()
+
+
+def test_private_divergence_records_keep_no_decodable_output() -> None:
+    from kvcal.evaluate.divergence import private_record
+
+    rec = {"doc_id": 0, "identical": 0.0, "first_divergence": 3, "diverged": True, "base_tokens": [5, 6, 7],
+           "quant_tokens": [5, 6, 8], "base_answer": "(A)", "quant_answer": "(B)"}  # fmt: skip
+    out = private_record(rec)
+    assert "base_tokens" not in out and "quant_tokens" not in out
+    assert out["base_answer"].startswith("sha256:") and out["base_answer"] != out["quant_answer"]
+    assert {k: out[k] for k in ("doc_id", "first_divergence", "diverged")} == {
+        "doc_id": 0, "first_divergence": 3, "diverged": True
+    }  # fmt: skip
