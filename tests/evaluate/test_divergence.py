@@ -169,3 +169,10 @@ def test_private_divergence_records_keep_no_decodable_output() -> None:
     assert {k: out[k] for k in ("doc_id", "first_divergence", "diverged")} == {
         "doc_id": 0, "first_divergence": 3, "diverged": True
     }  # fmt: skip
+
+
+def test_no_engine_command_is_written_for_a_divergence_task() -> None:
+    from kvcal.engines import KVCAL_ONLY_TASKS
+    from kvcal.evaluate.tasks import DIVERGENCE_TASKS
+
+    assert set(DIVERGENCE_TASKS) <= KVCAL_ONLY_TASKS
