@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -130,6 +131,8 @@ class RecordingKVCache(QuantizedKVCache):
         super().__init__(plans, nonfinite)
         # (layer, K [B, H_kv, T_new, D], V, valid [B, T_new] bool or None, stored K, stored V of the T_new tokens)
         self.writes: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, QTensor, QTensor]] = []
+        # (number of writes before it, beam_idx [B]) of every beam-search reorder
+        self.reorders: list[tuple[int, torch.Tensor]] = []
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -144,6 +147,10 @@ class RecordingKVCache(QuantizedKVCache):
             (layer_idx, k, v, valid, _tokens(read.k, new, clone=True), _tokens(read.v, new, True))
         )
         return out
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.reorders.append((len(self.writes), beam_idx.clone()))
+        super().reorder_cache(beam_idx)
 
 
 def _tokens(q: QTensor, pos: slice | torch.Tensor, clone: bool = False, row: int | None = None) -> QTensor:
@@ -255,11 +262,51 @@ class KVRecorder:
                 checked += 1
         return checked
 
+    def check_replayed_as(self, reference: Callable[[torch.Tensor, str], torch.Tensor], config: Any) -> int:
+        """Every cache handed out holds at the end, layer by layer, exactly what transformers' DynamicCache (its
+        sliding windows from `config`) holds after the same writes — reference(the K or V given, "k" | "v"), zeros
+        for padding — and the same beam reorders (`reorder_cache`), in the same order; the tokens both keep are
+        compared (a sliding DynamicCache keeps window - 1). Exact on any CPU: both sides are given the same K/V and
+        index the same rows. Returns the number of reorders replayed."""
+        replayed = 0
+        for cache in self.caches:
+            ref = DynamicCache(config=config)
+            done = 0  # reorders replayed so far; cache.reorders[i][0] = the writes made before it
+            for n, write in enumerate([*cache.writes, None]):
+                while done < len(cache.reorders) and cache.reorders[done][0] <= n:
+                    ref.reorder_cache(cache.reorders[done][1])
+                    done += 1
+                if write is None:
+                    break
+                layer_idx, k, v, valid, _, _ = write
+                real = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool) if valid is None else valid.cpu()
+                real = real[:, None, :, None]
+                ref.update(
+                    *(torch.where(real, reference(x, s), 0.0) for x, s in ((k, "k"), (v, "v"))), layer_idx
+                )
+            replayed += done
+            for layer_idx, layer in enumerate(cache.layers):
+                if layer.k is None:
+                    continue
+                plan = cache.plans[layer_idx]
+                for got, want, side in (
+                    (layer.k, ref.layers[layer_idx].keys, "k"),
+                    (layer.v, ref.layers[layer_idx].values, "v"),
+                ):
+                    stored = formats.dequantize(got, plan.side_format(side))  # [B, H_kv, kept, D] float32
+                    m = min(stored.shape[-2], want.shape[-2])
+                    assert m > 0 and torch.equal(stored[..., -m:, :], want[..., -m:, :].float()), (
+                        layer_idx,
+                        side,
+                    )
+        return replayed
+
 
 @pytest.fixture(scope="session")
 def kv_recorder() -> Callable[[Any], KVRecorder]:
     """(runtime) -> a KVRecorder: the runtime's caches record every write; `.check_rows_stored_alone()` asserts
     each row of a padded batch stored, byte for byte, what the same row's real K/V store when written alone;
     `.check_stored_as(reference)` that every write stored bit for bit what an independent reference makes of
-    the K/V it was given."""
+    the K/V it was given; `.check_replayed_as(reference, config)` that each cache ends as transformers'
+    DynamicCache does after the same writes and beam reorders."""
     return KVRecorder

@@ -131,6 +131,49 @@ def _reads(
     return logits, gen
 
 
+# The runs of each end-to-end comparison: name -> (KV format, None = the tested one; kv_input_dtype).
+SIDES: dict[str, tuple[str | None, str | None]] = {
+    "auto": ("auto", None),
+    "bf16": ("bf16", None),
+    "fmt_bf16_input": (None, "bfloat16"),  # the format's response to BF16 rounding of its K/V input
+    "fmt": (None, None),
+}
+
+
+def _sides(
+    fmt: str, gemma3: Model, run: Callable[[torch.nn.Module, Callable[[], object]], Any], recorder: Callable
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(kvcal, reference, the 'fmt' side's KVRecorder): name -> run(model, cache factory) for every SIDES name,
+    kvcal's through KVRuntime (torch attention, its caches), the reference's through transformers' sdpa over a
+    FakeQuantDynamicCache of the same format (none for fmt_bf16_input: only kvcal's response is used). Each run
+    gets a new model of the same weights."""
+    out, ref, rec = {}, {}, None
+    for name, (f, kin) in SIDES.items():
+        f = f or fmt
+        if kin is None:
+            sdpa = gemma3()
+            ref[name] = run(sdpa, lambda f=f, c=sdpa.config: FakeQuantDynamicCache(f, config=c))
+        model = gemma3()  # the same weights; KVRuntime switches it to kvcal attention
+        rt = KVRuntime(model, f, impl="torch", kv_input_dtype=kin)
+        if name == "fmt":
+            rec = recorder(rt)
+        out[name] = run(model, rt.new_cache)
+    return out, ref, rec
+
+
+def _bound(
+    out: dict[str, Any], ref: dict[str, Any], gap: Callable[[Any, Any], float], bound: Callable
+) -> float:
+    """`batch_bound` of the kvcal-vs-reference difference of the tested format, from the `_sides` runs: the same
+    comparison through the auto and BF16 caches (base), BF16 storage's own effect (bf16 vs auto) and the format's
+    response to BF16 rounding of its K/V input."""
+    return bound(
+        gap(out["fmt"], out["fmt_bf16_input"]),
+        max(gap(out["auto"], ref["auto"]), gap(out["bf16"], ref["bf16"])),
+        gap(out["bf16"], out["auto"]),
+    )
+
+
 def _gap(a: tuple, b: tuple, mask: torch.Tensor) -> float:
     """max |a - b| over the prefill logits of the real positions and the generate() scores of each row up to and
     including the first step where the two runs' greedy tokens differ (after it they continue different texts)."""
@@ -164,28 +207,12 @@ def test_model_reads_quantized_kv_in_prefill_and_decode(
     `batch_bound`, derived here from the same comparison through BF16 (and float32) caches and the format's
     response to BF16 rounding of its K/V input; the greedy tokens agree unless the best two scores lie within it."""
     ids, mask = batch(seed=5)
-    out, ref = {}, {}
-    for name, f, kin in (
-        ("auto", "auto", None),
-        ("bf16", "bf16", None),
-        ("fmt_bf16_input", fmt, "bfloat16"),
-        ("fmt", fmt, None),
-    ):
-        sdpa = gemma3()  # the reference: transformers' own attention over fake-quantized writes
-        ref[name] = _reads(sdpa, ids, mask, lambda f=f, c=sdpa.config: FakeQuantDynamicCache(f, config=c))
-        model = gemma3()  # the same weights; KVRuntime switches it to kvcal attention
-        rt = KVRuntime(model, f, impl="torch", kv_input_dtype=kin)
-        rec = kv_recorder(rt) if name == "fmt" else None
-        out[name] = _reads(model, ids, mask, rt.new_cache)
+    out, ref, rec = _sides(fmt, gemma3, lambda m, cache: _reads(m, ids, mask, cache), kv_recorder)
     global_scale = 1.0 if fmt == "nvfp4" else None  # the runtime's default nvfp4 global, vLLM's
     # layers x (the forward's prefill, generate()'s prefill and its 7 decode writes)
     writes = rec.check_stored_as(lambda x, _: formats.fake_quantize(x, fmt, scale=global_scale))
     assert writes == 3 * (1 + 1 + 7)
-    bound = batch_bound(
-        _gap(out["fmt"], out["fmt_bf16_input"], mask),
-        max(_gap(out["auto"], ref["auto"], mask), _gap(out["bf16"], ref["bf16"], mask)),
-        _gap(out["bf16"], out["auto"], mask),
-    )
+    bound = _bound(out, ref, lambda a, b: _gap(a, b, mask), batch_bound)
     assert _gap(out["fmt"], ref["fmt"], mask) <= bound, (fmt, bound)
     seqs, want = out["fmt"][1].sequences, ref["fmt"][1]
     assert greedy_agree(seqs, want.sequences, want.scores, ids.shape[1], bound) >= 2
@@ -193,30 +220,112 @@ def test_model_reads_quantized_kv_in_prefill_and_decode(
     assert float((out["fmt"][0][real] - out["auto"][0][real]).abs().max()) > bound
 
 
-def test_chunked_prefill_past_the_window(gemma3: Model, batch: Batch) -> None:
-    """A second multi-token chunk after the window is full reads the kept window plus the whole chunk."""
-    model = gemma3()
-    ids, mask = batch(seed=9, length=16)
-    rt = KVRuntime(model, "mxfp4", impl="torch")
-    outs = []
-    for cache in (FakeQuantDynamicCache("mxfp4", config=model.config), rt.new_cache()):
-        with torch.no_grad():
-            model(input_ids=ids[:, :9], attention_mask=mask[:, :9], past_key_values=cache)
-            outs.append(model(input_ids=ids[:, 9:], attention_mask=mask, past_key_values=cache).logits)
-    assert torch.allclose(outs[1], outs[0], atol=2e-5, rtol=0)
-
-
-def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv(gemma3: Model, batch: Batch) -> None:
-    model = gemma3()
-    ids, mask = batch(seed=6)
-    rt = KVRuntime(model, "fp4_e2m1", impl="torch")
+def _chunked(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: Callable[[], object]
+) -> Any:
+    """Logits [B, 16, V] of a 9-token prefill (the window of 6 is full) then a 7-token chunk, over one cache."""
+    c = cache()
     with torch.no_grad():
-        with_cache = model(input_ids=ids, attention_mask=mask, past_key_values=rt.new_cache()).logits
-        own_cache = model(input_ids=ids, attention_mask=mask).logits  # transformers makes a DynamicCache
-        no_cache = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        first = model(input_ids=ids[:, :9], attention_mask=mask[:, :9], past_key_values=c).logits
+        second = model(input_ids=ids[:, 9:], attention_mask=mask, past_key_values=c).logits
+    return torch.cat([first, second], dim=1)
+
+
+def test_chunked_prefill_past_the_window(
+    gemma3: Model,
+    batch: Batch,
+    kv_recorder: Callable[..., Any],
+    batch_bound: Callable[[float, float, float], float],
+) -> None:
+    """A second multi-token chunk after the window is full reads the kept window plus the whole chunk: kvcal
+    (cache + attention) against transformers' sdpa over a DynamicCache of fake-quantized mxfp4 writes (its sliding
+    layers keep their own window), on a left-padded batch.
+
+    Exact: both chunks' writes store bit for bit fake_quantize of the K/V they were given (zeros for padding).
+    The logits of both chunks then differ by the two attention implementations' float32 rounding, which FP4 codes
+    of the later layers may amplify on another CPU: held to `batch_bound`, derived here from the same chunked
+    comparison through auto and BF16 caches and mxfp4's response to BF16 rounding of its K/V input."""
+    ids, mask = batch(seed=9, length=16)
     real = mask.bool()
-    assert torch.allclose(own_cache[real], with_cache[real], atol=1e-5, rtol=0)
-    assert torch.allclose(no_cache[real], with_cache[real], atol=1e-5, rtol=0)
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a[real] - b[real]).abs().max())
+
+    out, ref, rec = _sides("mxfp4", gemma3, lambda m, cache: _chunked(m, ids, mask, cache), kv_recorder)
+    assert rec.check_stored_as(lambda x, _: formats.fake_quantize(x, "mxfp4")) == 3 * 2  # layers x chunks
+    bound = _bound(out, ref, gap, batch_bound)
+    assert gap(out["fmt"], ref["fmt"]) <= bound, bound
+    assert gap(out["fmt"], out["auto"]) > bound  # quantization is visible beyond the bound
+
+
+def test_without_a_kvcal_cache_the_forward_still_reads_quantized_kv(
+    gemma3: Model,
+    batch: Batch,
+    kv_recorder: Callable[..., Any],
+    batch_bound: Callable[[float, float, float], float],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lm-eval's plain model(input_ids) makes transformers create its own DynamicCache (or none: use_cache=False);
+    kvcal's attention then quantizes the K/V it is given on the fly, as a fresh kvcal cache stores one write.
+
+    Exact: every such read holds bit for bit fake_quantize of the K/V it was given (zeros for padding), as every
+    write of the kvcal cache does. The three forwards' logits then differ by float32 rounding only (the cache's
+    read goes through its own workspaces), which FP4 codes of the later layers may amplify on another CPU: held to
+    `batch_bound`, derived here from the same three forwards with auto and BF16 caches and fp4_e2m1's response to
+    BF16 rounding of its K/V input."""
+    import kvcal.kernels.attention as attention
+
+    ids, mask = batch(seed=6)
+    real = mask.bool()
+    fmt = formats.get_format("fp4_e2m1")
+    plain_reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]] = []
+    read_plain_kv = attention._read_plain_kv
+
+    def recorded(cfg: Any, key: torch.Tensor, value: torch.Tensor, tq: int, key_padding: Any) -> Any:
+        read = read_plain_kv(cfg, key, value, tq, key_padding)  # the real on-the-fly quantization, recorded
+        plain_reads.append((key.clone(), value.clone(), key_padding, read))
+        return read
+
+    monkeypatch.setattr(attention, "_read_plain_kv", recorded)
+    logits: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (f, kin) in SIDES.items():
+        model = gemma3()
+        rt = KVRuntime(model, f or fmt.name, impl="torch", kv_input_dtype=kin)
+        rec = kv_recorder(rt) if name == "fmt" else None
+        plain_reads.clear()
+        with torch.no_grad():
+            logits[name] = {
+                "kvcal_cache": model(
+                    input_ids=ids, attention_mask=mask, past_key_values=rt.new_cache()
+                ).logits,
+                "own_cache": model(input_ids=ids, attention_mask=mask).logits,  # transformers' DynamicCache
+                "no_cache": model(input_ids=ids, attention_mask=mask, use_cache=False).logits,
+            }
+        if name == "fmt":
+            assert rec.check_stored_as(lambda x, _: formats.fake_quantize(x, fmt)) == 3
+            assert len(plain_reads) == 2 * 3  # the own-cache and no-cache forwards, every layer
+            for key, value, pad, read in plain_reads:
+                keep = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool) if pad is None else pad
+                keep = keep[:, None, :, None].expand_as(key)
+                for x, got in ((key, read.k), (value, read.v)):
+                    stored = formats.dequantize(got, fmt)
+                    want = formats.fake_quantize(x, fmt)
+                    assert torch.equal(stored[keep].view(torch.int32), want[keep].view(torch.int32))
+                    assert not bool(stored[~keep].any())  # padding read as zeros
+
+    def gap(name: str) -> float:  # the most a forward without kvcal's cache moves the logits
+        runs = logits[name]
+        return max(
+            float((runs[o][real] - runs["kvcal_cache"][real]).abs().max()) for o in ("own_cache", "no_cache")
+        )
+
+    def diff(a: str, b: str) -> float:
+        return float((logits[a]["kvcal_cache"][real] - logits[b]["kvcal_cache"][real]).abs().max())
+
+    bound = batch_bound(diff("fmt", "fmt_bf16_input"), max(gap("auto"), gap("bf16")), diff("bf16", "auto"))
+    assert gap("fmt") <= bound, bound
+    # not vacuous: reading unquantized K/V would move the logits by this much, beyond the bound
+    assert diff("fmt", "auto") > bound
 
 
 def test_generate_without_a_cache_uses_a_kvcal_cache(gemma3: Model, batch: Batch) -> None:
@@ -237,17 +346,92 @@ def test_generate_without_a_cache_uses_a_kvcal_cache(gemma3: Model, batch: Batch
     assert "_prepare_cache_for_generation" not in vars(model)
 
 
-def test_beam_search_reorders_the_quantized_cache(gemma3: Model, batch: Batch) -> None:
-    model = gemma3()
-    ids, mask = batch(seed=7)
-    kw = dict(
-        input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, num_beams=2, pad_token_id=0
-    )
+def _beams(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: Callable[[], object]) -> Any:
+    """Beam search (2 beams, 5 new tokens) over cache(), with every step's logits and the beam indices."""
     with torch.no_grad():
-        ref = model.generate(past_key_values=FakeQuantDynamicCache("fp8_e4m3", config=model.config), **kw)
-        rt = KVRuntime(model, "fp8_e4m3", impl="torch")
-        got = model.generate(past_key_values=rt.new_cache(), **kw)
-    assert got.tolist() == ref.tolist()
+        return model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, num_beams=2, pad_token_id=0,
+            past_key_values=cache(), output_logits=True, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+
+
+def _forced(
+    model: torch.nn.Module, seqs: torch.Tensor, mask: torch.Tensor, cache: Callable[[], object]
+) -> Any:
+    """Teacher-forced logits [B, L, V] of sequences [B, L] (the prompt's padding, generated tokens real), one
+    forward over cache(), at the positions generate() gives them (counted from each row's first real token, as
+    transformers' prepare_inputs_for_generation does: stored K carry RoPE of their absolute position)."""
+    full = torch.cat([mask, torch.ones(seqs.shape[0], seqs.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    pos = (full.long().cumsum(-1) - 1).masked_fill(full == 0, 1)
+    with torch.no_grad():
+        return model(input_ids=seqs, attention_mask=full, position_ids=pos, past_key_values=cache()).logits
+
+
+def _beam_gap(gen: Any, forced: torch.Tensor, prompt: int) -> float:
+    """max |a returned beam's logits at a step it ran - the teacher-forced logits of the same prefix|: at step t,
+    beam_indices picks the running beam whose logits chose the beam's token t (-1 once the beam has ended)."""
+    worst = 0.0
+    for i in range(gen.sequences.shape[0]):
+        for t, step in enumerate(gen.logits):
+            b = int(gen.beam_indices[i, t])
+            if b < 0:
+                break
+            worst = max(worst, float((step[b] - forced[i, prompt + t - 1]).abs().max()))
+    return worst
+
+
+def test_beam_search_reorders_the_quantized_cache(
+    gemma3: Model,
+    batch: Batch,
+    kv_recorder: Callable[..., Any],
+    batch_bound: Callable[[float, float, float], float],
+) -> None:
+    """Beam search (2 beams, a left-padded batch) reorders kvcal's fp8_e4m3 cache between decode steps
+    (transformers' Cache.reorder_cache).
+
+    Exact: every write stores fake_quantize of the K/V it was given, and after the search the cache holds exactly
+    what transformers' DynamicCache holds after the same writes and the same reorders (beams really swapped: not
+    every reorder is the identity). End to end: every returned beam's logits at every step match transformers'
+    sdpa over a fake-quantized DynamicCache teacher-forcing the same beam (fp8_e4m3 at scale 1.0 quantizes
+    element by element, so one forced write stores what the decode writes stored), within `batch_bound`, derived
+    here from the same comparison of the auto and BF16 beam searches, BF16 storage's own effect and fp8_e4m3's
+    response to BF16 rounding of its K/V input (teacher-forced, on the fp8 beams). The chosen tokens themselves
+    are not compared with a reference beam search: a near-tie of two beams' scores may swap on another CPU."""
+    ids, mask = batch(seed=7)
+    prompt, fmt = ids.shape[1], "fp8_e4m3"
+    runs, gens, gaps = {}, {}, {}
+    for name, (f, kin) in SIDES.items():
+        f = f or fmt
+        model = gemma3()
+        rt = KVRuntime(model, f, impl="torch", kv_input_dtype=kin)
+        rec = kv_recorder(rt) if name == "fmt" else None
+        gens[name] = _beams(model, ids, mask, rt.new_cache)
+        runs[name] = (model, rt)
+        if rec is not None:
+            fq = lambda x, _: formats.fake_quantize(x, fmt)  # noqa: E731
+            assert rec.check_stored_as(fq) == 3 * 5  # layers x (prefill + 4 decode writes)
+            assert rec.check_replayed_as(fq, model.config) >= 4
+            (cache,) = rec.caches
+            assert any(not torch.equal(idx, torch.arange(len(idx))) for _, idx in cache.reorders)
+        if kin is None:
+            sdpa = gemma3()
+            forced = _forced(
+                sdpa,
+                gens[name].sequences,
+                mask,
+                lambda f=f, c=sdpa.config: FakeQuantDynamicCache(f, config=c),
+            )
+            gaps[name] = _beam_gap(gens[name], forced, prompt)
+    seqs = gens["fmt"].sequences
+    real = torch.cat([mask, torch.ones(seqs.shape[0], seqs.shape[1] - prompt, dtype=mask.dtype)], 1).bool()
+    logits = {name: _forced(model, seqs, mask, rt.new_cache)[real] for name, (model, rt) in runs.items()}
+
+    def diff(a: str, b: str) -> float:  # kvcal's teacher-forced logits of the fp8 beams, two configurations
+        return float((logits[a] - logits[b]).abs().max())
+
+    bound = batch_bound(diff("fmt", "fmt_bf16_input"), max(gaps["auto"], gaps["bf16"]), diff("bf16", "auto"))
+    assert gaps["fmt"] <= bound, bound
+    assert diff("fmt", "auto") > bound  # quantization is visible beyond the bound
 
 
 @pytest.mark.parametrize(
