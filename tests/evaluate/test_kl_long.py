@@ -87,20 +87,54 @@ def long_llama(tiny_lm_dir: Callable[..., Path], tmp_path_factory: pytest.TempPa
     return path
 
 
-def test_one_chunk_is_the_single_pass(gemma: Path, tmp_path: Path) -> None:
-    """Lockstep with one chunk covering the window == the disk-cached single pass, per position."""
+STATS = ("kl", "top1_agree", "nll")  # the per-position statistics of cached_stats / lockstep_stats, in order
+
+
+def _max_gap(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> dict[str, float]:
+    """metric -> max |a - b| over the positions of two runs' per-position statistics."""
+    return {m: float((x - y).abs().max()) for m, x, y in zip(STATS, a, b, strict=True)}
+
+
+def _flips(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> int:
+    """Positions whose top-1 agreement differs between two runs."""
+    return int((a[1] != b[1]).sum())
+
+
+def test_one_chunk_is_the_single_pass(
+    gemma: Path, tmp_path: Path, batch_bound: Callable[[float, float, float], float]
+) -> None:
+    """Lockstep with one chunk covering the window == the disk-cached single pass, per position, up to float
+    rounding: the single pass runs all 48 tokens, the chunk the 47 that predict one (other matmul shapes), which
+    fp8 codes of the later layers may amplify on another CPU. So per-position KL and NLL are held to
+    `batch_bound`, derived here from the same comparison through BF16 and auto caches and fp8_e4m3's response to
+    BF16 rounding of its K/V input; top-1 agreement may flip at one position (a near-tie of two float16
+    log-probs), or at as many as that response flips."""
     from kvcal.evaluate.kl import EMBEDDED_TEXT
 
-    lm = _lm(gemma, "fp8_e4m3")
-    quant_session, baseline = lm_sides(lm, "auto")
-    windows, _ = make_windows(lm.tokenizer, EMBEDDED_TEXT, 48, 1, None)
-    ids = torch.tensor(windows[:1])
-    single = cached_stats(quant_session, baseline, ids, "k" * 64, tmp_path)
-    one_chunk = lockstep_stats(quant_session, baseline, ids, 48)
-    for a, b in zip(single, one_chunk, strict=True):
-        assert a.shape == (47,)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert float(single[0].mean()) > 0  # not vacuous: the fp8 cache moves the distributions
+    single, one_chunk = {}, {}
+    for name, fmt, kin in (
+        ("fmt", "fp8_e4m3", None),
+        ("fmt_bf16_input", "fp8_e4m3", "bfloat16"),
+        ("bf16", "bf16", None),
+        ("auto", "auto", None),
+    ):
+        lm = _lm(gemma, fmt, kin)
+        quant_session, baseline = lm_sides(lm, "auto")
+        windows, _ = make_windows(lm.tokenizer, EMBEDDED_TEXT, 48, 1, None)
+        ids = torch.tensor(windows[:1])
+        single[name] = cached_stats(quant_session, baseline, ids, name.ljust(64, "k"), tmp_path)
+        one_chunk[name] = lockstep_stats(quant_session, baseline, ids, 48)
+    response = _max_gap(single["fmt"], single["fmt_bf16_input"])
+    bf16_error = _max_gap(single["bf16"], single["auto"])
+    base = {m: max(_max_gap(single[n], one_chunk[n])[m] for n in ("bf16", "auto")) for m in ("kl", "nll")}
+    gaps = _max_gap(single["fmt"], one_chunk["fmt"])
+    for m in ("kl", "nll"):
+        assert gaps[m] <= batch_bound(response[m], base[m], bf16_error[m]), (m, gaps[m])
+    # top-1: one near-tie, or as many as the response itself flips
+    flips = max(1, _flips(single["fmt"], single["fmt_bf16_input"]))
+    assert _flips(single["fmt"], one_chunk["fmt"]) <= flips
+    assert all(a.shape == (47,) for a in single["fmt"] + one_chunk["fmt"])
+    assert float(single["fmt"][0].mean()) > 0  # not vacuous: the fp8 cache moves the distributions
 
 
 CHUNKS = (72, 1, 7, 64)  # the whole window (the single pass) first, then chunks of 1, 7, 64 tokens
@@ -317,32 +351,64 @@ def test_statistics_do_not_depend_on_the_row_block(monkeypatch: pytest.MonkeyPat
     assert results[0][0].dtype == torch.float16 and results[0][1].shape == (n,)
 
 
+def _stored_bytes(cache: Any) -> list[bytes]:
+    """Every layer's stored K and V (codes, block scales, scale) as bytes."""
+    out = []
+    for layer in cache.layers:
+        for q in (layer.k, layer.v):
+            for t in (q.codes, q.block_scales, q.scale):
+                if t is not None:
+                    out.append(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return out
+
+
 @pytest.mark.parametrize(("seq", "chunk"), [(72, 72), (72, 7), (72, 5)])
 def test_subsample_scores_every_nth_position_of_the_full_run(
-    gemma: Path, tmp_path: Path, seq: int, chunk: int
+    gemma: Path, tmp_path: Path, seq: int, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--kl-subsample N: the statistics at positions 0, N, 2N, ... equal the full run's there (the LM head of
-    fewer rows, float rounding apart), single pass and chunked (chunks of 7 and 5 start off the grid of N = 4);
-    buckets count the scored positions; the task config records N."""
+    """--kl-subsample N: the statistics at positions 0, N, 2N, ... equal the full run's there, single pass and
+    chunked (chunks of 7 and 5 start off the grid of N = 4); buckets count the scored positions; the task config
+    records N.
+
+    Exact: every token still goes through the cache, so the nvfp4 cache ends holding the same bytes (codes, block
+    scales, globals) with and without subsampling: the body runs the same shapes, only the LM head sees fewer
+    rows. That LM head's float32 rounding, with the float16 log-probs the statistics are made of, moves KL and NLL
+    by less than a perturbation of the whole K/V does: they are held to nvfp4's response to BF16 rounding of its
+    K/V input, measured here on the same window and chunks (a perturbation that moves the logits by float16 steps
+    and more, where the LM head's rounding moves each float16 log-prob to its neighbour at most); top-1 agreement
+    may flip at one position (a near-tie of two float16 log-probs), or at as many as that response flips."""
     from kvcal.evaluate.kl import EMBEDDED_TEXT, scored_positions
 
-    lm = _lm(gemma, "nvfp4")
-    quant_session, baseline = lm_sides(lm, "auto")
-    windows, _ = make_windows(lm.tokenizer, EMBEDDED_TEXT, seq, 1, None)
-    ids = torch.tensor(windows[:1])
-    if chunk == seq:
-        full = cached_stats(quant_session, baseline, ids, "s" * 64, tmp_path)
-        sub = cached_stats(quant_session, baseline, ids, "s" * 64, tmp_path, subsample=4)
-    else:
-        full = lockstep_stats(quant_session, baseline, ids, chunk)
-        sub = lockstep_stats(quant_session, baseline, ids, chunk, subsample=4)
+    def stats(kv_input_dtype: str | None, subsample: int) -> tuple[tuple[torch.Tensor, ...], list[Any]]:
+        """The per-position statistics of one run and the quantized caches it used."""
+        lm = _lm(gemma, "nvfp4", kv_input_dtype)
+        caches: list[Any] = []
+        new_cache = lm.runtime.new_cache
+        monkeypatch.setattr(lm.runtime, "new_cache", lambda: caches.append(new_cache()) or caches[-1])
+        quant_session, baseline = lm_sides(lm, "auto")
+        windows, _ = make_windows(lm.tokenizer, EMBEDDED_TEXT, seq, 1, None)
+        ids = torch.tensor(windows[:1])
+        if chunk == seq:
+            key = (kv_input_dtype or "s").ljust(64, "s")
+            return cached_stats(quant_session, baseline, ids, key, tmp_path, subsample=subsample), caches
+        return lockstep_stats(quant_session, baseline, ids, chunk, subsample=subsample), caches
+
+    (full, full_caches), (sub, sub_caches) = stats(None, 1), stats(None, 4)
+    bf16_input, _ = stats("bfloat16", 1)
     pos = scored_positions(seq - 1, 4)
     assert pos.tolist() == list(range(0, seq - 1, 4))
-    for a, b in zip(full, sub, strict=True):
-        assert b.shape == (len(pos),)
-        torch.testing.assert_close(a[pos], b, rtol=1e-4, atol=1e-6)
+    assert len(full_caches) == len(sub_caches) == 1
+    assert _stored_bytes(full_caches[0]) == _stored_bytes(sub_caches[0])
+    at_pos = tuple(a[pos] for a in full)
+    assert all(b.shape == (len(pos),) for b in sub)
+    response = _max_gap(tuple(a[pos] for a in bf16_input), at_pos)
+    gaps = _max_gap(at_pos, sub)
+    for m in ("kl", "nll"):
+        assert gaps[m] <= response[m], (m, gaps[m], response[m])
+    assert _flips(at_pos, sub) <= max(1, _flips(tuple(a[pos] for a in bf16_input), at_pos))
     assert float(sub[0].mean()) > 0
 
+    lm = _lm(gemma, "nvfp4")
     res, samples = _run(lm, tmp_path / "c", seq_len=seq, chunk=chunk, limit=1, subsample=4)
     assert res["configs"]["kl"]["subsample"] == 4 and res["kl_by_position"]["subsample"] == 4
     assert samples[0]["n_tokens"] == len(pos) == sum(b["n_tokens"] for b in res["kl_by_position"]["buckets"])
