@@ -210,19 +210,6 @@ class KvcalLM(HFLM):
     def scale_set(self) -> Any:
         return self.cache.scales
 
-    def kvcal_describe(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "model_ref": self.model_ref,
-            "model_dir": str(self.model_dir),
-            "kv_format": self.kv_format,
-            "scales": self.scales_path,
-            "skip_layers": sorted(self.skip_layers),
-            "impl": self.cache.impl,
-        }
-        if self.runtime is not None:
-            info["runtime"] = self.runtime.describe()
-        return info
-
 
 def _name_of(pretrained: Any) -> str:
     """The model's name as lm-eval gave it: a path or name, or a built model's name_or_path."""

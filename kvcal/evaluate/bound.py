@@ -20,7 +20,7 @@ from kvcal.errors import UsageError
 from kvcal.evaluate.spec import EvalSpec
 from kvcal.evaluate.tasks import TaskPlan
 from kvcal.kernels.plan import CachePlan
-from kvcal.models.config import load_config
+from kvcal.models.config import folder_config
 from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.loading import resolve_dtype
 from kvcal.models.resolve import resolve_model
@@ -59,7 +59,7 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
     if model_dir is None:
         model_dir = resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
     if hf_config is None:
-        hf_config = load_config(model_dir, trust_remote_code=spec.trust_remote_code)
+        hf_config = folder_config(model_dir, spec.trust_remote_code, spec.model)
     kv = kv_spec(hf_config)
     skip = parse_skip_layers(spec.skip_layers, kv)
     # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM

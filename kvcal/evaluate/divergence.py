@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from kvcal.errors import UsageError
-from kvcal.evaluate.tasks import DIVERGENCE_TASKS
 from kvcal.filecache import cache_root as kvcal_cache_root
 from kvcal.io import atomic_write_with
 
@@ -195,15 +194,15 @@ def margins(lp16: torch.Tensor) -> torch.Tensor:
     return top2[:, 0] - top2[:, 1]
 
 
-def by_position(per_prompt: list[dict[str, torch.Tensor]], gen_len: int) -> dict[str, Any]:
+def by_position(
+    per_prompt: list[dict[str, torch.Tensor]], edges: list[tuple[int, int]], gen_len: int
+) -> dict[str, Any]:
     """results.json's `divergence_by_position`: per kl position bucket (over the 1-based generated position) the
     token-weighted mean of decode KL, prefill KL, top-1 agreement and the BF16 margin, and the standard error over
     the prompts that reach the bucket (outputs end at EOS, so later buckets hold fewer prompts)."""
-    from kvcal.evaluate.kl import position_buckets
-
     names = ("decode_kl", "prefill_kl", "decode_top1", "margin")
     buckets = []
-    for lo, hi in position_buckets(gen_len):
+    for lo, hi in edges:  # kvcal.evaluate.kl.position_buckets(gen_len)
         entry: dict[str, Any] = {"lo": lo, "hi": hi}
         parts = [{m: p[m][lo - 1 : hi] for m in names} for p in per_prompt if p["decode_kl"].numel() >= lo]
         entry["n_prompts"] = len(parts)
@@ -309,8 +308,9 @@ def run_divergence(
     baseline: Any,
     baseline_desc: dict[str, Any],
     evaluated_desc: dict[str, Any],
-    model_dir: Any,
-    gen_len: int | None,
+    fingerprint: str,
+    gen_len: int,
+    edges: list[tuple[int, int]],
     limit: int | None,
     num_fewshot: int | None,
     fewshot_seed: int,
@@ -319,11 +319,11 @@ def run_divergence(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Evaluate divergence task `task` (module docstring) with kvcal's lm-eval model `lm` (.model, .tokenizer,
     .tok_encode, .tok_decode, .max_length). `quant_session()` / `baseline()`: as kl's (kvcal.evaluate.kl.lm_sides).
+    `fingerprint`: the checkpoint's (kvcal.evaluate.kl.model_fingerprint), part of the baseline trajectories' key.
     Returns (an lm-eval-shaped results dict with `divergence_by_position`, one sample record per prompt)."""
-    from kvcal.evaluate.kl import model_fingerprint, token_stats
+    from kvcal.evaluate.kl import token_stats
     from kvcal.models.loading import input_device
 
-    gen_len = gen_len or DEFAULT_GEN_LEN
     if gen_len >= lm.max_length:
         raise UsageError(
             f"--max-gen-toks {gen_len} leaves no room for a prompt in the model's {lm.max_length} positions; "
@@ -333,7 +333,6 @@ def run_divergence(
     device = input_device(model)
     lm_task, instances = lm_eval_requests(prompts_spec, task_manager, num_fewshot, fewshot_seed, limit)
     eos = eos_ids(lm.tokenizer, model)
-    fingerprint = model_fingerprint(model_dir)
     room = lm.max_length - gen_len
     prompts = [lm.tok_encode(inst.arguments[0])[-room:] for inst in instances]
     keys = [trajectory_key(fingerprint, baseline_desc, p, gen_len, eos) for p in prompts]
@@ -411,7 +410,7 @@ def run_divergence(
         "baseline_cache_hits": hits,
     }
     results = _results(task, samples, config, len(lm_task.eval_docs))
-    results["divergence_by_position"] = {task: by_position(per_prompt, gen_len)}
+    results["divergence_by_position"] = {task: by_position(per_prompt, edges, gen_len)}
     return results, samples
 
 
@@ -496,47 +495,6 @@ def _results(task: str, samples: list[dict[str, Any]], config: dict[str, Any], t
         "higher_is_better": {task: hib},
         "n-samples": {task: {"original": total, "effective": len(samples)}},
     }
-
-
-def run_divergence_task(lm: Any, bound: Any, task: str, dist: Any = None) -> tuple[dict[str, Any], list[Any]]:
-    """`task` of a `kvcal eval` run (kvcal.evaluate.run): the bound spec's model, cache and options; its BF16
-    baseline as kl's (kvcal.evaluate.kl.lm_sides)."""
-    from kvcal.evaluate.kl import lm_sides
-    from kvcal.evaluate.tasks import task_manager_for
-
-    if dist is not None and dist.active:
-        raise UsageError(f"task '{task}' runs in one process; drop --num-processes / torchrun for it")
-    spec, recorded, plan = bound.spec, bound.recorded, bound.tasks
-    quant_session, baseline = lm_sides(lm, spec.impl)
-    base = {"kv_format": "bf16", "impl": spec.impl, "dtype": bound.dtype, "device": spec.device}
-    evaluated = {
-        "kv_format": recorded.kv_format,
-        "attention": "kvcal" if recorded.kv_format != "auto" else "transformers (the model's own)",
-        "impl": recorded.impl,
-        "skip_layers": recorded.skip_layer_indices,
-    }
-    from kvcal.evaluate.record import seeds
-
-    seed = seeds(spec.seed)["fewshot_random_seed"]  # the few-shot seed lm-eval tasks of the run get
-    part, samples = run_divergence(
-        lm,
-        task=task,
-        prompts_spec=plan.lm_eval_specs[DIVERGENCE_TASKS[task]],
-        task_manager=task_manager_for(plan),
-        quant_session=quant_session,
-        baseline=baseline,
-        baseline_desc={**base, "attention": "kvcal"},
-        evaluated_desc=evaluated,
-        model_dir=bound.model_dir,
-        gen_len=spec.max_gen_toks,
-        limit=spec.limit,
-        num_fewshot=spec.num_fewshot,
-        fewshot_seed=seed,
-        prefill_chunk=spec.prefill_chunk,
-    )
-    if task in plan.private:  # GPQA: no output a reader could decode back into the question's text
-        samples = [private_record(r) for r in samples]
-    return part, samples
 
 
 def private_record(rec: dict[str, Any]) -> dict[str, Any]:

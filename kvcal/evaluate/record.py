@@ -10,11 +10,13 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcal import __version__
 from kvcal.capacity import run_capacity
+from kvcal.errors import KvcalError
 from kvcal.evaluate.timing import run_timing
 from kvcal.rundir import RunConfig
 
@@ -133,7 +135,9 @@ def seeds(seed: int) -> dict[str, int]:
     }
 
 
-def results_record(parts: list[dict[str, Any]], bound: BoundSpec, described: dict[str, Any] | None) -> dict[str, Any]:
+def results_record(
+    parts: list[dict[str, Any]], bound: BoundSpec, runtime: dict[str, Any] | None
+) -> dict[str, Any]:
     """results.json: lm-eval's results dict merged over the tasks, with the model args and seeds used."""
     config, recorded = bound.spec, bound.recorded
     assert recorded is not None
@@ -148,8 +152,16 @@ def results_record(parts: list[dict[str, Any]], bound: BoundSpec, described: dic
         "num_fewshot": config.num_fewshot,
         **seeds(config.seed),
     }
-    if described is not None:  # the LM's own description of its cache (None: every task was done before)
-        merged["kvcal"] = described
+    merged["kvcal"] = {  # the cache the run evaluated
+        "model_ref": config.model,
+        "model_dir": str(bound.model_dir),
+        "kv_format": bound.cache.kv_format,
+        "scales": config.scales.path,
+        "skip_layers": sorted(bound.cache.skip_layers),
+        "impl": bound.cache.impl,
+    }
+    if runtime is not None:  # the installed runtime's own description (KVRuntime.describe: per layer, first batch)
+        merged["kvcal"]["runtime"] = runtime
     merged["date"] = time.time()
     return merged
 
@@ -217,3 +229,27 @@ def sum_nonfinite(task_metrics: list[dict[str, Any]]) -> dict[str, Any] | None:
             kv[0], kv[1] = kv[0] + e["k"], kv[1] + e["v"]
     per_layer = [{"layer": i, "k": k, "v": v} for i, (k, v) in sorted(per.items())]
     return {"per_layer": per_layer, "total": sum(c["total"] for c in counted)}
+
+
+def nonfinite_kv(lm: Any, task: str, strict: bool, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """NaN/Inf K/V values the cache was asked to store during `task` (None: kv format auto, nothing counted);
+    a warning, or a KvcalError with --strict."""
+    runtime = getattr(lm, "runtime", None)
+    if runtime is None:
+        return None
+    return check_nonfinite(runtime.take_nonfinite_kv(), task, strict, say)
+
+
+def check_nonfinite(
+    counts: dict[str, Any] | None, task: str, strict: bool, say: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """`counts` (every rank's, summed) as metrics record them; a warning, or a KvcalError with --strict."""
+    if counts is None:
+        return None
+    if counts["total"]:
+        layers = ", ".join(str(e["layer"]) for e in counts["per_layer"])
+        msg = f"{task}: {counts['total']} non-finite K/V values (NaN/Inf) reached the KV cache (layers {layers})"
+        if strict:
+            raise KvcalError(f"{msg}; the model overflows its dtype (try --dtype float32), or drop --strict")
+        say(f"WARNING: {msg}; counted in metrics.json (nonfinite_kv)")
+    return counts

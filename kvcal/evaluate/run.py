@@ -63,7 +63,8 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
                 loop.run(bound, task)
         finally:
             loop.close()
-        described = lm.kvcal_describe()
+        if lm.runtime is not None:  # its first-batch scales, when the run fixed them, are in its description
+            described = lm.runtime.describe()
     if not dist.is_main:
         return store.root
     parts = store.finished_parts(plan.names)

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcal import parallel
-from kvcal.errors import KvcalError
+from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.bound import BoundSpec
 from kvcal.evaluate.git_probe import quiet_git_probe
-from kvcal.evaluate.record import seeds, sum_nonfinite, task_part
+from kvcal.evaluate.record import check_nonfinite, nonfinite_kv, seeds, sum_nonfinite, task_part
 from kvcal.evaluate.runstore import RunStore
 from kvcal.evaluate.tasks import DIVERGENCE_TASKS, KL_TASK, PASSKEY_TASKS, task_manager_for
 from kvcal.evaluate.timing import FORWARDS_KEY, ForwardTimer, ForwardTotals
@@ -54,8 +54,6 @@ class TaskLoop:
         if task == KL_TASK:
             part, samples = run_kl_task(self.lm, bound, task, self.dist)
         elif task in DIVERGENCE_TASKS:
-            from kvcal.evaluate.divergence import run_divergence_task
-
             part, samples = run_divergence_task(self.lm, bound, task, self.dist)
         else:
             part, samples = run_lm_eval_task(self.lm, bound, task, self.dist)
@@ -211,26 +209,45 @@ def _kl_evaluated_side(recorded: RunConfig) -> dict[str, Any]:
     }
 
 
-def nonfinite_kv(lm: Any, task: str, strict: bool, say: Callable[[str], None]) -> dict[str, Any] | None:
-    """NaN/Inf K/V values the cache was asked to store during `task` (None: kv format auto, nothing counted);
-    a warning, or a KvcalError with --strict."""
-    runtime = getattr(lm, "runtime", None)
-    if runtime is None:
-        return None
-    return check_nonfinite(runtime.take_nonfinite_kv(), task, strict, say)
+def run_divergence_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist | None = None) -> TaskResult:
+    """A divergence task (kvcal.evaluate.divergence): the bound spec's model, cache and options; its BF16 baseline
+    as kl's (kvcal.evaluate.kl.lm_sides)."""
+    from kvcal.evaluate.divergence import DEFAULT_GEN_LEN, private_record, run_divergence
+    from kvcal.evaluate.kl import lm_sides, model_fingerprint, position_buckets
 
-
-def check_nonfinite(
-    counts: dict[str, Any] | None, task: str, strict: bool, say: Callable[[str], None]
-) -> dict[str, Any] | None:
-    """`counts` (every rank's, summed) as metrics record them; a warning, or a KvcalError with --strict."""
-    if counts is None:
-        return None
-    if counts["total"]:
-        layers = ", ".join(str(e["layer"]) for e in counts["per_layer"])
-        msg = f"{task}: {counts['total']} non-finite K/V values (NaN/Inf) reached the KV cache (layers {layers})"
-        if strict:
-            raise KvcalError(f"{msg}; the model overflows its dtype (try --dtype float32), or drop --strict")
-        say(f"WARNING: {msg}; counted in metrics.json (nonfinite_kv)")
-    return counts
-
+    if dist is not None and dist.active:
+        raise UsageError(f"task '{task}' runs in one process; drop --num-processes / torchrun for it")
+    spec, recorded, plan = bound.spec, bound.recorded, bound.tasks
+    assert recorded is not None and plan is not None
+    gen_len = spec.max_gen_toks or DEFAULT_GEN_LEN
+    quant_session, baseline = lm_sides(lm, spec.impl)
+    fingerprint = model_fingerprint(bound.model_dir)
+    edges = position_buckets(gen_len)  # kl's position buckets over the generated positions
+    base = {"kv_format": "bf16", "impl": spec.impl, "dtype": bound.dtype, "device": spec.device}
+    evaluated = {
+        "kv_format": recorded.kv_format,
+        "attention": "kvcal" if recorded.kv_format != "auto" else "transformers (the model's own)",
+        "impl": recorded.impl,
+        "skip_layers": recorded.skip_layer_indices,
+    }
+    seed = seeds(spec.seed)["fewshot_random_seed"]  # the few-shot seed lm-eval tasks of the run get
+    part, samples = run_divergence(
+        lm,
+        task=task,
+        prompts_spec=plan.lm_eval_specs[DIVERGENCE_TASKS[task]],
+        task_manager=task_manager_for(plan),
+        quant_session=quant_session,
+        baseline=baseline,
+        baseline_desc={**base, "attention": "kvcal"},
+        evaluated_desc=evaluated,
+        fingerprint=fingerprint,
+        gen_len=gen_len,
+        edges=edges,
+        limit=spec.limit,
+        num_fewshot=spec.num_fewshot,
+        fewshot_seed=seed,
+        prefill_chunk=spec.prefill_chunk,
+    )
+    if task in plan.private:  # GPQA: no output a reader could decode back into the question's text
+        samples = [private_record(r) for r in samples]
+    return part, samples

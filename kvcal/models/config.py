@@ -31,8 +31,7 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
                 raise UsageError(
                     f"'{model_s}' has no config.json; pass a Hugging Face model folder, a hub id or a .gguf file"
                 )
-            check_remote_code(path / "config.json", model_s, trust_remote_code)
-            return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+            return folder_config(path, trust_remote_code, model_s)
         if model_s.startswith((".", "/", "~")) or model_s.count("/") > 1:
             raise UsageError(f"model path '{model_s}' does not exist")
         return AutoConfig.from_pretrained(model_s, trust_remote_code=trust_remote_code)
@@ -47,6 +46,15 @@ def load_config(model: str | os.PathLike[str], trust_remote_code: bool = False) 
         if "trust_remote_code" in str(exc):  # a hub config whose model type only its own code defines
             raise UsageError(_remote_code_message(model_s, None)) from exc
         raise UsageError(f"cannot read the config of '{model_s}': {str(exc).splitlines()[0]}") from exc
+
+
+def folder_config(folder: Path, trust_remote_code: bool = False, model: str | None = None) -> Any:
+    """The transformers config of a local HF folder (one `resolve_model` returned, say): the remote-code check,
+    then AutoConfig. `model`: the name to put in errors (default: the folder)."""
+    from transformers import AutoConfig
+
+    check_remote_code(Path(folder) / "config.json", model or str(folder), trust_remote_code)
+    return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
 
 
 def _remote_code_message(model: str, entry: str | None) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import UsageError
-from kvcal.models.config import load_config
+from kvcal.models.config import folder_config
 from kvcal.models.resolve import resolve_model
 from kvcal.placement import Placement, check_memory_fits
 
@@ -132,7 +132,7 @@ def load_model(
     dispatch (kvcal.placement) places the modules instead, and `device` is not used."""
     device = check_device(device)
     model_dir = resolve_model(model, trust_remote_code=trust_remote_code)
-    hf_config = load_config(model_dir, trust_remote_code)
+    hf_config = folder_config(model_dir, trust_remote_code, str(model))
     return load_resolved(
         model_dir,
         hf_config,

@@ -13,8 +13,7 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import KvcalError
-from kvcal.evaluate.record import sum_nonfinite
-from kvcal.evaluate.task_runs import nonfinite_kv
+from kvcal.evaluate.record import nonfinite_kv, sum_nonfinite
 from kvcal.kernels.reference import quantized_attention_ref
 from kvcal.kernels.runtime import KVRuntime
 
