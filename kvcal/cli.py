@@ -20,6 +20,7 @@ from kvcal.commands.compare import compare_cmd, sweep_cmd
 from kvcal.commands.drift import drift_cmd
 from kvcal.commands.evaluate import eval_cmd
 from kvcal.commands.models import models_install, models_list, models_path
+from kvcal.commands.plan import plan_cmd, plan_export_cmd
 from kvcal.commands.release import release_cmd
 from kvcal.commands.scalefile import export_cmd, show_cmd, verify_cmd
 from kvcal.commands.sensitivity import sensitivity_cmd
@@ -80,6 +81,8 @@ def main(
 app.command("capacity")(capacity_cmd)
 app.command("calibrate")(calibrate_cmd)
 app.command("sensitivity")(sensitivity_cmd)
+app.command("plan")(plan_cmd)
+app.command("plan-export")(plan_export_cmd)
 app.command("show")(show_cmd)
 app.command("verify")(verify_cmd)
 app.command("drift")(drift_cmd)

@@ -462,7 +462,14 @@ def binding_differences(
     ss: ScaleSet, model_ref: str, model_dir: str | os.PathLike[str], kv: KVSpec
 ) -> list[str]:
     """What differs between the checkpoint the scales were calibrated on and this one; [] = bound."""
-    bound = ss.binding
+    return bound_differences(ss.binding, model_ref, model_dir, kv)
+
+
+def bound_differences(
+    bound: dict[str, Any], model_ref: str, model_dir: str | os.PathLike[str], kv: KVSpec
+) -> list[str]:
+    """What differs between the checkpoint a `compute_binding` record was made on and this one; [] = bound (a
+    scale file's binding, or a `kvcal plan` file's)."""
     diffs = _geometry_differences(bound, kv)
     if bound.get("layer_types") != kv.layer_types and not diffs:
         diffs.append("layer types changed (sliding/full attention pattern differs)")

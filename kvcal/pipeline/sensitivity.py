@@ -208,7 +208,7 @@ def sensitivity(
     )
     kv = kv_spec(lm.model.config)
     data = opts.samples(lm, source)
-    k_scales, v_scales, scale_source = _layer_scales(lm, kv, fmt, scales, data.samples, progress, opts)
+    k_scales, v_scales, scale_source = layer_scales(lm, kv, fmt, scales, data.samples, progress, opts)
     result = layer_sensitivity(
         lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor,
         batch_size=opts.batch_size,
@@ -231,7 +231,7 @@ def sensitivity(
     return report
 
 
-def _layer_scales(
+def layer_scales(
     lm: LoadedModel,
     kv: KVSpec,
     fmt: KVFormat,

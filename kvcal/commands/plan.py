@@ -1,0 +1,234 @@
+"""`kvcal plan`: one KV format per layer for a capacity budget (solved exactly, measured jointly), and
+`kvcal plan-export`: a plan file in the form an engine reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from kvcal.commands.capacity import split_formats
+from kvcal.commands.options import (
+    DatasetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelArg,
+    ObserveBatchOpt,
+    SeedOpt,
+    TextFieldOpt,
+    library_kwargs,
+    output_option,
+)
+from kvcal.commands.output import console, print_json, warn
+from kvcal.commands.progress import ProgressRenderer
+
+DEFAULT_CANDIDATES = "bf16,fp8_e4m3,nvfp4,k=fp8_e4m3,v=nvfp4"
+
+
+def plan_cmd(
+    model: ModelArg,
+    candidates: Annotated[
+        str,
+        typer.Option(
+            "--candidates", help="Formats a layer may take, comma-separated; k=A,v=B pairs allowed."
+        ),
+    ] = DEFAULT_CANDIDATES,
+    capacity: Annotated[
+        str | None, typer.Option("--capacity", help="Budget: at least this many x BF16's tokens, e.g. 3.0x.")
+    ] = None,
+    effective_bits: Annotated[
+        float | None,
+        typer.Option(
+            "--effective-bits", help="Budget instead: mean storage bits per K/V element (ModelOpt's)."
+        ),
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option(
+            "--context", help="Sequence length of the budget: sliding layers hold min(context, window)."
+        ),
+    ] = None,
+    scales: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--scales", help="Scale file of a candidate format (repeat per format); default: minmax."
+        ),
+    ] = None,
+    dataset: DatasetOpt = None,
+    text_field: TextFieldOpt = None,
+    num_samples: Annotated[
+        int, typer.Option("--num-samples", help="Calibration samples the damage is measured on.")
+    ] = 16,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sample.")] = 512,
+    seed: SeedOpt = 0,
+    heldout_windows: Annotated[
+        int, typer.Option("--heldout-windows", help="Held-out windows the chosen plan is measured on.")
+    ] = 16,
+    heldout_seq_len: Annotated[
+        int, typer.Option("--heldout-seq-len", help="Tokens per held-out window.")
+    ] = 512,
+    data_dir: Annotated[
+        str | None, typer.Option("--data-dir", help="Offline data (WikiText-2 test is the held-out text).")
+    ] = None,
+    frontier: Annotated[
+        bool, typer.Option("--frontier", help="Also solve 1.0x, 1.0x+step, ...: the Pareto table.")
+    ] = False,
+    frontier_step: Annotated[
+        float, typer.Option("--frontier-step", help="Capacity step of --frontier.")
+    ] = 0.25,
+    refine: Annotated[
+        int,
+        typer.Option("--refine", help="Rounds of re-solving with measured in-context layer costs (0: off)."),
+    ] = 0,
+    compare_uniform: Annotated[
+        bool,
+        typer.Option(
+            "--compare-uniform", help="Also measure every one-format configuration of the candidates."
+        ),
+    ] = False,
+    output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    batch_size: ObserveBatchOpt = 1,
+    json_out: JsonOpt = False,
+) -> None:
+    """Choose a KV format per layer that loses least for a capacity budget; measure it; print engine commands."""
+    options = dict(locals())
+    from kvcal.pipeline.plan import plan
+
+    options["candidates"] = split_formats(candidates)
+    options["scales"] = list(scales or [])
+    options["output"] = str(output) if output else None
+    with ProgressRenderer(enabled=not json_out) as progress:
+        report = plan(**library_kwargs(plan, options, cli_only=("json_out",)), progress=progress)
+    for message in report["warnings"]:
+        warn(message)
+    if json_out:
+        print_json(report)
+        return
+    _render(report)
+
+
+def _fmt_interval(m: dict[str, Any]) -> str:
+    kl = m["kl"]
+    if kl["lo"] is None:
+        return f"{kl['mean']:.4g}"
+    return f"{kl['mean']:.4g} [{kl['lo']:.4g}, {kl['hi']:.4g}]"
+
+
+def _runs(layers: list[str]) -> str:
+    """'0-3 nvfp4, 4 bf16, ...' — runs of equal layers."""
+    parts, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[start]:
+            parts.append(f"{start}{'' if i - 1 == start else f'-{i - 1}'} {layers[start]}")
+            start = i
+    return ", ".join(parts)
+
+
+def _render(r: dict[str, Any]) -> None:
+    b = r["budget"]
+    what = f"{b['value']:g}x BF16" if b["kind"] == "capacity" else f"{b['value']:g} effective bits"
+    at = f" at context {b['context']}" if b["context"] else ""
+    console.print(f"[bold]{r['model']}[/bold]: plan for {what}{at}")
+    console.print(f"layers: {_runs(r['layers'])}")
+    cap = r["capacity"]
+    console.print(
+        f"capacity {cap['multiplier_vs_bf16']:.3f}x BF16 ({cap['bytes_per_token']:,.1f} B/token, "
+        f"{cap['bits_per_element']:.3g} bits/element)"
+    )
+    console.print(
+        f"KL nats/token: estimated (sum of one-layer damage) {r['estimated_kl']:.4g}; measured jointly on "
+        f"{r['heldout']['windows']} held-out windows of {r['heldout']['seq_len']} ({r['heldout']['source']}) "
+        f"{_fmt_interval(r['measured'])}, top-1 agree {r['measured']['top1_agree']:.4f}"
+    )
+    for row in r["refine_rounds"]:
+        console.print(f"refine round {row['round']}: " + (
+            f"measured {row['measured_kl']:.4g} ({'kept' if row.get('kept') else 'not better, stopped'})"
+            if row["changed"] else "no change"
+        ))  # fmt: skip
+    if r.get("frontier"):
+        table = Table(title="Pareto frontier (estimated)", box=box.SIMPLE_HEAD)
+        for col in ("target", "xBF16", "est. KL", "layers"):
+            table.add_column(col, justify="left" if col == "layers" else "right")
+        for row in r["frontier"]:
+            table.add_row(
+                f"{row['target']:g}x",
+                f"{row['capacity']:.3f}",
+                f"{row['estimated_kl']:.4g}",
+                _runs(row["layers"]),
+            )
+        console.print(table)
+    if r.get("uniform"):
+        table = Table(title="uniform configurations, same held-out windows", box=box.SIMPLE_HEAD)
+        for col in ("config", "xBF16", "meets", "KL [95% CI]", "plan - uniform [95% CI]"):
+            table.add_column(col, justify="left" if col == "config" else "right")
+        for row in r["uniform"]:
+            d = row["plan_minus_uniform"]
+            diff = (
+                f"{d['mean']:.3g}" if d["lo"] is None else f"{d['mean']:.3g} [{d['lo']:.3g}, {d['hi']:.3g}]"
+            )
+            table.add_row(
+                row["config"], f"{row['capacity']['multiplier_vs_bf16']:.3f}", "yes" if row["meets_budget"] else "no",
+                _fmt_interval(row["measured"]), diff,
+            )  # fmt: skip
+        console.print(table)
+    for engine, e in r["engines"].items():
+        console.print(
+            f"{engine}: {e['command']}" if "command" in e else f"{engine}: not expressible — {e['refused']}"
+        )
+    if r.get("plan_file"):
+        console.print(f"wrote {r['plan_file']}")
+
+
+def plan_export_cmd(
+    plan_file: Annotated[Path, typer.Argument(help="A plan file from `kvcal plan -o`.", show_default=False)],
+    engine: Annotated[str, typer.Option("--engine", help="vllm-modelopt, vllm-skip-layers or trtllm.")],
+    output: Annotated[Path | None, output_option("Write hf_quant_config.json here (vllm-modelopt).")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Check the plan was solved on this checkpoint first.")
+    ] = None,
+) -> None:
+    """A plan file as the engine reads it: ModelOpt's per-layer map, vLLM skip layers, or TRT-LLM's range string."""
+    from kvcal import __version__
+    from kvcal.errors import UsageError
+    from kvcal.io import atomic_write_text
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
+    from kvcal.pipeline.plan_export import ENGINES, modelopt_config, trtllm_dtype, vllm_skip_layers
+    from kvcal.pipeline.plan_file import load_plan
+
+    if engine not in ENGINES:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got '{engine}'")
+    if model is not None:
+        from kvcal.models.real import resolve_real_name
+        from kvcal.pipeline.plan_file import load_plan_for_model
+        from kvcal.scales import resolve_model_and_spec
+
+        model_dir, kv = resolve_model_and_spec(model)
+        p = load_plan_for_model(plan_file, resolve_real_name(model), model_dir, kv)
+    else:
+        p = load_plan(plan_file)
+        model = p.model
+    if engine == "vllm-modelopt":
+        text = json.dumps(modelopt_config(p.layers, f"kvcal {__version__}"), indent=2) + "\n"
+        if output is None:
+            console.print(text, end="", markup=False, highlight=False)
+        else:
+            atomic_write_text(output, text)
+            console.print(
+                f"wrote {output}; serve the checkpoint with: vllm serve {output.parent} --kv-cache-dtype auto"
+            )
+    elif engine == "vllm-skip-layers":
+        kv = kv_spec(load_config(p.record["binding"].get("model_dir") or model))
+        dtype, skip = vllm_skip_layers(p.layers, kv)
+        extra = f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
+        console.print(f"vllm serve {model} --kv-cache-dtype {dtype}{extra}", markup=False, highlight=False)
+    else:
+        spec = trtllm_dtype(p.layers)
+        console.print(f'kv_cache_config:\n  dtype: "{spec}"', markup=False, highlight=False)

@@ -1,0 +1,544 @@
+"""`kvcal plan`: which KV format per layer loses least for a capacity budget — measured, solved exactly, checked.
+
+1. Damage (kvcal sensitivity's measurement, every candidate at once): per calibration batch one reference
+   forward (the untouched cache) whose log-probabilities every one-layer forward reuses, then one forward per
+   (layer, quantized candidate) with only that layer fake-quantized (PlanCache, sensitivity's FakeQuantCache per
+   layer and side). Damage = mean KL(reference || quantized) per token, per sample; `bf16` is the model's own
+   16-bit cache: damage 0, no forward. L x K' + 1 forwards per batch (K' quantized candidates), `batch_size`
+   samples per forward.
+2. Tie-break: where a cheaper candidate's damage on a layer is within the standard error of the paired per-sample
+   difference from a dearer one's, the dearer one is given the cheaper one's damage (it buys nothing measurable),
+   and the solver's second stage (least cost among least-damage plans) then takes the cheaper.
+3. Solve: kvcal.pipeline.plan_solve (scipy.optimize.milp / HiGHS, exact), costs from kvcal.pipeline.plan_cost
+   (kvcal capacity's count). `--frontier`: a range of budgets, Pareto rows.
+4. Measure: the chosen plan jointly (every layer in its format) on held-out windows (the kl task's text: WikiText-2
+   test under --data-dir), KL per window with a t interval (scipy.stats); the estimate (summed one-at-a-time
+   damage) beside it. Uniform configurations built from the candidates are measured on the same windows with
+   paired differences. `--refine`: replace each chosen layer's damage by its in-context marginal (joint KL on the
+   calibration samples minus the joint KL with that layer back in 16 bits), re-solve, keep the new plan while the
+   held-out KL improves (at most `refine` rounds).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from scipy import stats
+from transformers import DynamicCache
+
+from kvcal import __version__
+from kvcal.calibrate.hooks import ProgressFn, batches, pad_batch, per_row_attention
+from kvcal.calibrate.observation import ObserveOptions
+from kvcal.calibrate.run import check_output_path
+from kvcal.errors import UsageError
+from kvcal.evaluate.kl import bos_rule, kl_per_token, kl_text, make_windows
+from kvcal.formats import KVFormat, fake_quantize, get_format, kv_pair
+from kvcal.models.config import load_config
+from kvcal.models.geometry import SLIDING, KVSpec, kv_spec
+from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
+from kvcal.models.real import resolve_real_name
+from kvcal.pipeline.plan_cost import Budget, integer_costs, parse_budget, plan_capacity
+from kvcal.pipeline.plan_export import SIXTEEN_BIT, canonical_layers, engine_commands
+from kvcal.pipeline.plan_file import plan_record, save_plan
+from kvcal.pipeline.plan_solve import solve
+from kvcal.pipeline.sensitivity import layer_scales
+from kvcal.placement import Placement
+from kvcal.scales import compute_binding, file_sha256
+
+# per layer: (K format, K scale, V format, V scale), or None = untouched
+LayerQuant = tuple[KVFormat, torch.Tensor | None, KVFormat, torch.Tensor | None] | None
+Scales = dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]]  # format -> (k, v) per layer
+
+
+class PlanCache(DynamicCache):
+    """Prefill-only cache returning each layer's K and V fake-quantized in that layer's own formats."""
+
+    def __init__(self, config: Any, quant: Sequence[LayerQuant]) -> None:
+        super().__init__(config=config)
+        self.quant = quant
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [B, H_kv, T, D]
+        q = self.quant[layer_idx]
+        if q is not None:
+            fk, sk, fv, sv = q
+            key_states = fake_quantize(key_states, fk, scale=sk)
+            value_states = fake_quantize(value_states, fv, scale=sv)
+        return key_states, value_states
+
+
+def _scale(s: torch.Tensor | None) -> torch.Tensor | None:
+    return None if s is None else (s.reshape(()) if s.numel() == 1 else s)
+
+
+def layer_quant(layer: int, fmt: str, scales: Scales) -> LayerQuant:
+    """How PlanCache quantizes `layer` in `fmt` (a format or K/V pair); bf16 = untouched (the model's cache)."""
+    if fmt == SIXTEEN_BIT:
+        return None
+    fk, fv = kv_pair(fmt)
+    k = scales[fk.name][0][layer] if fk.name in scales else None
+    v = scales[fv.name][1][layer] if fv.name in scales else None
+    return (fk, _scale(k), fv, _scale(v))
+
+
+def plan_quant(layers: Sequence[str], scales: Scales) -> list[LayerQuant]:
+    return [layer_quant(i, f, scales) for i, f in enumerate(layers)]
+
+
+def _logprobs(model: Any, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return torch.log_softmax(out.logits.float(), dim=-1)  # [B, T, V]
+
+
+def _row_kl(ref: torch.Tensor, q: torch.Tensor, lengths: Sequence[int]) -> list[tuple[float, float]]:
+    kl, agree = kl_per_token(ref, q)  # [B, T] each
+    return [(float(kl[b, :n].mean()), float(agree[b, :n].mean())) for b, n in enumerate(lengths)]
+
+
+def per_sample_kl(
+    model: Any,
+    samples: Sequence[torch.Tensor],
+    configs: Sequence[Sequence[LayerQuant]],
+    batch_size: int,
+    progress: ProgressFn | None = None,
+    phase: str = "plan",
+) -> torch.Tensor:
+    """KL(reference || config) per sample and config: [N, C] float64 (top-1 agreement in [..., 1] of a second
+    plane: returned as [2, N, C]). One reference forward per batch, reused by every config."""
+    out = torch.zeros(2, len(samples), len(configs), dtype=torch.float64)
+    device = input_device(model)
+    lengths: list[int] = []
+    rowwise = per_row_attention(model, lengths) if batch_size > 1 else nullcontext()
+    groups = batches(samples, batch_size)
+    total, done = len(samples) * (len(configs) + 1), 0
+    untouched = [None] * model.config.num_hidden_layers
+    with torch.no_grad(), rowwise:
+        for group in groups:
+            ids, lengths[:] = pad_batch([samples[i] for i in group])
+            ids = ids.to(device)
+            ref = _logprobs(model, ids, PlanCache(model.config, untouched))
+            done += len(group)
+            for j, quant in enumerate(configs):
+                q = _logprobs(model, ids, PlanCache(model.config, quant))
+                for i, (kl, agree) in zip(group, _row_kl(ref, q, lengths), strict=True):
+                    out[0, i, j], out[1, i, j] = kl, agree
+                done += len(group)
+                if progress:
+                    progress(done, total, phase)
+    return out
+
+
+def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float | None]:
+    """Mean and its t interval (scipy.stats.t) of per-window values."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return {"mean": mean, "lo": None, "hi": None, "stderr": None, "n": n}
+    se = statistics.stdev(values) / math.sqrt(n)
+    if se == 0:
+        return {"mean": mean, "lo": mean, "hi": mean, "stderr": 0.0, "n": n}
+    lo, hi = stats.t.interval(level, n - 1, loc=mean, scale=se)
+    return {"mean": mean, "lo": float(lo), "hi": float(hi), "stderr": se, "n": n}
+
+
+@dataclass
+class Damage:
+    """Per-layer, per-candidate damage: `mean` [L][K] nats, `per_sample` [N, L, K]."""
+
+    candidates: list[str]
+    mean: list[list[float]]
+    per_sample: torch.Tensor
+
+    def tie_broken(self, costs: list[list[int]]) -> tuple[list[list[float]], list[dict[str, Any]]]:
+        """Damage the solver sees (see the module docstring, 2.) and what was tied."""
+        n = self.per_sample.shape[0]
+        eff = [row[:] for row in self.mean]
+        ties = []
+        for layer, row in enumerate(costs):
+            order = sorted(range(len(row)), key=lambda k: row[k])
+            for a, cheap in enumerate(order):
+                for dear in order[a + 1 :]:
+                    if row[dear] == row[cheap] or n < 2:
+                        continue
+                    diff = (self.per_sample[:, layer, cheap] - self.per_sample[:, layer, dear]).tolist()
+                    se = statistics.stdev(diff) / math.sqrt(n)
+                    if statistics.fmean(diff) <= se and eff[layer][dear] < self.mean[layer][cheap]:
+                        eff[layer][dear] = self.mean[layer][cheap]
+                        ties.append(
+                            {
+                                "layer": layer,
+                                "cheaper": self.candidates[cheap],
+                                "dearer": self.candidates[dear],
+                            }
+                        )
+        return eff, ties
+
+
+def measure_damage(
+    model: Any,
+    samples: Sequence[torch.Tensor],
+    kv: KVSpec,
+    candidates: list[str],
+    scales: Scales,
+    batch_size: int,
+    progress: ProgressFn | None = None,
+) -> Damage:
+    """One layer at a time, every quantized candidate (bf16: 0 without a forward)."""
+    n_layers, untouched = kv.num_layers, [None] * kv.num_layers
+    jobs: list[tuple[int, int]] = []
+    configs: list[list[LayerQuant]] = []
+    for layer in range(n_layers):
+        for k, f in enumerate(candidates):
+            if f == SIXTEEN_BIT:
+                continue
+            quant: list[LayerQuant] = list(untouched)
+            quant[layer] = layer_quant(layer, f, scales)
+            jobs.append((layer, k))
+            configs.append(quant)
+    kl = per_sample_kl(model, samples, configs, batch_size, progress, "damage")[0]  # [N, jobs]
+    per = torch.zeros(len(samples), n_layers, len(candidates), dtype=torch.float64)
+    for j, (layer, k) in enumerate(jobs):
+        per[:, layer, k] = kl[:, j]
+    mean = per.mean(dim=0)  # [L, K]
+    return Damage(candidates, mean.tolist(), per)
+
+
+def choose(
+    damage: list[list[float]], costs: list[list[int]], limit: int, candidates: list[str]
+) -> list[str] | None:
+    sol = solve(damage, costs, limit)
+    return None if sol is None else [candidates[k] for k in sol.choice]
+
+
+def estimated_kl(damage: Damage, layers: Sequence[str]) -> float:
+    return float(sum(damage.mean[i][damage.candidates.index(f)] for i, f in enumerate(layers)))
+
+
+def uniform_configurations(kv: KVSpec, candidates: list[str]) -> dict[str, list[str]]:
+    """The one-format plans the study compares with: every quantized candidate on every layer, and with the
+    sliding-window layers in BF16 where the model has them (`--kv-cache-dtype-skip-layers sliding_window`)."""
+    out: dict[str, list[str]] = {}
+    sliding = {layer.index for layer in kv.layers if layer.type == SLIDING}
+    for f in candidates:
+        if f == SIXTEEN_BIT:
+            continue
+        out[f] = [f] * kv.num_layers
+        if sliding and len(sliding) < kv.num_layers:
+            out[f"{f} +sliding bf16"] = [SIXTEEN_BIT if i in sliding else f for i in range(kv.num_layers)]
+    return out
+
+
+def load_heldout(
+    lm: LoadedModel, data_dir: str | None, num: int, seq_len: int
+) -> tuple[list[torch.Tensor], str, list[str]]:
+    """`num` non-overlapping windows of `seq_len` tokens of the kl task's text (WikiText-2 test in --data-dir)."""
+    text, source = kl_text(data_dir)
+    bos = bos_rule(lm.tokenizer)["bos_token_id"]
+    windows, available = make_windows(lm.tokenizer, text, seq_len, num, bos)
+    warnings = []
+    if len(windows) < num:
+        warnings.append(
+            f"held-out text ({source}) has {available} windows of {seq_len}; measured on {len(windows)}"
+        )
+    return [torch.tensor(w, dtype=torch.int64) for w in windows], source, warnings
+
+
+def parse_candidates(candidates: Sequence[str]) -> list[str]:
+    """Canonical, de-duplicated candidates; UsageError for auto, unknown names, or fewer than two."""
+    out = []
+    for c in candidates:
+        name = canonical_layers([c])[0] if str(c).strip().lower() not in ("", "auto") else "auto"
+        if name == "auto":
+            raise UsageError("--candidates: 'auto' is not a storage format; use bf16 for a 16-bit layer")
+        if name not in out:
+            out.append(name)
+    if len(out) < 2:
+        raise UsageError(
+            f"--candidates needs at least two formats to choose between, got {', '.join(out) or 'none'}"
+        )
+    return out
+
+
+def plan(
+    model: Any,
+    candidates: Sequence[str],
+    capacity: str | None = None,
+    effective_bits: float | None = None,
+    context: int | None = None,
+    scales: Sequence[str] = (),
+    dataset: str | None = None,
+    num_samples: int = 16,
+    seq_len: int = 512,
+    seed: int = 0,
+    heldout_windows: int = 16,
+    heldout_seq_len: int = 512,
+    data_dir: str | None = None,
+    frontier: bool = False,
+    frontier_step: float = 0.25,
+    refine: int = 0,
+    compare_uniform: bool = False,
+    output: str | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    text_field: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    batch_size: int = 1,
+) -> dict[str, Any]:
+    """Everything `kvcal plan` does (see the module docstring); every model-free check runs before the load."""
+    cands = parse_candidates(candidates)
+    budget = parse_budget(capacity, effective_bits, context)
+    if frontier and budget.kind != "capacity":
+        raise UsageError("--frontier steps --capacity budgets; drop --effective-bits or --frontier")
+    if frontier_step <= 0:
+        raise UsageError(f"--frontier-step must be positive, got {frontier_step:g}")
+    if refine < 0:
+        raise UsageError(f"--refine must be a number of rounds >= 0, got {refine}")
+    if heldout_windows < 1:
+        raise UsageError(f"--heldout-windows must be at least 1, got {heldout_windows}")
+    out = check_output_path(output)
+    opts = ObserveOptions.parse(
+        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+        batch_size=batch_size,
+    )  # fmt: skip
+    scale_files = _scale_files(scales, cands)
+    if not isinstance(model, LoadedModel):
+        check_device(device)  # the budget needs the config only: refused before the load
+        pre = kv_spec(load_config(resolve_real_name(model)))
+        _check_reachable(pre, cands, *integer_costs(pre, cands, budget)[:2], budget)
+    lm = (
+        model
+        if isinstance(model, LoadedModel)
+        else load_model(model, dtype=dtype, device=device, placement=Placement())
+    )
+    kv = kv_spec(lm.model.config)
+    costs, limit, _unit = integer_costs(kv, cands, budget)
+    _check_reachable(kv, cands, costs, limit, budget)
+    binding = compute_binding(lm.ref, lm.model_dir, kv)
+    data = opts.samples(lm, opts.texts())
+    scale_sets, scale_record = _scales(lm, kv, cands, scale_files, data.samples, progress, opts)
+    damage = measure_damage(lm.model, data.samples, kv, cands, scale_sets, opts.batch_size, progress)
+    solver_damage, ties = damage.tie_broken(costs)
+    layers = choose(solver_damage, costs, limit, cands)
+    assert layers is not None  # _check_reachable
+    windows, source, warnings = load_heldout(lm, data_dir, heldout_windows, heldout_seq_len)
+    warnings = list(data.warnings) + warnings
+
+    def joint(plans: list[list[str]], on: Sequence[torch.Tensor], phase: str) -> torch.Tensor:
+        return per_sample_kl(
+            lm.model, on, [plan_quant(p, scale_sets) for p in plans], opts.batch_size, progress, phase
+        )
+
+    measured = joint([layers], windows, "measure")
+    rounds = []
+    if refine:
+        layers, measured, rounds = _refine(
+            layers, measured, damage, solver_damage, costs, limit, cands, data.samples, windows, joint
+        )
+    result: dict[str, Any] = {
+        "model": lm.ref,
+        "model_type": kv.model_type,
+        "budget": budget.to_dict(),
+        "candidates": cands,
+        "scales": scale_record,
+        "calibration": data.manifest(),
+        "heldout": {"source": source, "windows": len(windows), "seq_len": heldout_seq_len},
+        "layers": layers,
+        "capacity": plan_capacity(kv, layers, budget.context),
+        "estimated_kl": estimated_kl(damage, layers),
+        "measured": _measured(measured[:, :, 0]),
+        "refine_rounds": rounds,
+        "ties": ties,
+        "damage": {"candidates": cands, "per_layer": damage.mean},
+        "engines": engine_commands(lm.ref, layers, kv, str(out or "plan.json")),
+        "warnings": warnings,
+    }
+    if frontier:
+        result["frontier"] = _frontier(kv, cands, damage, budget, frontier_step)
+    if compare_uniform:
+        result["uniform"] = _uniform(kv, cands, budget, windows, measured[0, :, 0], joint)
+    if out is not None:
+        record = plan_record(
+            lm.ref, binding, kv, layers, budget=budget.to_dict(), candidates=cands, scales=scale_record,
+            capacity=result["capacity"], estimated_kl=result["estimated_kl"], measured=result["measured"],
+            heldout=result["heldout"], calibration=result["calibration"], producer=f"kvcal {__version__}",
+        )  # fmt: skip
+        save_plan(out, record)
+        result["plan_file"] = str(out)
+    return result
+
+
+def _measured(t: torch.Tensor) -> dict[str, Any]:
+    """t: [2, W] (KL, top-1 agreement per window) -> the KL interval and mean agreement."""
+    return {"kl": interval(t[0].tolist()), "top1_agree": float(t[1].mean())}
+
+
+def _scale_files(scales: Sequence[str], cands: list[str]) -> dict[str, str]:
+    """--scales files by the format they hold (each file's manifest), checked against the candidates."""
+    from kvcal.scales import load_scale_file
+
+    sides = {f.name for c in cands for f in kv_pair(c)}
+    out: dict[str, str] = {}
+    for path in scales:
+        if not Path(path).is_file():
+            raise UsageError(f"--scales '{path}' does not exist; calibrate it with `kvcal calibrate`")
+        fmt = load_scale_file(path).kv_format
+        if fmt not in sides:
+            raise UsageError(f"--scales '{path}' holds {fmt} scales, which no candidate uses; drop it")
+        if fmt in out:
+            raise UsageError(f"--scales: two files for {fmt} ('{out[fmt]}', '{path}'); keep one")
+        out[fmt] = path
+    return out
+
+
+def _scales(
+    lm: LoadedModel,
+    kv: KVSpec,
+    cands: list[str],
+    files: dict[str, str],
+    samples: Sequence[torch.Tensor],
+    progress: ProgressFn | None,
+    opts: ObserveOptions,
+) -> tuple[Scales, dict[str, Any]]:
+    """Per calibratable side format: a scale file (checked against the checkpoint) or minmax on the samples."""
+    out: Scales = {}
+    record: dict[str, Any] = {}
+    for name in sorted({f.name for c in cands for f in kv_pair(c)}):
+        fmt = get_format(name)
+        if not fmt.calibratable:
+            continue
+        k, v, source = layer_scales(lm, kv, fmt, files.get(name), samples, progress, opts)
+        out[name] = (k, v)
+        record[name] = {"path": files[name], "sha256": file_sha256(files[name])} if name in files else source
+    return out, record
+
+
+def _check_reachable(
+    kv: KVSpec, cands: list[str], costs: list[list[int]], limit: int, budget: Budget
+) -> None:
+    cheapest = [min(range(len(cands)), key=lambda k: row[k]) for row in costs]
+    if sum(row[k] for row, k in zip(costs, cheapest, strict=True)) <= limit:
+        return
+    layers = [cands[k] for k in cheapest]
+    cap = plan_capacity(kv, layers, budget.context)
+    names = ", ".join(sorted(set(layers)))
+    if budget.kind == "capacity":
+        at = f" at context {budget.context}" if budget.context else ""
+        raise UsageError(
+            f"--capacity {budget.value:g}x is out of reach: the cheapest candidates ({names} on every layer) give "
+            f"{math.floor(cap['multiplier_vs_bf16'] * 100) / 100:.2f}x{at}; ask for at most that or add a cheaper "
+            "candidate"
+        )
+    raise UsageError(
+        f"--effective-bits {budget.value:g} is out of reach: the cheapest candidates ({names}) take "
+        f"{cap['bits_per_element']:.3g} bits per element; ask for at least that or add a cheaper candidate"
+    )
+
+
+def _refine(
+    layers: list[str],
+    measured: torch.Tensor,
+    damage: Damage,
+    solver_damage: list[list[float]],
+    costs: list[list[int]],
+    limit: int,
+    cands: list[str],
+    samples: Sequence[torch.Tensor],
+    windows: Sequence[torch.Tensor],
+    joint: Any,
+    rounds: int = 3,
+) -> tuple[list[str], torch.Tensor, list[dict[str, Any]]]:
+    """See the module docstring, 4. Returns the best plan by held-out KL, its measurement, and the rounds."""
+    corrected = [row[:] for row in solver_damage]
+    best, best_m = layers, measured
+    log: list[dict[str, Any]] = []
+    for r in range(rounds):
+        quantized = [i for i, f in enumerate(best) if f != SIXTEEN_BIT]
+        variants = [best] + [[SIXTEEN_BIT if j == i else f for j, f in enumerate(best)] for i in quantized]
+        kl = joint(variants, samples, f"refine {r + 1}")[0].mean(dim=0)  # [1 + len(quantized)]
+        for n, i in enumerate(quantized, start=1):
+            corrected[i][cands.index(best[i])] = max(float(kl[0] - kl[n]), 0.0)
+        new = choose(corrected, costs, limit, cands)
+        if new is None or new == best:
+            log.append({"round": r + 1, "changed": False})
+            break
+        m = joint([new], windows, "measure")
+        entry = {"round": r + 1, "changed": True, "measured_kl": float(m[0, :, 0].mean()), "layers": new}
+        log.append(entry)
+        if float(m[0, :, 0].mean()) >= float(best_m[0, :, 0].mean()):
+            entry["kept"] = False
+            break
+        entry["kept"] = True
+        best, best_m = new, m
+    return best, best_m, log
+
+
+def _frontier(
+    kv: KVSpec, cands: list[str], damage: Damage, budget: Budget, step: float
+) -> list[dict[str, Any]]:
+    """Solve at 1.0x, 1.0x + step, ... up to the largest reachable capacity; Pareto rows (capacity, est. KL)."""
+    rows: list[dict[str, Any]] = []
+    target = 1.0
+    while True:
+        b = Budget("capacity", round(target, 6), budget.context)
+        costs, limit, _ = integer_costs(kv, cands, b)
+        solver_damage, _ties = damage.tie_broken(costs)
+        layers = choose(solver_damage, costs, limit, cands)
+        if layers is None:
+            break
+        cap = plan_capacity(kv, layers, budget.context)
+        rows.append(
+            {"target": b.value, "capacity": cap["multiplier_vs_bf16"], "estimated_kl": estimated_kl(damage, layers),
+             "layers": layers}
+        )  # fmt: skip
+        target += step
+    pareto = []
+    for row in rows:
+        dominated = any(
+            o["capacity"] >= row["capacity"] and o["estimated_kl"] < row["estimated_kl"]
+            for o in rows
+            if o is not row
+        )
+        if not dominated and not any(p["layers"] == row["layers"] for p in pareto):
+            pareto.append(row)
+    return pareto
+
+
+def _uniform(
+    kv: KVSpec,
+    cands: list[str],
+    budget: Budget,
+    windows: Sequence[torch.Tensor],
+    plan_kl: torch.Tensor,
+    joint: Any,
+) -> list[dict[str, Any]]:
+    """Every uniform configuration measured on the held-out windows, whether it meets the budget, and the paired
+    per-window difference plan - uniform (negative: the plan loses less)."""
+    configs = uniform_configurations(kv, cands)
+    m = joint(list(configs.values()), windows, "uniform")  # [2, W, C]
+    rows = []
+    for j, (name, layers) in enumerate(configs.items()):
+        cap = plan_capacity(kv, layers, budget.context)
+        if budget.kind == "capacity":
+            meets = cap["multiplier_vs_bf16"] >= budget.value * (1 - 1e-12)
+        else:
+            meets = cap["bits_per_element"] <= budget.value * (1 + 1e-12)
+        rows.append(
+            {
+                "config": name,
+                "capacity": cap,
+                "meets_budget": meets,
+                "measured": _measured(m[:, :, j]),
+                "plan_minus_uniform": interval((plan_kl - m[0, :, j]).tolist()),
+            }
+        )
+    return rows

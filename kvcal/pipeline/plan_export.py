@@ -1,0 +1,193 @@
+"""A per-layer KV plan in the three forms engines read, each parsed back (the tests' round trip), and refusals that
+name what an engine lacks.
+
+- ModelOpt's per-layer map in `hf_quant_config.json`, what vLLM reads with `--kv-cache-dtype auto`: quantization
+  {quant_algo: MIXED_PRECISION, quantized_layers: {}, kv_cache_quant_algo: MIXED_PRECISION,
+  kv_cache_quantized_layers: {"model.layers.<i>.self_attn": {"quant_algo": "FP8" | "NVFP4"}},
+  kv_cache_schema_version: 1}. Checked against: ModelOpt's export tests (Model-Optimizer PR #2272,
+  tests of convert_hf_quant_config_format with `kv_cache_quantized_layers`); vLLM main at 00155cdecca7
+  (vllm/model_executor/layers/quantization/modelopt.py: `QUANT_ALGOS` holds MIXED_PRECISION, `from_config`
+  refuses a config without `quant_algo`, `KV_CACHE_QUANT_ALGOS = ["FP8", "NVFP4"]`) — its per-layer reader is
+  vLLM PR #56116 (open; RFC #57445): full FP8 K/V -> fp8_e4m3, full NVFP4 K/V -> nvfp4, resolved by the attention
+  layer's prefix; FP8-K/NVFP4-V inside one layer is refused there, and an explicit --kv-cache-dtype overrides the
+  map. 16-bit layers are left out of the map.
+- vLLM's `--kv-cache-dtype X --kv-cache-dtype-skip-layers i,j`: one format plus 16-bit layers (`sliding_window`
+  when the 16-bit layers are exactly the sliding ones).
+- TensorRT-LLM's KvCacheConfig.dtype range string `0-3:fp8,4-35:nvfp4` ('start-end:dtype' or 'idx:dtype'
+  segments; TensorRT-LLM PR #13695, open), dtypes fp8 / nvfp4 / bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcal.errors import UsageError
+from kvcal.formats import get_format, kv_pair
+from kvcal.models.geometry import SLIDING, KVSpec
+
+MODELOPT_ALGO = {"fp8_e4m3": "FP8", "nvfp4": "NVFP4"}  # full K/V formats vLLM's per-layer reader maps
+TRTLLM_DTYPE = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4", "bf16": "bf16"}
+SIXTEEN_BIT = "bf16"
+ENGINES = ("vllm-modelopt", "vllm-skip-layers", "trtllm")
+
+
+def modelopt_layer_name(i: int) -> str:
+    """The attention module's prefix in a Hugging Face causal LM (what the map is keyed by)."""
+    return f"model.layers.{i}.self_attn"
+
+
+def _pair_refusal(engine: str, layers: list[str]) -> None:
+    mixed = [i for i, f in enumerate(layers) if "=" in f]
+    if mixed:
+        raise UsageError(
+            f"{engine} cannot express layer {mixed[0]}'s {layers[mixed[0]]}: it takes one format per layer for "
+            "K and V together (FP8-K/NVFP4-V inside a layer needs a mixed-K/V kernel it lacks); re-plan without "
+            "K/V pair candidates"
+        )
+
+
+def modelopt_config(layers: list[str], producer: str) -> dict[str, Any]:
+    """hf_quant_config.json of a plan (layers: a canonical format per layer); UsageError for what vLLM lacks."""
+    engine = "vLLM's ModelOpt per-layer map"
+    _pair_refusal(engine, layers)
+    bad = [(i, f) for i, f in enumerate(layers) if f != SIXTEEN_BIT and f not in MODELOPT_ALGO]
+    if bad:
+        raise UsageError(
+            f"{engine} cannot express layer {bad[0][0]}'s {bad[0][1]}: it reads FP8 and NVFP4 layers only "
+            f"(and 16-bit layers left out of the map); re-plan with candidates from bf16, "
+            f"{', '.join(MODELOPT_ALGO)}"
+        )
+    layer_map = {
+        modelopt_layer_name(i): {"quant_algo": MODELOPT_ALGO[f]}
+        for i, f in enumerate(layers)
+        if f in MODELOPT_ALGO
+    }
+    if not layer_map:
+        raise UsageError(
+            f"{engine}: the plan quantizes no layer; serve with --kv-cache-dtype auto and no map"
+        )
+    return {
+        "producer": {"name": "kvcal", "version": producer},
+        "quantization": {
+            "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {},
+            "kv_cache_quant_algo": "MIXED_PRECISION",
+            "kv_cache_quantized_layers": layer_map,
+            "kv_cache_schema_version": 1,
+        },
+    }
+
+
+def parse_modelopt_config(config: dict[str, Any], num_layers: int) -> list[str]:
+    """The plan a ModelOpt per-layer map describes (absent layers: bf16), read the way vLLM's reader maps it."""
+    q = config["quantization"]
+    if q.get("kv_cache_quant_algo") != "MIXED_PRECISION" or q.get("kv_cache_schema_version") != 1:
+        raise UsageError("not a ModelOpt MIXED_PRECISION KV map (schema version 1)")
+    back = {v: k for k, v in MODELOPT_ALGO.items()}
+    out = [SIXTEEN_BIT] * num_layers
+    for name, entry in q["kv_cache_quantized_layers"].items():
+        out[int(name.split(".")[2])] = back[entry["quant_algo"]]
+    return out
+
+
+def vllm_skip_layers(layers: list[str], kv: KVSpec) -> tuple[str, str]:
+    """(--kv-cache-dtype value, --kv-cache-dtype-skip-layers value) of a plan of one format plus 16-bit layers."""
+    engine = "vLLM's --kv-cache-dtype-skip-layers"
+    _pair_refusal(engine, layers)
+    quant = sorted({f for f in layers if f != SIXTEEN_BIT})
+    if len(quant) != 1:
+        raise UsageError(
+            f"{engine} cannot express a plan of {len(quant)} quantized formats ({', '.join(quant) or 'none'}): it "
+            "takes one --kv-cache-dtype plus 16-bit layers; use the ModelOpt map (--engine vllm-modelopt)"
+        )
+    name = get_format(quant[0]).engine_names.get("vllm")
+    if name is None:
+        raise UsageError(f"{engine}: vLLM has no KV cache dtype for {quant[0]}")
+    skipped = [i for i, f in enumerate(layers) if f == SIXTEEN_BIT]
+    sliding = [layer.index for layer in kv.layers if layer.type == SLIDING]
+    spec = "sliding_window" if skipped and skipped == sliding else ",".join(map(str, skipped))
+    return name, spec
+
+
+def parse_vllm_skip_layers(kv_cache_dtype: str, skip: str, kv: KVSpec) -> list[str]:
+    """The plan `--kv-cache-dtype X --kv-cache-dtype-skip-layers S` serves."""
+    fmt = next(
+        f
+        for f, g in ((n, get_format(n)) for n in ("fp8_e4m3", "nvfp4"))
+        if g.engine_names["vllm"] == kv_cache_dtype
+    )
+    if skip == "sliding_window":
+        skipped = {layer.index for layer in kv.layers if layer.type == SLIDING}
+    else:
+        skipped = {int(s) for s in skip.split(",") if s}
+    return [SIXTEEN_BIT if i in skipped else fmt for i in range(kv.num_layers)]
+
+
+def trtllm_dtype(layers: list[str]) -> str:
+    """KvCacheConfig.dtype's range string of a plan: runs of equal layers as 'a-b:dtype' ('a:dtype' alone)."""
+    engine = "TensorRT-LLM's per-layer KV dtype"
+    _pair_refusal(engine, layers)
+    bad = [(i, f) for i, f in enumerate(layers) if f not in TRTLLM_DTYPE]
+    if bad:
+        raise UsageError(
+            f"{engine} cannot express layer {bad[0][0]}'s {bad[0][1]}: it takes {', '.join(TRTLLM_DTYPE)}; "
+            "re-plan with those candidates"
+        )
+    segments, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[start]:
+            rng = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            segments.append(f"{rng}:{TRTLLM_DTYPE[layers[start]]}")
+            start = i
+    return ",".join(segments)
+
+
+def parse_trtllm_dtype(spec: str, num_layers: int) -> list[str]:
+    """The plan a range string describes (every layer must be named once)."""
+    back = {v: k for k, v in TRTLLM_DTYPE.items()}
+    out: list[str | None] = [None] * num_layers
+    for segment in spec.split(","):
+        rng, _, dtype = segment.rpartition(":")
+        a, _, b = rng.partition("-")
+        for i in range(int(a), int(b or a) + 1):
+            out[i] = back[dtype]
+    if any(f is None for f in out):
+        raise UsageError(f"range string '{spec}' leaves layers out")
+    return [str(f) for f in out]
+
+
+def canonical_layers(layers: list[str]) -> list[str]:
+    """Layer formats in kvcal's canonical names (a pair of two equal sides is one format)."""
+    out = []
+    for f in layers:
+        k, v = kv_pair(f)
+        out.append(k.name if k is v else f"k={k.name},v={v.name}")
+    return out
+
+
+def engine_commands(model: str, layers: list[str], kv: KVSpec, plan_path: str) -> dict[str, dict[str, str]]:
+    """Per engine: {"command": ...} or {"refused": why} — what `kvcal plan` prints beside each export."""
+    out: dict[str, dict[str, str]] = {}
+    try:
+        modelopt_config(layers, "")
+        out["vllm-modelopt"] = {
+            "command": f"kvcal plan-export {plan_path} --engine vllm-modelopt -o CHECKPOINT/hf_quant_config.json; "
+            "vllm serve CHECKPOINT --kv-cache-dtype auto",
+        }
+    except UsageError as exc:
+        out["vllm-modelopt"] = {"refused": str(exc)}
+    try:
+        dtype, skip = vllm_skip_layers(layers, kv)
+        extra = f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
+        out["vllm-skip-layers"] = {"command": f"vllm serve {model} --kv-cache-dtype {dtype}{extra}"}
+    except UsageError as exc:
+        out["vllm-skip-layers"] = {"refused": str(exc)}
+    try:
+        spec = trtllm_dtype(layers)
+        out["trtllm"] = {
+            "command": f"trtllm-serve {model} --extra_llm_api_options kv.yaml  # kv.yaml: "
+            f'kv_cache_config: {{dtype: "{spec}"}}',
+        }
+    except UsageError as exc:
+        out["trtllm"] = {"refused": str(exc)}
+    return out

@@ -1,0 +1,148 @@
+"""`kvcal plan` on a tiny random-weight Llama (wiring and exact numerics, not accuracy): the damage is kvcal
+sensitivity's, batching changes no number, the plan file is bound to its checkpoint, bad input is one Error line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvcal.errors import KvcalError, UsageError
+from kvcal.models.geometry import kv_spec
+from kvcal.models.loading import load_model
+from kvcal.pipeline.plan import measure_damage, parse_candidates, per_sample_kl, plan_quant
+from kvcal.pipeline.plan_file import load_plan, load_plan_for_model
+from kvcal.pipeline.sensitivity import sensitivity
+
+Invoke = Callable[[list[str]], tuple[int, str, str]]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _samples(n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (length - i,), generator=g) for i in range(n)]
+
+
+def test_damage_is_sensitivitys_and_batching_changes_nothing(tiny_llama_dir: Path) -> None:
+    lm = load_model(str(tiny_llama_dir))
+    kv = kv_spec(lm.model.config)
+    report = sensitivity(lm, "fp4_e2m1", num_samples=3, seq_len=16, batch_size=1)
+    from kvcal.calibrate.observation import ObserveOptions
+
+    samples = ObserveOptions.parse(num_samples=3, seq_len=16).samples(lm).samples
+    one = measure_damage(lm.model, samples, kv, ["bf16", "fp4_e2m1", "int8_per_token_head"], {}, batch_size=1)
+    two = measure_damage(lm.model, samples, kv, ["bf16", "fp4_e2m1", "int8_per_token_head"], {}, batch_size=2)
+    assert [row[1] for row in one.mean] == pytest.approx([r["kl"] for r in report["layers"]], rel=1e-12)
+    assert all(row[0] == 0.0 for row in one.mean)  # bf16: the model's own cache
+    assert torch.equal(one.per_sample, two.per_sample)
+
+
+def test_joint_kl_of_an_all_16_bit_plan_is_zero(tiny_llama_dir: Path) -> None:
+    lm = load_model(str(tiny_llama_dir))
+    kl = per_sample_kl(lm.model, _samples(2, 12), [plan_quant(["bf16"] * 3, {})], batch_size=2)
+    assert torch.equal(kl[0], torch.zeros(2, 1, dtype=torch.float64))
+
+
+def test_plan_cli_writes_a_bound_plan_file(tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> None:
+    out = tmp_path / "plan.json"
+    args = [
+        "plan", str(tiny_llama_dir), "--candidates", "bf16,fp8_e4m3,nvfp4", "--capacity", "2.5x",
+        "--num-samples", "2", "--seq-len", "16", "--heldout-windows", "2", "--heldout-seq-len", "16",
+        "--frontier", "--compare-uniform", "--refine", "1", "-o", str(out),
+    ]  # fmt: skip
+    code, stdout, err = invoke([*args, "--json"])
+    assert code == 0, err
+    r = json.loads(stdout)
+    assert len(r["layers"]) == 3 and r["capacity"]["multiplier_vs_bf16"] >= 2.5
+    assert r["measured"]["kl"]["n"] == 2 and r["estimated_kl"] >= 0
+    assert [row["config"] for row in r["uniform"]] == ["fp8_e4m3", "nvfp4"]
+    assert r["frontier"][0]["target"] == 1.0 and r["frontier"][0]["estimated_kl"] == 0.0
+    plan = load_plan_for_model(
+        out, str(tiny_llama_dir), tiny_llama_dir, kv_spec(load_model(str(tiny_llama_dir)).model.config)
+    )
+    assert plan.layers == r["layers"]
+
+    code, stdout, err = invoke(["plan-export", str(out), "--engine", "trtllm"])
+    assert code == 0, err
+    assert "dtype:" in stdout
+    hf = tmp_path / "hf_quant_config.json"
+    code, stdout, err = invoke(["plan-export", str(out), "--engine", "vllm-modelopt", "-o", str(hf)])
+    assert code == 0, err
+    assert json.loads(hf.read_text())["quantization"]["kv_cache_quant_algo"] == "MIXED_PRECISION"
+
+
+def test_plan_file_is_refused_on_another_checkpoint(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke
+) -> None:
+    out = tmp_path / "plan.json"
+    code, _, err = invoke([
+        "plan", str(tiny_llama_dir), "--candidates", "bf16,fp8_e4m3", "--capacity", "1.5x", "--num-samples", "1",
+        "--seq-len", "12", "--heldout-windows", "1", "--heldout-seq-len", "12", "-o", str(out),
+    ])  # fmt: skip
+    assert code == 0, err
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of the weights changed
+    weights.write_bytes(bytes(data))
+    kv = kv_spec(load_model(str(tiny_llama_dir)).model.config)
+    with pytest.raises(
+        KvcalError, match=r"solved for another checkpoint .*weights changed \(model.safetensors\)"
+    ):
+        load_plan_for_model(out, str(other), other, kv)
+    code, _, err = invoke(["plan-export", str(out), "--engine", "trtllm", "--model", str(other)])
+    assert code == 1
+    [line] = err.splitlines()
+    assert line.startswith("Error: plan file") and "run `kvcal plan` on this checkpoint" in line
+    assert load_plan(out).layers  # the file itself is fine
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--capacity", "5x"],
+            r"Error: --capacity 5x is out of reach: the cheapest candidates \(nvfp4 on every layer\) give 3.55x",
+        ),
+        (["--capacity", "0.5x"], "Error: --capacity 0.5x: a plan holds at least BF16's tokens"),
+        (
+            ["--capacity", "2x", "--candidates", "auto,fp8"],
+            "Error: --candidates: 'auto' is not a storage format",
+        ),
+    ],
+)
+def test_bad_input_is_one_error_line(
+    tiny_llama_dir: Path, invoke: Invoke, extra: list[str], message: str
+) -> None:
+    code, _, err = invoke(["plan", str(tiny_llama_dir), "--candidates", "bf16,fp8_e4m3,nvfp4", *extra])
+    assert code == 2, err
+    [line] = err.splitlines()
+    assert __import__("re").match(message, line), line
+
+
+def test_export_refusal_is_one_error_line(tmp_path: Path, invoke: Invoke, tiny_llama_dir: Path) -> None:
+    out = tmp_path / "plan.json"
+    code, _, err = invoke([
+        "plan", str(tiny_llama_dir), "--candidates", "bf16,k=fp8_e4m3,v=nvfp4", "--capacity", "1.2x",
+        "--num-samples", "1", "--seq-len", "12", "--heldout-windows", "1", "--heldout-seq-len", "12", "-o", str(out),
+    ])  # fmt: skip
+    assert code == 0, err
+    code, _, err = invoke(["plan-export", str(out), "--engine", "vllm-modelopt"])
+    assert code == 2
+    [line] = err.splitlines()
+    assert "cannot express layer" in line and "mixed-K/V kernel" in line
+
+
+def test_candidates_are_canonical() -> None:
+    assert parse_candidates(["bf16", "fp8", "k=fp8,v=fp8", "k=fp8,v=nvfp4"]) == [
+        "bf16",
+        "fp8_e4m3",
+        "k=fp8_e4m3,v=nvfp4",
+    ]
+    with pytest.raises(UsageError, match="at least two formats"):
+        parse_candidates(["fp8"])

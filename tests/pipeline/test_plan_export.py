@@ -1,0 +1,75 @@
+"""Plan exports parse back to the plan (ModelOpt's per-layer map, vLLM skip layers, TRT-LLM's range string), and
+each engine's refusal names what it lacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcal.errors import UsageError
+from kvcal.models.geometry import FULL, SLIDING, KVSpec, LayerSpec
+from kvcal.pipeline.plan_export import (
+    engine_commands,
+    modelopt_config,
+    parse_modelopt_config,
+    parse_trtllm_dtype,
+    parse_vllm_skip_layers,
+    trtllm_dtype,
+    vllm_skip_layers,
+)
+
+
+def _spec(types: list[str]) -> KVSpec:
+    layers = tuple(LayerSpec(i, t, 512 if t == SLIDING else None, 4, 1, 64) for i, t in enumerate(types))
+    return KVSpec("test", layers, 4096, "bfloat16")
+
+
+MIXED = ["fp8_e4m3", "fp8_e4m3", "nvfp4", "bf16", "nvfp4", "nvfp4", "fp8_e4m3"]
+
+
+def test_modelopt_map_parses_back() -> None:
+    cfg = modelopt_config(MIXED, "kvcal test")
+    q = cfg["quantization"]
+    assert q["quant_algo"] == q["kv_cache_quant_algo"] == "MIXED_PRECISION"
+    assert q["kv_cache_schema_version"] == 1 and q["quantized_layers"] == {}
+    assert q["kv_cache_quantized_layers"]["model.layers.2.self_attn"] == {"quant_algo": "NVFP4"}
+    assert "model.layers.3.self_attn" not in q["kv_cache_quantized_layers"]  # 16-bit: left out
+    assert parse_modelopt_config(cfg, len(MIXED)) == MIXED
+
+
+def test_trtllm_range_string_parses_back() -> None:
+    spec = trtllm_dtype(MIXED)
+    assert spec == "0-1:fp8,2:nvfp4,3:bf16,4-5:nvfp4,6:fp8"
+    assert parse_trtllm_dtype(spec, len(MIXED)) == MIXED
+    assert trtllm_dtype(["nvfp4"] * 4) == "0-3:nvfp4"
+
+
+def test_two_level_plan_is_vllm_skip_layers() -> None:
+    kv = _spec([FULL] * 6)
+    layers = ["bf16", "nvfp4", "nvfp4", "bf16", "nvfp4", "nvfp4"]
+    assert vllm_skip_layers(layers, kv) == ("nvfp4", "0,3")
+    assert parse_vllm_skip_layers("nvfp4", "0,3", kv) == layers
+    gemma = _spec([SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL])
+    sliding_bf16 = ["bf16", "bf16", "fp8_e4m3", "bf16", "bf16", "fp8_e4m3"]
+    assert vllm_skip_layers(sliding_bf16, gemma) == ("fp8", "sliding_window")
+    assert parse_vllm_skip_layers("fp8", "sliding_window", gemma) == sliding_bf16
+    assert vllm_skip_layers(["fp8_e4m3"] * 6, kv) == ("fp8", "")
+
+
+def test_refusals_name_what_the_engine_lacks() -> None:
+    kv = _spec([FULL] * 7)
+    pair = ["k=fp8_e4m3,v=nvfp4"] + MIXED[1:]
+    for fn in (lambda x: modelopt_config(x, ""), trtllm_dtype, lambda x: vllm_skip_layers(x, kv)):
+        with pytest.raises(
+            UsageError, match=r"cannot express layer 0's k=fp8_e4m3,v=nvfp4: .*mixed-K/V kernel"
+        ):
+            fn(pair)
+    with pytest.raises(UsageError, match="reads FP8 and NVFP4 layers only"):
+        modelopt_config(["int8_per_token_head"] + MIXED[1:], "")
+    with pytest.raises(UsageError, match="cannot express layer 0's fp8_e5m2: it takes fp8_e4m3, nvfp4, bf16"):
+        trtllm_dtype(["fp8_e5m2"] + MIXED[1:])
+    with pytest.raises(UsageError, match="cannot express a plan of 2 quantized formats"):
+        vllm_skip_layers(MIXED, kv)
+    commands = engine_commands("m", MIXED, kv, "plan.json")
+    assert "refused" in commands["vllm-skip-layers"]
+    assert "--kv-cache-dtype auto" in commands["vllm-modelopt"]["command"]
+    assert '"0-1:fp8,2:nvfp4,3:bf16,4-5:nvfp4,6:fp8"' in commands["trtllm"]["command"]
