@@ -153,14 +153,17 @@ def _render(r: dict[str, Any]) -> None:
             if row["changed"] else "no change"
         ))  # fmt: skip
     if r.get("frontier"):
-        table = Table(title="Pareto frontier (estimated)", box=box.SIMPLE_HEAD)
-        for col in ("target", "xBF16", "est. KL", "layers"):
+        table = Table(
+            title="Pareto frontier (estimated KL; measured with --compare-uniform)", box=box.SIMPLE_HEAD
+        )
+        for col in ("target", "xBF16", "est. KL", "measured KL", "layers"):
             table.add_column(col, justify="left" if col == "layers" else "right")
         for row in r["frontier"]:
             table.add_row(
                 f"{row['target']:g}x",
                 f"{row['capacity']:.3f}",
                 f"{row['estimated_kl']:.4g}",
+                _fmt_interval(row["measured"]) if "measured" in row else "-",
                 _runs(row["layers"]),
             )
         console.print(table)

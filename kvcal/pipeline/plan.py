@@ -363,7 +363,12 @@ def plan(
         "warnings": warnings,
     }
     if frontier:
-        result["frontier"] = _frontier(kv, cands, damage, budget, frontier_step)
+        rows = _frontier(kv, cands, damage, budget, frontier_step)
+        if compare_uniform:  # every Pareto plan measured jointly on the same held-out windows
+            m = joint([row["layers"] for row in rows], windows, "frontier")  # [2, W, rows]
+            for j, row in enumerate(rows):
+                row["measured"] = _measured(m[:, :, j])
+        result["frontier"] = rows
     if compare_uniform:
         result["uniform"] = _uniform(kv, cands, budget, windows, measured[0, :, 0], joint)
     if out is not None:
