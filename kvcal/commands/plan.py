@@ -204,13 +204,13 @@ def plan_export_cmd(
     from kvcal.models.config import load_config
     from kvcal.models.geometry import kv_spec
     from kvcal.pipeline.plan_export import ENGINES, modelopt_config, trtllm_dtype, vllm_skip_layers
-    from kvcal.pipeline.plan_file import load_plan
+    from kvcal.planfile import load_plan
 
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got '{engine}'")
     if model is not None:
         from kvcal.models.real import resolve_real_name
-        from kvcal.pipeline.plan_file import load_plan_for_model
+        from kvcal.planfile import load_plan_for_model
         from kvcal.scales import resolve_model_and_spec
 
         model_dir, kv = resolve_model_and_spec(model)

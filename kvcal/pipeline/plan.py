@@ -46,10 +46,10 @@ from kvcal.models.loading import LoadedModel, check_device, input_device, load_m
 from kvcal.models.real import resolve_real_name
 from kvcal.pipeline.plan_cost import Budget, integer_costs, parse_budget, plan_capacity
 from kvcal.pipeline.plan_export import SIXTEEN_BIT, canonical_layers, engine_commands
-from kvcal.pipeline.plan_file import plan_record, save_plan
 from kvcal.pipeline.plan_solve import solve
 from kvcal.pipeline.sensitivity import layer_scales
 from kvcal.placement import Placement
+from kvcal.planfile import plan_record, save_plan
 from kvcal.scales import compute_binding, file_sha256
 
 # per layer: (K format, K scale, V format, V scale), or None = untouched

@@ -15,8 +15,8 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.models.geometry import kv_spec
 from kvcal.models.loading import load_model
 from kvcal.pipeline.plan import measure_damage, parse_candidates, per_sample_kl, plan_quant
-from kvcal.pipeline.plan_file import load_plan, load_plan_for_model
 from kvcal.pipeline.sensitivity import sensitivity
+from kvcal.planfile import load_plan, load_plan_for_model
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]
 pytestmark = pytest.mark.usefixtures("one_thread")
