@@ -146,3 +146,19 @@ def test_candidates_are_canonical() -> None:
     ]
     with pytest.raises(UsageError, match="at least two formats"):
         parse_candidates(["fp8"])
+
+
+def test_damage_costs_one_reference_and_one_forward_per_layer_and_quantized_candidate(
+    tiny_llama_dir: Path,
+) -> None:
+    """The cost claim of docs/commands.md: per batch, L x K' + 1 forwards (bf16 needs none, the reference is
+    shared by every one-layer forward), against sensitivity's L + 2 per format."""
+    lm = load_model(str(tiny_llama_dir))
+    kv = kv_spec(lm.model.config)
+    calls = []
+    handle = lm.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        measure_damage(lm.model, _samples(4, 10), kv, ["bf16", "fp4_e2m1", "int8_per_token_head"], {}, 2)
+    finally:
+        handle.remove()
+    assert len(calls) == 2 * (3 * 2 + 1)  # 2 batches x (3 layers x 2 quantized candidates + 1 reference)
