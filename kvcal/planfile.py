@@ -105,3 +105,17 @@ def load_plan_for_model(
             "run `kvcal plan` on this checkpoint"
         )
     return plan
+
+
+def one_format_plus_16_bit(plan: PlanFile) -> tuple[str, str | None]:
+    """(kv_format, skip_layers) of a plan that is one format plus 16-bit layers — what kvcal's quantized cache and
+    `--skip-layers` run; UsageError naming the formats otherwise."""
+    quantized = sorted({f for f in plan.layers if f != "bf16"})
+    if len(quantized) != 1:
+        raise UsageError(
+            f"plan file '{plan.path}' uses {len(quantized)} quantized formats ({', '.join(quantized) or 'none'}); "
+            "kvcal's quantized cache runs one format per model plus 16-bit layers, so evaluate such a plan by "
+            "its joint KL (`kvcal plan --compare-uniform`), or re-plan with one quantized candidate and bf16"
+        )
+    skipped = [i for i, f in enumerate(plan.layers) if f == "bf16"]
+    return quantized[0], ",".join(map(str, skipped)) or None

@@ -3,6 +3,8 @@ each engine's refusal names what it lacks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvcal.errors import UsageError
@@ -73,3 +75,18 @@ def test_refusals_name_what_the_engine_lacks() -> None:
     assert "refused" in commands["vllm-skip-layers"]
     assert "--kv-cache-dtype auto" in commands["vllm-modelopt"]["command"]
     assert '"0-1:fp8,2:nvfp4,3:bf16,4-5:nvfp4,6:fp8"' in commands["trtllm"]["command"]
+
+
+def test_a_two_level_plan_file_is_one_format_plus_skip_layers(tmp_path: Path) -> None:
+    from kvcal.planfile import load_plan, one_format_plus_16_bit, plan_record, save_plan
+
+    kv = _spec([FULL] * 4)
+    binding = {"num_layers": 4}
+    path = save_plan(tmp_path / "p.json", plan_record("m", binding, kv, ["bf16", "nvfp4", "nvfp4", "bf16"]))
+    assert one_format_plus_16_bit(load_plan(path)) == ("nvfp4", "0,3")
+    mixed = save_plan(tmp_path / "q.json", plan_record("m", binding, kv, ["fp8_e4m3", "nvfp4", "nvfp4", "bf16"]))
+    with pytest.raises(UsageError, match=r"uses 2 quantized formats \(fp8_e4m3, nvfp4\); kvcal's quantized cache"):
+        one_format_plus_16_bit(load_plan(mixed))
+    (tmp_path / "bad.json").write_text('{"kvcal_plan": 1, "layers": [{"layer": 1}]}')
+    with pytest.raises(UsageError, match="is malformed"):
+        load_plan(tmp_path / "bad.json")
