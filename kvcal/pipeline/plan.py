@@ -384,7 +384,7 @@ def plan(
 
 def _measured(t: torch.Tensor) -> dict[str, Any]:
     """t: [2, W] (KL, top-1 agreement per window) -> the KL interval and mean agreement."""
-    return {"kl": interval(t[0].tolist()), "top1_agree": float(t[1].mean())}
+    return {"kl": interval(t[0].tolist()), "top1_agree": float(t[1].mean()), "kl_per_window": t[0].tolist()}
 
 
 def _scale_files(scales: Sequence[str], cands: list[str]) -> dict[str, str]:
