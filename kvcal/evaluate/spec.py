@@ -153,6 +153,7 @@ class EvalSpec:
     passkey_depths: tuple[float, ...]
     output: str | None = None
     gpqa_password: str | None = field(default=None, repr=False, compare=False)
+    plan_file: str | None = None  # `-f plan.json`: kv_format / skip_layers came from it; bind checks its binding
 
     # ---- derived -----------------------------------------------------------------------------------------------
 
@@ -389,12 +390,26 @@ def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:
     return ScaleSource("file", str(scales), f"calib-{loaded.granularity}", loaded)
 
 
+def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None]:
+    """`-f plan.json` (a `kvcal plan` file): its one format and 16-bit layers as --kv-format / --skip-layers
+    (kvcal.planfile.one_format_plus_16_bit refuses a plan the quantized cache cannot run)."""
+    if not str(config.kv_format).lower().endswith(".json"):
+        return config, None
+    from kvcal.planfile import load_plan, one_format_plus_16_bit
+
+    if config.skip_layers:
+        raise UsageError("--skip-layers comes from the plan file given as --kv-format; drop --skip-layers")
+    fmt, skip = one_format_plus_16_bit(load_plan(config.kv_format))
+    return dataclasses.replace(config, kv_format=fmt, skip_layers=skip), str(config.kv_format)
+
+
 def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: bool = True) -> EvalSpec:
     """Parse and check everything that needs no model (UsageError naming the option otherwise). `scales_tag`:
     the run-directory tag of a scale file named before it exists (a sweep cell); the file is then loaded when
     the run starts. `own_tasks` False: lm-eval's model (`--model kvcal --model_args ...`, kvcal.evaluate.adapter),
     whose tasks lm-eval runs: the spec has none."""
     _check_numbers(config)
+    config, plan_file = _from_plan_file(config)
     scales = _scale_source(config, scales_tag)
     check_kl_subsample(config.kl_subsample)
     if config.dtype not in DTYPES:
@@ -458,6 +473,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         strict=bool(config.strict),
         passkey_lengths=lengths,
         passkey_depths=depths,
+        plan_file=plan_file,
         output=config.output,
         gpqa_password=config.gpqa_password,
     )

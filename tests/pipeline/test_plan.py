@@ -162,3 +162,36 @@ def test_damage_costs_one_reference_and_one_forward_per_layer_and_quantized_cand
     finally:
         handle.remove()
     assert len(calls) == 2 * (3 * 2 + 1)  # 2 batches x (3 layers x 2 quantized candidates + 1 reference)
+
+
+def test_eval_takes_a_plan_file(tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> None:
+    """`kvcal eval -f plan.json`: a one-format plan runs as --kv-format X --skip-layers (the 16-bit layers);
+    refused on another checkpoint and when it mixes formats the quantized cache cannot run together."""
+    import yaml
+
+    from kvcal.planfile import plan_record, save_plan
+    from kvcal.scales import compute_binding
+
+    kv = kv_spec(load_model(str(tiny_llama_dir)).model.config)
+    binding = compute_binding(str(tiny_llama_dir), tiny_llama_dir, kv)
+    good = save_plan(tmp_path / "p.json", plan_record("m", binding, kv, ["bf16", "fp4_e2m1", "fp4_e2m1"]))
+    run = tmp_path / "run"
+    code, _, err = invoke(
+        ["eval", str(tiny_llama_dir), "-f", str(good), "--tasks", "kl", "--limit", "1", "--kl-seq-len", "16",
+         "-o", str(run)]
+    )  # fmt: skip
+    assert code == 0, err
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["kv_format"] == "fp4_e2m1" and str(recorded["skip_layers"]) == "0"
+    mixed = save_plan(tmp_path / "q.json", plan_record("m", binding, kv, ["bf16", "fp4_e2m1", "nvfp4"]))
+    code, _, err = invoke(
+        ["eval", str(tiny_llama_dir), "-f", str(mixed), "--tasks", "kl", "-o", str(tmp_path / "r2")]
+    )
+    assert code == 2 and err.startswith("Error: plan file") and "2 quantized formats" in err
+    other = dict(binding, config_sha256="0" * 64)
+    stale = save_plan(tmp_path / "s.json", plan_record("m", other, kv, ["bf16", "fp4_e2m1", "fp4_e2m1"]))
+    code, _, err = invoke(
+        ["eval", str(tiny_llama_dir), "-f", str(stale), "--tasks", "kl", "-o", str(tmp_path / "r3")]
+    )
+    assert code == 1 and "solved for another checkpoint" in err and "config.json changed" in err
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
