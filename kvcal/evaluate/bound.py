@@ -61,13 +61,13 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
     if hf_config is None:
         hf_config = folder_config(model_dir, spec.trust_remote_code, spec.model)
     kv = kv_spec(hf_config)
+    skip = parse_skip_layers(spec.skip_layers, kv)
+    # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
+    dtype = resolve_dtype(spec.dtype, model_dir, hf_config) if plan is not None else spec.dtype
     if spec.plan_file is not None:  # a plan is refused on another checkpoint, like a scale file
         from kvcal.planfile import load_plan_for_model
 
         load_plan_for_model(spec.plan_file, spec.model, model_dir, kv)
-    skip = parse_skip_layers(spec.skip_layers, kv)
-    # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
-    dtype = resolve_dtype(spec.dtype, model_dir, hf_config) if plan is not None else spec.dtype
     limit = kv.max_position_embeddings  # the lengths the config bounds: kl windows, generated tokens, prompts
     if limit and spec.has_kl and spec.kl_seq_len > limit:
         raise UsageError(
