@@ -31,7 +31,20 @@ def compare_cmd(
     fail_on_regression: bool = typer.Option(
         False,
         "--fail-on-regression",
-        help="Exit 1 when a configuration regresses significantly beyond --max-drop.",
+        help="Exit 1 when the gate does not pass: a configuration fails it (see --gate), or one could not be "
+        "judged (too few paired samples, no task in common; --allow-unjudged lets those pass).",
+    ),
+    gate: str = typer.Option(
+        "regression",
+        "--gate",
+        help="regression: fail a configuration that degrades significantly beyond --max-drop; noninferiority: "
+        "pass only one whose one-sided (1 - alpha) upper bound of the degradation is under --max-drop (prints "
+        "the paired samples that would show it when it does not).",
+    ),
+    allow_unjudged: bool = typer.Option(
+        False,
+        "--allow-unjudged",
+        help="With --fail-on-regression: configurations the gate could not judge pass instead of failing.",
     ),
     max_drop: list[str] | None = typer.Option(
         None,
@@ -47,8 +60,8 @@ def compare_cmd(
     min_samples: int = typer.Option(
         10,
         "--min-samples",
-        help="Fewer paired samples than this: 'insufficient data', neither pass nor FAIL (the gate does not "
-        "fail on it; the report lists it).",
+        help="Fewer paired samples than this: 'insufficient data', not judged (the gate fails on it unless "
+        "--allow-unjudged; the report lists it).",
     ),
     no_correction: bool = typer.Option(
         False,
@@ -87,8 +100,10 @@ def compare_cmd(
         multiple_testing="none" if no_correction else "holm",
         context=context,
         context_source=source,
+        gate=gate,
+        allow_unjudged=allow_unjudged,
     )
-    failed = fail_on_regression and bool(cmp.failures)
+    failed = fail_on_regression and not cmp.gate_passed
     _write_outputs(cmp, output, html_out, as_json)
     _print_gate(cmp, failed)
     if failed:
@@ -138,6 +153,7 @@ _GATE_STYLE = {
     "FAIL": "[red]FAIL[/red]",
     "pass": "[green]pass[/green]",
     "insufficient data": "[yellow]insufficient data[/yellow]",
+    "not judged: no task in common": "[yellow]not judged: no task in common[/yellow]",
 }
 
 
@@ -158,15 +174,26 @@ def _summary_table(cmp: Comparison) -> Table:
 
 
 def _print_gate(cmp: Comparison, failed: bool) -> None:
-    """Regressions and results the gate could not judge, on stderr."""
+    """What failed the gate and what it could not judge, on stderr (each verdict carries its numbers; a
+    non-inferiority one the paired samples that would show it)."""
+    mode = cmp.settings.gate
     if cmp.failures:
         lines = [f"  {r.config}: {r.verdict}" for r in cmp.failures]
-        head = "Regression gate FAILED:" if failed else "Regressions over the threshold:"
+        if mode == "noninferiority":
+            head = "Non-inferiority gate FAILED:" if failed else "Not shown non-inferior:"
+        else:
+            head = "Regression gate FAILED:" if failed else "Regressions over the threshold:"
         err_console.print("\n".join([head, *lines]), highlight=False, markup=False)
-    if cmp.insufficient:
-        lines = [f"  {r.config}: {r.verdict}" for r in cmp.insufficient]
-        head = "Not judged by the gate (insufficient data):"
-        err_console.print("\n".join([head, *lines]), highlight=False, markup=False)
+    unjudged = [f"  {r.config}: {r.verdict}" for r in cmp.insufficient]
+    unjudged += [f"  {label}: {cmp.config_verdict(label)}" for label in cmp.no_common_task]
+    if unjudged:
+        if cmp.settings.allow_unjudged:
+            head = "Not judged by the gate (passed by --allow-unjudged):"
+        elif failed and not cmp.failures:
+            head = f"{mode.capitalize()} gate FAILED: not judged (pass --allow-unjudged to let them pass):"
+        else:
+            head = "Not judged by the gate (fails it; --allow-unjudged lets them pass):"
+        err_console.print("\n".join([head, *unjudged]), highlight=False, markup=False)
 
 
 def sweep_cmd(

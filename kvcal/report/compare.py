@@ -11,6 +11,7 @@ baseline -> capacity -> measure every (configuration, task, metric, filter) -> j
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,8 +26,11 @@ from kvcal.report.metrics import MetricSpec, arrays, metric_specs
 from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, load_run
 from kvcal.report.speed import EmulationSpeed, emulation_speed
 from kvcal.report.verdicts import (
+    GATES,
     HOLM,
     NO_CORRECTION,
+    NONINFERIORITY,
+    REGRESSION,
     GatePolicy,
     GateSettings,
     MetricResult,
@@ -35,6 +39,7 @@ from kvcal.report.verdicts import (
     config_verdict,
     judge,
     parse_gate_policy,
+    threshold_is_relative,
 )
 from kvcal.rundir import RunConfig
 
@@ -142,8 +147,25 @@ class Comparison:
 
     @property
     def insufficient(self) -> list[MetricResult]:
-        """Gated results the gate could not judge (fewer paired samples than min_samples)."""
-        return [r for r in self.results if r.gated and r.insufficient]
+        """Gated results the gate could not judge (fewer paired samples than min_samples, or a threshold with no
+        meaning against this baseline: MetricResult.unjudged)."""
+        return [r for r in self.results if r.unjudged]
+
+    @property
+    def no_common_task(self) -> list[str]:
+        """Configurations with no task (no paired sample) in common with the baseline: nothing was judged."""
+        return [c.label for c in self.configs[1:] if not self.by_config(c.label)]
+
+    @property
+    def unjudged_configs(self) -> list[str]:
+        """Configurations the gate could not judge in full: an unjudged gated result, or no task in common."""
+        lacking = {r.config for r in self.insufficient}
+        return [c.label for c in self.configs[1:] if c.label in lacking or c.label in self.no_common_task]
+
+    @property
+    def gate_passed(self) -> bool:
+        """No configuration failed, and every one was judged (or GateSettings.allow_unjudged lets it pass)."""
+        return not self.failures and (self.settings.allow_unjudged or not self.unjudged_configs)
 
     def config_verdict(self, label: str) -> str:
         return config_verdict([r for r in self.by_config(label) if r.key or r.gated])
@@ -198,11 +220,16 @@ class Comparison:
     def _gate_dict(self) -> dict[str, Any]:
         def brief(r: MetricResult) -> dict[str, Any]:
             return {"config": r.config, "task": r.task, "metric": r.label, "diff": r.diff,
-                    "rel_change": r.rel_change, "threshold": r.gate_threshold, "p_adjusted": r.p_adjusted,
-                    "verdict": r.verdict}  # fmt: skip
+                    "rel_change": r.rel_change, "threshold": r.gate_threshold,
+                    "threshold_unit": r.threshold_unit, "p_adjusted": r.p_adjusted,
+                    "upper_bound": r.ni_upper, "n_needed": r.ni_n_needed, "verdict": r.verdict}  # fmt: skip
 
         return {
-            "passed": not self.failures,
+            "passed": self.gate_passed,
+            "mode": self.settings.gate,
+            "allow_unjudged": self.settings.allow_unjudged,
+            "unjudged_configurations": self.unjudged_configs,
+            "no_common_task": self.no_common_task,
             "policy": self.policy.to_dict(),
             "gated": sorted({f"{r.task}/{r.label}" for r in self.results if r.gated}),
             "failures": [brief(r) for r in self.failures],
@@ -524,6 +551,7 @@ def measure(
     elif judged:
         test = stats.bca_difference(nb, no, db, do, spec.transform, s.alpha, rs.n_boot, rs.seed)
     rel, rel_ci, unbounded = _relative(base, score - base, (nb, db, no, do), spec, s.alpha, judged)
+    ni = _noninferiority_bound(base, score - base, rel, (nb, db, no, do), spec, binary, s, rs) if judged else None
     return MetricResult(
         task=task, config=config, metric=spec.metric, filter=spec.filter, label=spec.label, key=spec.key,
         higher_is_better=spec.higher_is_better, binary=binary, n=n, n_base_total=n, n_other_total=n,
@@ -535,14 +563,68 @@ def measure(
         rel_ci_unbounded=unbounded, p_value=test.p_value if test else None, discordant=disc,
         se_diff=test.se_diff if test else 0.0,
         identical=bool(np.array_equal(nb, no) and np.array_equal(db, do)), insufficient=not judged,
+        degradation=_degradation(spec, score - base, rel),
+        ni_upper=ni[0] if ni else None, ni_sd=ni[1] if ni else None,
     )  # fmt: skip
+
+
+def _degradation(spec: MetricSpec, diff: float, rel: float | None) -> float | None:
+    """How much worse the configuration is, in its threshold's unit (verdicts.threshold_is_relative); None where
+    that unit is relative and the baseline is ~0."""
+    if threshold_is_relative(spec.metric, spec.higher_is_better):
+        return rel
+    return -diff if spec.higher_is_better else diff
+
+
+def _noninferiority_bound(
+    base: float,
+    diff: float,
+    rel: float | None,
+    arrs: tuple[np.ndarray, ...],
+    spec: MetricSpec,
+    binary: bool,
+    s: GateSettings,
+    rs: Resampling,
+) -> tuple[float, float] | None:
+    """(one-sided upper confidence bound of the degradation at level 1 - alpha, per-sample SD of the degradation)
+    in the threshold's unit, measured only for the non-inferiority gate; None where the unit is relative and the
+    baseline is ~0. The one-sided bound is the matching end of the two-sided 1 - 2 alpha interval of the
+    statistic the regression gate tests: Newcombe's (binary), the paired BCa bootstrap's (others, same seed),
+    Fieller's for a relative change (inf when it is unbounded)."""
+    if s.gate != NONINFERIORITY:
+        return None
+    nb, db, no, do = arrs
+    n = nb.size
+    two = 2 * s.alpha
+    if threshold_is_relative(spec.metric, spec.higher_is_better):
+        if rel is None:
+            return None
+        vb, vo, cov = stats.paired_covariance(nb, db, no, do, spec.transform)
+        t = (base + diff) / base
+        sd = math.sqrt(max(vo - 2 * t * cov + t * t * vb, 0.0) * n) / abs(base)  # delta method of other / base
+        interval = stats.fieller_relative(base, base + diff, vb, vo, cov, two)
+        return (math.inf if interval is None else interval[1]), sd
+    if binary:
+        a, b, c, d = stats.discordant_pairs(nb, no)
+        lo, hi = stats.newcombe_paired(a, b, c, d, two)  # Wilson-based: not 0-wide with no discordant pairs
+        sd = stats.paired_binary_test(a, b, c, d, s.alpha).se_diff * math.sqrt(n)
+    else:
+        test = stats.bca_difference(nb, no, db, do, spec.transform, two, rs.n_boot, rs.seed)
+        lo, hi, sd = test.ci_low, test.ci_high, test.se_diff * math.sqrt(n)
+    return (-lo if spec.higher_is_better else hi), sd
 
 
 # --------------------------------------------------------------------------------------------------------------
 
 
 def _settings(
-    max_drop: MaxDrop, on_bad_run: str, alpha: float, min_samples: int, multiple_testing: str
+    max_drop: MaxDrop,
+    on_bad_run: str,
+    alpha: float,
+    min_samples: int,
+    multiple_testing: str,
+    gate: str = REGRESSION,
+    allow_unjudged: bool = False,
 ) -> GateSettings:
     if on_bad_run not in ("fail", "skip"):
         raise UsageError(f"--on-bad-run must be 'skip' or 'fail', got {on_bad_run!r}")
@@ -553,7 +635,9 @@ def _settings(
         raise UsageError(f"--min-samples must be at least 2, got {min_samples}")
     if multiple_testing not in (HOLM, NO_CORRECTION):
         raise UsageError(f"multiple_testing must be {HOLM!r} or {NO_CORRECTION!r}, got {multiple_testing!r}")
-    return GateSettings(policy, alpha, min_samples, multiple_testing)
+    if gate not in GATES:
+        raise UsageError(f"--gate must be one of {', '.join(GATES)}, got {gate!r}")
+    return GateSettings(policy, alpha, min_samples, multiple_testing, gate, allow_unjudged)
 
 
 def _unmatched_policy_warnings(results: list[MetricResult], policy: GatePolicy, warn: Warn) -> None:
@@ -593,6 +677,8 @@ def compare_runs(
     multiple_testing: str = HOLM,
     context: int | None = None,
     context_source: str = "--context",
+    gate: str = REGRESSION,
+    allow_unjudged: bool = False,
 ) -> Comparison:
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
 
@@ -606,8 +692,11 @@ def compare_runs(
     `context`: tokens of context the capacity column assumes (sliding-window layers hold min(context, window));
     None: the longest context the runs evaluated (kl_seq_len, passkey lengths), or none when no run says.
     `context_source` says where a given `context` comes from, in the report's words.
+    `gate`: 'regression' (fail a configuration shown worse than its threshold) or 'noninferiority' (pass only one
+    whose one-sided upper bound of the degradation is under its threshold); `allow_unjudged`: a configuration the
+    gate could not judge (too few samples, no task in common) passes Comparison.gate_passed.
     """
-    settings = _settings(max_drop, on_bad_run, alpha, min_samples, multiple_testing)
+    settings = _settings(max_drop, on_bad_run, alpha, min_samples, multiple_testing, gate, allow_unjudged)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens (e.g. 8192), got {context}")
     resampling = Resampling(n_boot, seed)

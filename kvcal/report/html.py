@@ -54,8 +54,11 @@ def _md_to_html(line: str) -> str:
 
 
 def _head(cmp: Comparison) -> list[str]:
-    gate_ok = not cmp.failures
-    gate_txt = fmt.gate_line(len(cmp.failures), len(cmp.insufficient))
+    gate_ok = cmp.gate_passed
+    gate_txt = fmt.gate_line(
+        len(cmp.failures), len(cmp.insufficient), len(cmp.no_common_task), cmp.settings.allow_unjudged,
+        cmp.settings.gate,
+    )
     out = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvcal comparison report</title>",
         f"<style>{_CSS}</style></head><body>",

@@ -36,16 +36,17 @@ def by_task(cmp: Comparison) -> list[tuple[str, list[tuple[str, list[MetricResul
 
 
 def _header(cmp: Comparison) -> list[str]:
-    gate = fmt.gate_line(len(cmp.failures), len(cmp.insufficient))
+    gate = fmt.gate_line(
+        len(cmp.failures), len(cmp.insufficient), len(cmp.no_common_task), cmp.settings.allow_unjudged,
+        cmp.settings.gate,
+    )
     return [
         "# kvcal KV-cache comparison report",
         "",
         f"- **Model:** `{cmp.model}`",
         f"- **Baseline:** `{cmp.baseline}`",
         f"- **Tasks:** {', '.join(cmp.tasks)}",
-        f"- **Gate:** {gate} — a configuration fails when a gated metric degrades significantly (p < {cmp.alpha:g}"
-        f"{', Holm-adjusted' if cmp.multiple_testing == 'holm' else ''}) by more than its threshold "
-        "(absolute for accuracy-like metrics, relative for perplexity, nats for kl)",
+        f"- **Gate ({cmp.settings.gate}):** {gate} — {gate_rule(cmp)}",
         f"- **Gate policy (--max-drop):** {cmp.policy.describe()}; gated: {_esc(gated_list(cmp))}",
         f"- **Multiple testing:** {fmt.correction_words(cmp.multiple_testing, cmp.alpha)}",
         f"- **Minimum paired samples:** {cmp.min_samples} (fewer: insufficient data, not judged)",
@@ -54,9 +55,32 @@ def _header(cmp: Comparison) -> list[str]:
     ]
 
 
+def gate_rule(cmp: Comparison) -> str:
+    """What the gate asks of a configuration, in words."""
+    units = "(thresholds: absolute for accuracy-like metrics and kl's nats, relative for perplexity)"
+    unjudged = (
+        "; one it could not judge (too few samples, no task in common) "
+        + ("passes (--allow-unjudged)" if cmp.settings.allow_unjudged else "fails")
+    )
+    if cmp.settings.gate == "noninferiority":
+        return (
+            f"a configuration passes only when, for every gated metric, the one-sided {1 - cmp.alpha:.0%} upper "
+            f"confidence bound of its degradation is under its threshold {units}{unjudged}"
+        )
+    holm = ", Holm-adjusted" if cmp.multiple_testing == "holm" else ""
+    return (
+        f"a configuration fails when a gated metric degrades significantly (p < {cmp.alpha:g}{holm}) by more "
+        f"than its threshold {units}{unjudged}"
+    )
+
+
 def _gate_lists(cmp: Comparison) -> list[str]:
     lines: list[str] = []
-    if cmp.failures:
+    if cmp.failures and cmp.settings.gate == "noninferiority":
+        lines += ["## Not shown non-inferior", ""]
+        lines += [f"- `{r.config}`: {r.verdict}" for r in cmp.failures]
+        lines.append("")
+    elif cmp.failures:
         lines += ["## Regressions over the gate threshold", ""]
         lines += [
             f"- `{r.config}`: {r.verdict} (difference {fmt.diff(r)}, relative {fmt.rel(r)})"
@@ -66,6 +90,10 @@ def _gate_lists(cmp: Comparison) -> list[str]:
     if cmp.insufficient:
         lines += ["## Insufficient data (not judged by the gate)", ""]
         lines += [f"- `{r.config}`: {r.verdict}" for r in cmp.insufficient]
+        lines.append("")
+    if cmp.no_common_task:
+        lines += ["## No task in common with the baseline (not judged by the gate)", ""]
+        lines += [f"- `{label}`: {cmp.config_verdict(label)}" for label in cmp.no_common_task]
         lines.append("")
     return lines
 
@@ -142,15 +170,15 @@ def how_to_read(cmp: Comparison) -> list[str]:
         "tested, configurations x tasks x filters); gated metrics are significant when the adjusted p < alpha, "
         "the others (secondary metrics, top1_agree unless the policy names it) on their own p.",
         "- **relative change [Fieller]**: configuration / baseline - 1 with Fieller's interval for a ratio (delta-"
-        "method covariance); *unbounded* when the baseline is not clearly above 0. The gate threshold is relative "
-        "for lower-is-better metrics, except where the baseline is ~0 (kvcal's `kl` of a BF16 run, measured "
-        "against a BF16 cache): there it applies to the absolute difference (nats). Each metric's threshold is "
+        "method covariance); *unbounded* when the baseline is not clearly above 0. A threshold's unit is fixed by "
+        "its metric, never by the baseline's value: relative for perplexities, absolute for accuracy-like "
+        "metrics and for `kl` (nats, against an FP8 baseline as against a BF16 one). Each metric's threshold is "
         "in its table's heading (--max-drop METRIC=VALUE or TASK/METRIC=VALUE sets one).",
         f"- **min. detectable**: the smallest change this many samples would detect with 80% power at the level a "
         f"result must clear (alpha {cmp.alpha:g}, divided by the family size for Holm-corrected gated metrics; "
         "relative for lower-is-better metrics). *No significant change* is not *no change*.",
         f"- **insufficient data**: fewer than {cmp.min_samples} paired samples (--min-samples): no test, no "
-        "interval, never FAIL; the gate does not fail on it but lists it.",
+        "interval; the gate fails on it unless --allow-unjudged (then it lists it).",
         "- **tokens vs BF16**: KV-cache tokens that fit in the same memory as a BF16 cache (skipped layers stay at "
         f"16 bits){context_words(cmp)}.",
         *_long_context_notes(cmp),

@@ -98,11 +98,22 @@ def p_column(r: MetricResult) -> str:
     return f"{p(r.p_value)} ({p(r.p_adjusted)})"
 
 
-def gate_line(failures: int, insufficient: int) -> str:
+def gate_line(
+    failures: int, insufficient: int, no_common: int = 0, allow_unjudged: bool = False, mode: str = "regression"
+) -> str:
+    """The gate's one line: what failed, or what was not judged (which fails unless --allow-unjudged)."""
     if failures:
-        return f"FAILED ({failures} regression(s))"
+        what = "regression(s)" if mode == "regression" else "result(s) not shown non-inferior"
+        return f"FAILED ({failures} {what})"
+    unjudged = []
     if insufficient:
-        return f"PASSED, but {insufficient} key result(s) had {INSUFFICIENT} and were not judged"
+        unjudged.append(f"{insufficient} key result(s) had {INSUFFICIENT} and were not judged")
+    if no_common:
+        unjudged.append(f"{no_common} configuration(s) had no task in common with the baseline")
+    if unjudged and not allow_unjudged:
+        return f"FAILED: {'; '.join(unjudged)} (--allow-unjudged lets them pass)"
+    if unjudged:
+        return f"PASSED (--allow-unjudged), but {'; '.join(unjudged)}"
     return "PASSED"
 
 
@@ -113,16 +124,14 @@ def correction_words(multiple_testing: str, alpha: float) -> str:
 
 
 def threshold(r: MetricResult) -> str:
-    """The gate threshold of a result in its units: '0.02 absolute', '0.02 relative (2.0%)', '0.02 nats, absolute
-    since the baseline is ~0'."""
+    """The gate threshold of a result in its unit (verdicts.threshold_is_relative): '0.02 absolute', '0.02 nats
+    absolute', '0.02 relative (2.0%)'."""
     t = r.gate_threshold
     if t is None:
         return "not gated"
-    if r.higher_is_better:
-        return f"{t:g} absolute"
-    if r.rel_change is None:
-        return f"{t:g}{' nats' if r.metric == 'kl' else ''}, absolute since the baseline is ~0"
-    return f"{t:.3g} relative ({t:.1%})"
+    if r.threshold_unit == "relative":
+        return f"{t:.3g} relative ({t:.1%})"
+    return f"{t:g}{' nats' if r.metric == 'kl' else ''} absolute"
 
 
 def role(r: MetricResult) -> str:

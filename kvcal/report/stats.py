@@ -401,6 +401,21 @@ def mdd_continuous(se_diff: float, alpha: float = ALPHA, power: float = POWER) -
     return float((za + zb) * se_diff)
 
 
+def noninferiority_sample_size(margin: float, sd: float, alpha: float = ALPHA, power: float = POWER) -> int:
+    """Paired samples a one-sided non-inferiority bound needs to fall under its threshold with probability
+    `power`, when the true degradation lies `margin` below the threshold and a paired sample's degradation has
+    standard deviation `sd`: the one-sample (paired) t test's sample size at effect size margin / sd, one-sided
+    at alpha (statsmodels.stats.power.TTestPower.solve_power, alternative='larger'), rounded up. For a paired
+    binary metric sd is the SD of the per-pair differences, sqrt(p_d - d^2): the normal approximation of
+    McNemar's setting (Connor 1987). Needs margin > 0 and sd > 0."""
+    from statsmodels.stats.power import TTestPower
+
+    if not (margin > 0 and sd > 0):
+        raise ValueError(f"a sample size needs margin > 0 and sd > 0, got {margin}, {sd}")
+    n = TTestPower().solve_power(effect_size=margin / sd, alpha=alpha, power=power, alternative="larger")
+    return max(2, math.ceil(float(np.asarray(n).item())))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Few paired units (windows): the paired t test
 

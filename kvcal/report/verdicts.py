@@ -60,6 +60,14 @@ from kvcal.report import stats
 
 HOLM, NO_CORRECTION = "holm", "none"
 INSUFFICIENT = "insufficient data"
+NO_COMMON_TASK = "not judged: no task in common"
+# The two gates (`kvcal compare --gate`, release YAML `gate.mode`): REGRESSION fails a configuration that is
+# shown worse than its threshold; NONINFERIORITY passes only one that is shown better than worse-by-the-threshold.
+REGRESSION, NONINFERIORITY = "regression", "noninferiority"
+GATES = (REGRESSION, NONINFERIORITY)
+# Lower-is-better metrics whose threshold is absolute whatever the baseline (a divergence from the BF16 reference,
+# in nats): the baseline's own KL (0 for BF16, ~0.006 for FP8) must not turn 0.02 nats into 2%.
+ABSOLUTE_LOWER_IS_BETTER = frozenset({"kl"})
 
 DEFAULT_MAX_DROP = 0.02
 # Per-metric defaults where one differs from DEFAULT_MAX_DROP (selector -> threshold); see the module docstring.
@@ -173,12 +181,22 @@ def parse_gate_policy(
     )
 
 
+def threshold_is_relative(metric: str, higher_is_better: bool) -> bool:
+    """The unit of a metric's threshold, fixed by the metric (never by the baseline's value): relative for
+    lower-is-better metrics (perplexities: 0.02 = up by 2%), absolute for higher-is-better ones (0.02 = 2 points)
+    and for kl (0.02 nats)."""
+    return not higher_is_better and metric not in ABSOLUTE_LOWER_IS_BETTER
+
+
 @dataclass(frozen=True)
 class GateSettings:
     policy: GatePolicy = field(default_factory=GatePolicy)
     alpha: float = stats.ALPHA
     min_samples: int = stats.DEFAULT_MIN_SAMPLES
     multiple_testing: str = HOLM  # HOLM | NO_CORRECTION
+    gate: str = REGRESSION  # REGRESSION | NONINFERIORITY
+    allow_unjudged: bool = False  # a configuration the gate could not judge passes (--allow-unjudged)
+    power: float = stats.POWER  # of the sample size a non-inferiority result would need
 
     @property
     def max_drop(self) -> float:
@@ -226,17 +244,32 @@ class MetricResult:
     worse: bool = False  # significant degradation
     better: bool = False  # significant improvement
     gate_fail: bool = False
-    status: str = ""  # FAIL | worse | better | n.s. | identical | insufficient data
+    status: str = ""  # FAIL | worse | better | n.s. | identical | insufficient data | not judged
     verdict: str = ""
+    # The threshold's unit: "absolute" (points, nats) or "relative" (threshold_is_relative).
+    threshold_unit: str = "absolute"
+    unjudged_reason: str = ""  # a gated result with data that cannot be judged (a relative threshold, base ~0)
+    # Non-inferiority (computed for every judged result): the degradation in the threshold's unit, its one-sided
+    # upper confidence bound (level 1 - alpha; inf: unbounded) and the per-sample SD a sample size is planned on.
+    degradation: float | None = None
+    ni_upper: float | None = None
+    ni_sd: float | None = None
+    ni_passed: bool | None = None  # upper bound < threshold (None: not gated or not judged)
+    ni_n_needed: int | None = None  # paired samples that would show it at `power` (None: none would / passed)
 
     @property
     def gated(self) -> bool:
         return self.gate_threshold is not None
 
+    @property
+    def unjudged(self) -> bool:
+        """A gated result the gate could not judge: too few samples, or a threshold with no meaning here."""
+        return self.gated and (self.insufficient or bool(self.unjudged_reason))
+
 
 def gate_family(results: list[MetricResult]) -> list[MetricResult]:
     """The tests the gate's multiple-testing correction covers: gated results with enough data."""
-    return [r for r in results if r.gated and not r.insufficient and r.p_value is not None]
+    return [r for r in results if r.gated and not r.unjudged and r.p_value is not None]
 
 
 def judge(results: list[MetricResult], s: GateSettings) -> None:
@@ -267,11 +300,21 @@ def _judge_one(r: MetricResult, s: GateSettings, mdd_alpha: float) -> None:
     r.significant = bool(p is not None and p < s.alpha and not r.identical)
     degrade = -r.diff if r.higher_is_better else r.diff
     r.worse, r.better = r.significant and degrade > 0, r.significant and degrade < 0
-    if r.higher_is_better or r.rel_change is None:
-        magnitude = degrade
-    else:
-        magnitude = r.rel_change
-    r.gate_fail = bool(r.worse and r.gate_threshold is not None and magnitude > r.gate_threshold)
+    relative = threshold_is_relative(r.metric, r.higher_is_better)
+    r.threshold_unit = "relative" if relative else "absolute"
+    if relative and r.rel_change is None and r.gated:
+        # A relative threshold against a baseline of ~0 has no meaning; say so instead of switching units.
+        r.unjudged_reason = (
+            f"the baseline's {r.label} on {r.task} is ~0 ({r.base:.3g}): a relative threshold has no meaning "
+            "against it; not judged"
+        )
+    if r.gated and not r.unjudged_reason and r.degradation is not None:
+        if r.ni_upper is not None:  # measured where the gate is non-inferiority
+            _noninferiority(r, s)
+        if s.gate == NONINFERIORITY:
+            r.gate_fail = not r.ni_passed
+        else:
+            r.gate_fail = bool(r.worse and r.gate_threshold is not None and r.degradation > r.gate_threshold)
     if r.binary and r.discordant is not None:
         r.mdd = stats.mdd_paired_binary(r.n, sum(r.discordant) / r.n, alpha=mdd_alpha)
     else:
@@ -279,10 +322,54 @@ def _judge_one(r: MetricResult, s: GateSettings, mdd_alpha: float) -> None:
     if not r.higher_is_better and r.rel_change is not None and r.base != 0:
         r.mdd_rel = r.mdd / abs(r.base)
     r.status = _status(r)
-    r.verdict = metric_verdict(r)
+    r.verdict = r.unjudged_reason or metric_verdict(r)
+    if s.gate == NONINFERIORITY and r.gated and not r.unjudged_reason:
+        r.verdict = noninferiority_verdict(r, s)
+
+
+def _noninferiority(r: MetricResult, s: GateSettings) -> None:
+    """Whether the one-sided upper bound of the degradation is under the threshold, and the paired samples that
+    would show it (a one-sided paired t test's sample size at s.power, statsmodels.stats.power.TTestPower, for a
+    true degradation equal to the estimate and the per-sample SD measured here)."""
+    assert r.gate_threshold is not None and r.degradation is not None and r.ni_upper is not None
+    r.ni_passed = bool(r.ni_upper < r.gate_threshold)
+    if r.ni_passed:
+        return
+    margin = r.gate_threshold - r.degradation
+    if margin <= 0 or not r.ni_sd:
+        r.ni_n_needed = None  # the estimate itself is at or over the threshold: no sample size shows it
+        return
+    r.ni_n_needed = stats.noninferiority_sample_size(margin, r.ni_sd, s.alpha, s.power)
+
+
+def _in_unit(r: MetricResult, x: float) -> str:
+    if r.threshold_unit == "relative":
+        return f"{x:.1%}"
+    return f"{x:.4g}{' nats' if r.metric == 'kl' else ''}"
+
+
+def noninferiority_verdict(r: MetricResult, s: GateSettings) -> str:
+    """One sentence on one gated result's non-inferiority: shown, or not and what it would take."""
+    where = f"{r.task} {r.label}"
+    level = f"{1 - s.alpha:.0%}"
+    if r.ni_passed is None or r.gate_threshold is None or r.degradation is None or r.ni_upper is None:
+        return r.verdict
+    thr = f"{_in_unit(r, r.gate_threshold)} ({r.threshold_unit})"
+    bound = "unbounded" if not math.isfinite(r.ni_upper) else _in_unit(r, r.ni_upper)
+    if r.ni_passed:
+        return f"non-inferior on {where}: degradation at most {bound} ({level} one-sided upper bound) < {thr}"
+    head = f"not shown non-inferior on {where}: the {level} upper bound of the degradation is {bound}, not under {thr}"
+    if r.ni_n_needed is None:
+        return f"{head}; the estimate itself ({_in_unit(r, r.degradation)}) is not under it: no sample size would"
+    return (
+        f"{head}; about {r.ni_n_needed} paired samples (now {r.n}) would show it with {s.power:.0%} power if the "
+        f"true degradation is the estimate, {_in_unit(r, r.degradation)}"
+    )
 
 
 def _status(r: MetricResult) -> str:
+    if r.unjudged_reason:
+        return "not judged"
     if r.gate_fail:
         return "FAIL"
     if r.identical:
@@ -333,9 +420,10 @@ def config_verdict(key_results: list[MetricResult]) -> str:
     change' always carries the minimum detectable change, so it is not read as 'no change'; results without
     enough data are named."""
     if not key_results:
-        return "no tasks in common with the baseline"
-    judged = [r for r in key_results if not r.insufficient]
+        return "not judged: no task in common with the baseline"
+    judged = [r for r in key_results if not r.insufficient and not r.unjudged_reason]
     lacking = [r for r in key_results if r.insufficient]
+    odd = [r for r in key_results if r.unjudged_reason and not r.insufficient]
     parts: list[str] = []
     worse = [r for r in judged if r.worse]
     for r in worse:
@@ -350,15 +438,19 @@ def config_verdict(key_results: list[MetricResult]) -> str:
     if lacking:
         where = ", ".join(f"{r.task} {r.label} (n = {r.n})" for r in lacking)
         parts.append(f"{INSUFFICIENT} on {where}: not judged")
+    parts.extend(r.unjudged_reason for r in odd)
     return "; ".join(parts)
 
 
 def config_gate(results: list[MetricResult]) -> str:
-    """'FAIL' | 'insufficient data' (nothing failed, but some gated result lacks data) | 'pass'."""
+    """'FAIL' | 'insufficient data' (nothing failed, but some gated result lacks data or could not be judged) |
+    'not judged: no task in common' (no result at all) | 'pass'."""
+    if not results:
+        return NO_COMMON_TASK
     gated = [r for r in results if r.gated]
     if any(r.gate_fail for r in gated):
         return "FAIL"
-    return INSUFFICIENT if any(r.insufficient for r in gated) else "pass"
+    return INSUFFICIENT if any(r.unjudged for r in gated) else "pass"
 
 
 def bootstrap_resolution_warning(results: list[MetricResult], s: GateSettings, n_boot: int) -> str | None:

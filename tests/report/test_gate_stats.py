@@ -200,9 +200,10 @@ def _wikitext(ll: list[float], words: list[int]) -> list[dict]:
             for i, (a, w) in enumerate(zip(ll, words, strict=True))]  # fmt: skip
 
 
-def test_too_few_samples_is_insufficient_data_never_fail(tmp_path: Path, write_run, invoke: Invoke) -> None:  # noqa: ANN001
+def test_too_few_samples_is_insufficient_data_never_a_pass(tmp_path: Path, write_run, invoke: Invoke) -> None:  # noqa: ANN001
     """Two documents whose perplexity doubles: a zero-width-ish interval made that 'significant' and a gate
-    FAIL. Below --min-samples (10) it is 'insufficient data': no test, no FAIL, listed by the report and JSON."""
+    FAIL. Below --min-samples (10) it is 'insufficient data': no test, no FAIL of the metric, listed by the report
+    and JSON — and the gate does not pass on it (issue 23): --fail-on-regression exits 1 unless --allow-unjudged."""
     ll, words = [-300.0, -280.0], [100, 90]
     write_run(tmp_path, "base", "bf16", {"wikitext": _wikitext(ll, words)})
     doubled = [a - math.log(2) * w for a, w in zip(ll, words, strict=True)]
@@ -216,11 +217,16 @@ def test_too_few_samples_is_insufficient_data_never_fail(tmp_path: Path, write_r
     assert c.failures == [] and c.insufficient == [r] and c.config_gate("fp4") == "insufficient data"
     assert any("only 2 paired samples" in w for w in c.warnings)
     md = render_markdown(c)
-    assert "PASSED, but 1 key result(s) had insufficient data" in md and "## Insufficient data" in md
+    assert "FAILED: 1 key result(s) had insufficient data" in md and "## Insufficient data" in md
+    assert not c.gate_passed and c.unjudged_configs == ["fp4"]
     code, out, err = invoke(["compare", str(tmp_path), "--json", "--fail-on-regression"])
-    assert code == 0, out + err
+    assert code == 1, out + err
+    assert "gate FAILED: not judged" in err and "fp4: insufficient data" in err
     payload = json.loads(out)
-    assert payload["min_samples"] == 10 and payload["gate"]["passed"] is True
+    assert payload["min_samples"] == 10 and payload["gate"]["passed"] is False
+    code, out, err = invoke(["compare", str(tmp_path), "--json", "--fail-on-regression", "--allow-unjudged"])
+    assert code == 0, out + err
+    assert json.loads(out)["gate"]["passed"] is True and "passed by --allow-unjudged" in err
     assert [x["config"] for x in payload["gate"]["insufficient_data"]] == ["fp4"]
     assert payload["results"][0]["verdict"].startswith("insufficient data")
     assert payload["configurations"][1]["gate"] == "insufficient data"
