@@ -20,8 +20,14 @@ if TYPE_CHECKING:
 
 
 def compare_cmd(
-    run_dirs: list[Path] = typer.Argument(
-        ..., help="Run directories, or folders holding them (a sweep's RUNS_DIR)."
+    run_dirs: list[str] = typer.Argument(
+        ...,
+        help="Run directories, lm-eval output folders (`lm_eval ... --output_path P --log_samples`: P, or "
+        "P@DATE_ID for one of several results files; the latest by default), or folders holding either (a "
+        "sweep's RUNS_DIR).",
+    ),
+    label: list[str] | None = typer.Option(
+        None, "--label", help="NAME=PATH: the configuration's name for the run at PATH (repeatable)."
     ),
     baseline: str = typer.Option("bf16", "--baseline", help="Baseline: a run directory name or a kv format."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the Markdown report here."),
@@ -85,7 +91,7 @@ def compare_cmd(
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
     source = "--context"
     if context is None:  # a sweep's RUNS_DIR says which context its capacity assumes (sweep.yaml `context:`)
-        context = next((c for c in map(recorded_context, run_dirs) if c is not None), None)
+        context = next((c for c in map(recorded_context, map(Path, run_dirs)) if c is not None), None)
         source = "the sweep's context: in sweep.yaml"
     cmp = compare_runs(
         run_dirs,
@@ -102,6 +108,7 @@ def compare_cmd(
         context_source=source,
         gate=gate,
         allow_unjudged=allow_unjudged,
+        labels=label,
     )
     failed = fail_on_regression and not cmp.gate_passed
     _write_outputs(cmp, output, html_out, as_json)

@@ -18,7 +18,8 @@ Steps, each reusing what OUT already holds (so a rerun with nothing changed runs
    directory per (configuration, task) through the sweep's cells and kvcal eval's run store under
    OUT/runs/<checkpoint>-<settings>/ (calibrated cells under scales-<scale file>/): complete cells are skipped,
    interrupted ones resume.
-4. gate — kvcal compare's statistics (kvcal.report.compare.compare_runs) with `gate:`'s per-metric policy; every
+4. gate — kvcal compare's statistics (kvcal.report.compare.compare_runs) with `gate:`'s per-metric policy and mode
+   (non-inferiority by default: each configuration shown within its threshold; unjudged ones fail); every
    evaluated configuration must pass.
 5. export — on a pass, for each of `export.engines`: vLLM checkpoint folder OUT/exports/vllm-<scale file>/,
    SGLang JSON OUT/exports/sglang-<scale file>-tp<N>.json (earlier exports there are replaced), and the exact
@@ -415,7 +416,8 @@ def gate(ctx: Context, cells: list[sweep.Cell]) -> Any:
     g = ctx.cfg.gate
     return compare_runs(
         [c.path for c in cells], baseline="bf16", max_drop=g.max_drop, alpha=g.alpha, n_boot=g.bootstrap,
-        seed=g.seed, min_samples=g.min_samples, warn=ctx.warn, context=g.context,
+        seed=g.seed, min_samples=g.min_samples, warn=ctx.warn, context=g.context, gate=g.mode,
+        allow_unjudged=g.allow_unjudged,
     )  # fmt: skip
 
 
@@ -556,7 +558,7 @@ def run_release(
     record["engine_commands"] = sweep.engine_commands_of(cells)  # every configuration's, kvcal.engines
     t = time.perf_counter()
     cmp = gate(ctx, cells)
-    passed = not cmp.failures
+    passed = cmp.gate_passed
     record.update(
         gate="pass" if passed else "fail", configurations=configuration_records(cmp, roles),
         gate_failures=cmp.to_dict()["gate"]["failures"], runs=[str(c.path) for c in cells],
@@ -569,8 +571,20 @@ def run_release(
         timings["export_s"] = time.perf_counter() - t
         record.update(decision="ship", exit_code=0)
     else:
-        record.update(decision="fail", exit_code=1, failed_because="gate: a configuration regressed")
+        record.update(decision="fail", exit_code=1, failed_because=_gate_failure(cmp))
     return _finish(ctx, record, cmp, timings, t0)
+
+
+def _gate_failure(cmp: Any) -> str:
+    """Why the gate did not pass, in release.json's words."""
+    if cmp.failures:
+        if cmp.settings.gate == "noninferiority":
+            return "gate: a configuration was not shown non-inferior (gate.mode noninferiority)"
+        return "gate: a configuration regressed"
+    return (
+        f"gate: not judged ({', '.join(cmp.unjudged_configs)}: too few paired samples or no task in common); "
+        "raise evaluate.limit or set gate.allow_unjudged"
+    )
 
 
 def _record(ctx: Context, scales: Scales, drift: dict[str, Any] | None) -> dict[str, Any]:

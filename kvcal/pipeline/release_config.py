@@ -32,6 +32,9 @@ ship and how to decide. Sections (every key optional unless marked; unknown keys
       dtype: float32                    #     data_dir, include_path, max_gen_toks, dtype, device, impl,
                                         #     batch_size, seed (as in a sweep YAML)
     gate:
+      mode: noninferiority              #   noninferiority: ship only what is shown within max_drop (one-sided
+                                        #   upper bound); regression: ship unless shown worse (kvcal compare's)
+      allow_unjudged: false             #   true: a configuration with too few samples does not block the release
       max_drop: null                    #   null: kvcal's defaults per metric; a number (every gated metric), or
                                         #   {default: 0.02, kl: 0.05, gsm8k/exact_match: 0.03}
       alpha: 0.05
@@ -166,6 +169,12 @@ def _engines(value: Any, key: str, base: Path | None) -> list[str]:
     return out
 
 
+def _gate_mode(value: Any, key: str, base: Path | None) -> str:
+    from kvcal.report.verdicts import GATES
+
+    return _choice(GATES)(value, key, base)
+
+
 def _max_drop(value: Any, key: str, base: Path | None) -> Any:
     from kvcal.report.verdicts import parse_gate_policy
 
@@ -220,6 +229,10 @@ class Evaluate(EvalSettings):
 
 @dataclass
 class Gate:
+    # A release must show each configuration is no worse than the threshold (kvcal compare --gate), and a
+    # configuration the gate cannot judge does not ship unless allow_unjudged.
+    mode: str = yaml_field(_gate_mode, "noninferiority")
+    allow_unjudged: bool = yaml_field(_bool, False)
     max_drop: Any = yaml_field(_max_drop, factory=lambda: _max_drop(None, "max_drop", None))  # a GatePolicy
     alpha: float = yaml_field(_float, 0.05)
     min_samples: int = yaml_field(read_int, 10)

@@ -21,9 +21,10 @@ import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.report import agreement, longcontext, stats
+from kvcal.report.lmeval_runs import Source, load_lm_eval_run, results_folder, split_date_id, task_settings
 from kvcal.report.longcontext import PasskeyGrid, PositionCurve
 from kvcal.report.metrics import MetricSpec, arrays, metric_specs
-from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, load_run
+from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, is_lm_eval_dir, load_run
 from kvcal.report.speed import EmulationSpeed, emulation_speed
 from kvcal.report.verdicts import (
     GATES,
@@ -41,7 +42,7 @@ from kvcal.report.verdicts import (
     parse_gate_policy,
     threshold_is_relative,
 )
-from kvcal.rundir import RunConfig
+from kvcal.rundir import CONFIG, RunConfig
 
 # --max-drop as compare_runs takes it: see verdicts.parse_gate_policy.
 MaxDrop = float | list[str] | dict[str, Any] | GatePolicy | None
@@ -316,20 +317,89 @@ def _capacity_of(run: Run, context: int | None = None) -> float | None:
 # The steps of compare_runs
 
 
-def _load_runs(run_dirs: Iterable[str | Path], on_bad_run: str, warn: Warn) -> tuple[list[Run], list[str]]:
+def parse_labels(values: Iterable[str] | dict[str, str] | None) -> dict[str, str]:
+    """`--label NAME=PATH` values -> {PATH as given (PATH@DATE_ID kept): NAME}; UsageError for a malformed one,
+    a path given twice or a name given to two paths."""
+    if values is None:
+        return {}
+    pairs = list(values.items()) if isinstance(values, dict) else []
+    if not isinstance(values, dict):
+        for v in values:
+            name, eq, path = str(v).partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise UsageError(f"--label {v!r}: write NAME=PATH (e.g. --label vllm-fp8=out/vllm-fp8)")
+            pairs.append((path.strip(), name.strip()))
+    out: dict[str, str] = {}
+    for path, name in pairs:
+        if path in out:
+            raise UsageError(f"--label: {path} is labelled twice ({out[path]}, {name}); give it one label")
+        if name in out.values():
+            other = next(k for k, v in out.items() if v == name)
+            raise UsageError(f"--label: two runs have the label {name} ({other}, {path}); give each its own")
+        out[path] = name
+    return out
+
+
+def _label_for(labels: dict[str, str], given: str, folder: Path) -> str | None:
+    """The --label of a run: by the argument as given, else by its folder (resolved)."""
+    if given in labels:
+        return labels[given]
+    want = folder.resolve()
+    for key, name in labels.items():
+        src = split_date_id(key)
+        if src.date_id is None and Path(key).exists() and Path(key).resolve() in (want, want.parent):
+            return name
+    return None
+
+
+def _load_one(d: Path, labels: dict[str, str], given: str) -> Run:
+    label = _label_for(labels, given, d)
+    if is_lm_eval_dir(d):
+        return load_lm_eval_run(Source(d), label)
+    run = load_run(d)
+    if label:
+        run.name = label
+    return run
+
+
+def _load_runs(
+    run_dirs: Iterable[str | Path], on_bad_run: str, warn: Warn, labels: dict[str, str] | None = None
+) -> tuple[list[Run], list[str]]:
+    """Run directories, lm-eval output folders (PATH or PATH@DATE_ID) and folders holding either, loaded."""
+    labels = labels or {}
     runs: list[Run] = []
     skipped: list[str] = []
-    for d in discover_run_dirs(run_dirs):
-        try:
-            runs.append(load_run(d))
-        except BadRunError as exc:
-            if on_bad_run == "fail":
-                raise BadRunError(f"{exc} (or pass --on-bad-run skip to leave it out)") from None
-            skipped.append(str(d))
-            warn(f"skipped: {exc}")
+    for raw in run_dirs:
+        src = split_date_id(raw)
+        folder = results_folder(src.path) if src.path.is_dir() and not (src.path / CONFIG).exists() else None
+        if src.date_id is not None or folder is not None:
+            runs.append(load_lm_eval_run(src, _label_for(labels, str(raw), folder or src.path)))
+            continue
+        for d in discover_run_dirs([src.path]):
+            try:
+                runs.append(_load_one(d, labels, str(raw)))
+            except BadRunError as exc:
+                if on_bad_run == "fail":
+                    raise BadRunError(f"{exc} (or pass --on-bad-run skip to leave it out)") from None
+                skipped.append(str(d))
+                warn(f"skipped: {exc}")
     if not runs:
         raise KvcalError("no usable run directories to compare")
+    _check_labels(runs, labels)
     return runs, skipped
+
+
+def _check_labels(runs: list[Run], labels: dict[str, str]) -> None:
+    """A label given with --label names one configuration: two runs of it on one task is an error."""
+    for name in set(labels.values()):
+        mine = [r for r in runs if r.name == name]
+        for i, a in enumerate(mine):
+            for b in mine[i + 1 :]:
+                if set(a.samples) & set(b.samples):
+                    raise UsageError(
+                        f"two runs of the label {name} cover {', '.join(sorted(set(a.samples) & set(b.samples)))}"
+                        f" ({a.path}, {b.path}); give each its own --label"
+                    )
 
 
 def _one_model(runs: list[Run]) -> str:
@@ -378,6 +448,9 @@ def _baseline_first(configs: list[Configuration], baseline: str) -> list[Configu
     found = [c for c in configs if c.label == baseline or any(r.name == baseline for r in c.runs)]
     if not found:
         found = [c for c in configs if all(_matches_baseline(r, baseline) for r in c.runs)]
+        if not found and baseline.lower() in ("bf16", "bfloat16"):
+            # an engine's kv_cache_dtype=auto (or lm-eval's hf backend): the model's own 16-bit cache
+            found = [c for c in configs if all(r.kv_format == "auto" for r in c.runs)]
         plain = [c for c in found if c.skip == "none"]
         found = plain if len(found) > 1 and len(plain) == 1 else found
     if not found:
@@ -450,6 +523,19 @@ def _paired_keys(task: str, brun: Run, orun: Run, label: str, warn: Warn) -> lis
     return common
 
 
+def _same_task_settings(task: str, brun: Run, orun: Run, label: str, base_label: str) -> None:
+    """Runs whose task settings differ (n-shot, generation kwargs, task version, repeats) score different prompts
+    or answers: refuse to pair them, naming the difference. (A different --limit only changes which documents
+    were run: those pair on doc_id + doc_hash, see _paired_keys.)"""
+    b, o = task_settings(brun, task), task_settings(orun, task)
+    diffs = [f"{k} {o[k]!r} vs {b[k]!r}" for k in b if k in o and b[k] != o[k]]
+    if diffs:
+        raise UsageError(
+            f"{task}: {label} and the baseline {base_label} ran different task settings ({'; '.join(diffs)}, "
+            f"{label} first): their samples cannot be paired; evaluate both with the same settings"
+        )
+
+
 def _compare_configs(
     configs: list[Configuration], s: GateSettings, rs: Resampling, warn: Warn
 ) -> list[MetricResult]:
@@ -466,6 +552,7 @@ def _compare_configs(
             if orun is None:
                 warn(f"{c.label} has no {task} run; {task} is not compared for it")
                 continue
+            _same_task_settings(task, brun, orun, c.label, base_cfg.label)
             keys = _paired_keys(task, brun, orun, c.label, warn)
             if keys:
                 results.extend(_compare_task(task, brun, orun, c.label, keys, s, rs))
@@ -679,6 +766,7 @@ def compare_runs(
     context_source: str = "--context",
     gate: str = REGRESSION,
     allow_unjudged: bool = False,
+    labels: Iterable[str] | dict[str, str] | None = None,
 ) -> Comparison:
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
 
@@ -695,6 +783,9 @@ def compare_runs(
     `gate`: 'regression' (fail a configuration shown worse than its threshold) or 'noninferiority' (pass only one
     whose one-sided upper bound of the degradation is under its threshold); `allow_unjudged`: a configuration the
     gate could not judge (too few samples, no task in common) passes Comparison.gate_passed.
+    `run_dirs` may also name lm-eval output folders (`lm_eval --output_path P --log_samples`: P, or P@DATE_ID for
+    one of several results files; kvcal.report.lmeval_runs); `labels`: `--label NAME=PATH` values (or
+    {PATH: NAME}) naming a configuration.
     """
     settings = _settings(max_drop, on_bad_run, alpha, min_samples, multiple_testing, gate, allow_unjudged)
     if context is not None and context < 1:
@@ -707,7 +798,7 @@ def compare_runs(
         if warn is not None:
             warn(msg)
 
-    runs, skipped = _load_runs(run_dirs, on_bad_run, _warn)
+    runs, skipped = _load_runs(run_dirs, on_bad_run, _warn, parse_labels(labels))
     model = _one_model(runs)
     configs = _baseline_first(_configurations(runs), baseline)
     ctx, ctx_source, sliding = _capacity_context(configs, context, context_source, _warn)

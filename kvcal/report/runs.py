@@ -65,8 +65,15 @@ class BadRunError(KvcalError):
     """A run directory that is incomplete or cannot be read."""
 
 
+def is_lm_eval_dir(p: Path) -> bool:
+    """A folder lm-eval wrote results_<date_id>.json into (kvcal.report.lmeval_runs reads it)."""
+    return p.is_dir() and not (p / CONFIG).exists() and any(p.glob("results_*.json"))
+
+
 def _is_run_dir(p: Path) -> bool:
-    return p.is_dir() and ((p / CONFIG).exists() or (p / RESULTS).exists() or (p / COMPLETE).exists())
+    if not p.is_dir():
+        return False
+    return (p / CONFIG).exists() or (p / RESULTS).exists() or (p / COMPLETE).exists() or is_lm_eval_dir(p)
 
 
 def _run_dirs_below(root: Path, max_depth: int) -> list[Path]:
@@ -170,18 +177,26 @@ def _record_values(r: dict[str, Any], where: str) -> Record:
 def _read_samples(p: Path, task: str) -> tuple[dict[tuple[str, str], Record], list[str]]:
     """(records keyed by (doc_id, filter), metric names in first-seen order) of one task's samples file."""
     f = p / samples_file(task)
+    if not f.is_file():
+        raise BadRunError(f"run {p} is corrupt: {f.name} is missing (task {task} in {CONFIG})")
+    return read_samples_file(f, f"run {p}")
+
+
+def read_samples_file(f: Path, owner: str) -> tuple[dict[tuple[str, str], Record], list[str]]:
+    """One samples JSONL (lm-eval's --log_samples records or kvcal's kl windows): (records keyed by (doc_id,
+    filter), metric names in first-seen order). `owner` names the run in errors ('run DIR')."""
     recs: dict[tuple[str, str], Record] = {}
     order: list[str] = []
     try:
         lines = f.read_text().splitlines()
     except FileNotFoundError:
-        raise BadRunError(f"run {p} is corrupt: {f.name} is missing (task {task} in {CONFIG})") from None
+        raise BadRunError(f"{owner} is corrupt: {f.name} is missing") from None
     except UnicodeDecodeError:
-        raise BadRunError(f"run {p} is corrupt: {f.name} is not UTF-8 text") from None
+        raise BadRunError(f"{owner} is corrupt: {f.name} is not UTF-8 text") from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"run {p} is corrupt: {f.name} line {lineno}"
+        where = f"{owner} is corrupt: {f.name} line {lineno}"
         try:
             r = json.loads(line)
         except ValueError:
@@ -192,7 +207,7 @@ def _read_samples(p: Path, task: str) -> tuple[dict[tuple[str, str], Record], li
         order.extend(m for m in vals if not m.startswith("_") and m not in order)
         recs[(str(r["doc_id"]), str(r.get("filter", "none")))] = vals
     if not recs:
-        raise BadRunError(f"run {p} is corrupt: {f.name} holds no samples")
+        raise BadRunError(f"{owner} is corrupt: {f.name} holds no samples")
     return recs, order
 
 
