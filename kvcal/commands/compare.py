@@ -29,6 +29,14 @@ def compare_cmd(
     label: list[str] | None = typer.Option(
         None, "--label", help="NAME=PATH: the configuration's name for the run at PATH (repeatable)."
     ),
+    conformance: list[str] | None = typer.Option(
+        None,
+        "--conformance",
+        help="ENGINE=EMULATION (labels, repeatable): check that the engine's run computes what kvcal's emulation "
+        "of its configuration computes (paired, per-sample agreement). Without it, every vLLM/SGLang lm-eval "
+        "run is checked against the kvcal run of the same format, scales and skip layers when there is one. "
+        "A run that does not match fails --fail-on-regression.",
+    ),
     baseline: str = typer.Option("bf16", "--baseline", help="Baseline: a run directory name or a kv format."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the Markdown report here."),
     html_out: Path | None = typer.Option(
@@ -86,6 +94,7 @@ def compare_cmd(
     from kvcal.errors import UsageError
     from kvcal.pipeline.sweep import recorded_context
     from kvcal.report.compare import compare_runs
+    from kvcal.report.conformance import add_conformance
 
     if bootstrap < 100:
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
@@ -110,6 +119,7 @@ def compare_cmd(
         allow_unjudged=allow_unjudged,
         labels=label,
     )
+    add_conformance(cmp, conformance, warn)
     failed = fail_on_regression and not cmp.gate_passed
     _write_outputs(cmp, output, html_out, as_json)
     _print_gate(cmp, failed)
@@ -201,6 +211,8 @@ def _print_gate(cmp: Comparison, failed: bool) -> None:
         else:
             head = "Not judged by the gate (fails it; --allow-unjudged lets them pass):"
         err_console.print("\n".join([head, *unjudged]), highlight=False, markup=False)
+    for c in cmp.conformance:
+        err_console.print(f"Engine vs emulation: {c.engine}: {c.verdict}", highlight=False, markup=False)
 
 
 def sweep_cmd(

@@ -100,6 +100,8 @@ class Comparison:
     agreement_rows: list[dict[str, Any]] = field(default_factory=list)
     # lm-eval generative tasks: answer / text agreement with the baseline run (agreement.text_agreement_rows)
     text_agreement_rows: list[dict[str, Any]] = field(default_factory=list)
+    # engine runs vs kvcal's emulation of the configuration they claim (kvcal.report.conformance fills it)
+    conformance: list[Any] = field(default_factory=list)
 
     @property
     def by_position(self) -> list[PositionCurve]:
@@ -165,8 +167,10 @@ class Comparison:
 
     @property
     def gate_passed(self) -> bool:
-        """No configuration failed, and every one was judged (or GateSettings.allow_unjudged lets it pass)."""
-        return not self.failures and (self.settings.allow_unjudged or not self.unjudged_configs)
+        """No configuration failed, every one was judged (or GateSettings.allow_unjudged lets it pass), and no
+        engine run differs from kvcal's emulation of its configuration (conformance)."""
+        judged = self.settings.allow_unjudged or not self.unjudged_configs
+        return not self.failures and judged and not any(c.conforms is False for c in self.conformance)
 
     def config_verdict(self, label: str) -> str:
         return config_verdict([r for r in self.by_config(label) if r.key or r.gated])
@@ -216,6 +220,8 @@ class Comparison:
             out["output_agreement"] = self.agreement_rows
         if self.text_agreement_rows:
             out["text_agreement"] = self.text_agreement_rows
+        if self.conformance:
+            out["conformance"] = [c.to_dict() for c in self.conformance]
         return out
 
     def _gate_dict(self) -> dict[str, Any]:
@@ -536,6 +542,25 @@ def _same_task_settings(task: str, brun: Run, orun: Run, label: str, base_label:
         )
 
 
+def paired_results(
+    base_cfg: Configuration, c: Configuration, s: GateSettings, rs: Resampling, warn: Warn
+) -> list[MetricResult]:
+    """Every (task, metric, filter) of `c` measured against `base_cfg` over the samples both scored (not yet
+    judged: verdicts.judge)."""
+    results: list[MetricResult] = []
+    for task in base_cfg.tasks:
+        brun, orun = base_cfg.run_for(task), c.run_for(task)
+        assert brun is not None
+        if orun is None:
+            warn(f"{c.label} has no {task} run; {task} is not compared for it")
+            continue
+        _same_task_settings(task, brun, orun, c.label, base_cfg.label)
+        keys = _paired_keys(task, brun, orun, c.label, warn)
+        if keys:
+            results.extend(_compare_task(task, brun, orun, c.label, keys, s, rs))
+    return results
+
+
 def _compare_configs(
     configs: list[Configuration], s: GateSettings, rs: Resampling, warn: Warn
 ) -> list[MetricResult]:
@@ -546,16 +571,7 @@ def _compare_configs(
                 warn(f"task {t} of {c.label} has no baseline run; it is not compared")
     results: list[MetricResult] = []
     for c in configs[1:]:
-        for task in base_cfg.tasks:
-            brun, orun = base_cfg.run_for(task), c.run_for(task)
-            assert brun is not None
-            if orun is None:
-                warn(f"{c.label} has no {task} run; {task} is not compared for it")
-                continue
-            _same_task_settings(task, brun, orun, c.label, base_cfg.label)
-            keys = _paired_keys(task, brun, orun, c.label, warn)
-            if keys:
-                results.extend(_compare_task(task, brun, orun, c.label, keys, s, rs))
+        results.extend(paired_results(base_cfg, c, s, rs, warn))
     if not results:
         raise KvcalError(
             f"no samples in common between the baseline {base_cfg.label} and the other runs "

@@ -98,6 +98,29 @@ def _gate_lists(cmp: Comparison) -> list[str]:
     return lines
 
 
+def _conformance(cmp: Comparison) -> list[str]:
+    """Engine vs emulation (kvcal.report.conformance): one line per pair, then its key metrics."""
+    if not cmp.conformance:
+        return []
+    lines = ["## Engine vs emulation", "",
+             "Each engine run against kvcal's emulation of the configuration it claims, over the samples both "
+             "scored (engine minus emulation; Holm over the pair's key metrics, two-sided).", "",
+             "| engine | emulation of | task | metric | agreement | difference [CI] | p | min. detectable |",
+             "|---|---|---|---|---:|---|---:|---:|"]  # fmt: skip
+    for c in cmp.conformance:
+        for r in c.results:
+            agree = c.agreement.get(f"{r.task}/{r.label}")
+            ci = "—" if r.ci_low is None else f"[{r.ci_low:.4g}, {r.ci_high:.4g}]"
+            lines.append(
+                f"| `{c.engine}` | {_esc(c.claimed)} (`{c.emulation}`) | {r.task} | {r.label} | "
+                f"{'—' if agree is None else f'{agree:.1%}'} | {r.diff:+.4g} {ci} | {fmt.p_column(r)} | "
+                f"{'—' if r.mdd is None else f'{r.mdd:.3g}'} |"
+            )
+    lines.append("")
+    lines += [f"- `{c.engine}`: {_esc(c.verdict)}" for c in cmp.conformance]
+    return [*lines, ""]
+
+
 def _summary(cmp: Comparison) -> list[str]:
     lines = [
         "## Summary",
@@ -427,7 +450,7 @@ def _speed_notes(cmp: Comparison) -> list[str]:
 
 def render_markdown(cmp: Comparison) -> str:
     """The report as Markdown."""
-    lines = _header(cmp) + _gate_lists(cmp) + _summary(cmp) + _tasks(cmp) + _agreement(cmp)
+    lines = _header(cmp) + _gate_lists(cmp) + _conformance(cmp) + _summary(cmp) + _tasks(cmp) + _agreement(cmp)
     lines += _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in cmp.warnings] + [""]

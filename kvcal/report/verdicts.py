@@ -336,13 +336,19 @@ def _noninferiority(r: MetricResult, s: GateSettings) -> None:
     if r.ni_passed:
         return
     margin = r.gate_threshold - r.degradation
-    if margin <= 0 or not r.ni_sd:
+    if margin <= 0:
         r.ni_n_needed = None  # the estimate itself is at or over the threshold: no sample size shows it
         return
-    r.ni_n_needed = stats.noninferiority_sample_size(margin, r.ni_sd, s.alpha, s.power)
+    sd = r.ni_sd
+    if not sd and math.isfinite(r.ni_upper):
+        # no spread between the runs (identical per-sample results): plan on the SD the bound itself implies,
+        # bound = estimate + z_{1-alpha} sd / sqrt(n)
+        sd = (r.ni_upper - r.degradation) * math.sqrt(r.n) / float(stats.sps.norm.ppf(1 - s.alpha))
+    r.ni_n_needed = stats.noninferiority_sample_size(margin, sd, s.alpha, s.power) if sd and sd > 0 else None
 
 
 def _in_unit(r: MetricResult, x: float) -> str:
+    x += 0.0  # -0.0 -> 0.0
     if r.threshold_unit == "relative":
         return f"{x:.1%}"
     return f"{x:.4g}{' nats' if r.metric == 'kl' else ''}"
