@@ -1,8 +1,14 @@
 """Judging measured differences: the gate policy, significance over the gate's family, the gate and the sentences.
 
 - Too few paired samples (fewer than `min_samples`, `kvcal compare --min-samples`, default 10): the result is
-  "insufficient data": no test, no interval, never FAIL and never a pass on its merits. The gate does not fail
-  on it; the report and the JSON list it.
+  "insufficient data": no test, no interval, never FAIL. The gate does not pass a configuration it could not
+  judge (this, or no task in common with the baseline): Comparison.gate_passed is False unless
+  GateSettings.allow_unjudged (`--allow-unjudged`); the report and the JSON list it.
+- Two gates (GateSettings.gate, `kvcal compare --gate`): REGRESSION fails a gated result that is a significant
+  degradation beyond its threshold; NONINFERIORITY passes one only when the one-sided (1 - alpha) upper bound of
+  its degradation is under the threshold, and prints the paired samples that would show it (stats.
+  noninferiority_sample_size). A configuration passes non-inferiority when every gated result does (an
+  intersection-union test: no multiplicity correction within it).
 - Which metrics gate (`GatePolicy`, `--max-drop`): by default every task's key metric (kvcal.report.metrics)
   except those in REPORT_ONLY: kl for kvcal's kl task, exact_match for gsm8k / aime, acc for gpqa,
   word_perplexity for wikitext, the first metric of any other task. `top1_agree` is reported but gates only
@@ -19,10 +25,10 @@
   result is significant when its Holm-adjusted p-value is below alpha, which keeps the chance of any false
   alarm in a whole report at alpha. Results outside the family (secondary metrics, top1_agree unless named)
   are judged on their own, unadjusted p-values.
-- A gated result fails the gate when it is a significant degradation larger than its threshold: absolute for
-  higher-is-better metrics (0.02 = 2 points of accuracy), relative for lower-is-better ones (0.02 = perplexity
-  up by 2%). Where the baseline is ~0 (kvcal's kl of a BF16 run, measured against a BF16 cache) there is no
-  relative change and the threshold is absolute (0.02 nats of KL).
+- A threshold's unit is fixed by its metric (threshold_is_relative), never by the baseline's value: absolute for
+  higher-is-better metrics (0.02 = 2 points of accuracy) and for kl (0.02 nats, against a BF16 baseline whose kl
+  is 0 as against an FP8 one whose kl is 0.006), relative for the other lower-is-better ones (0.02 = perplexity
+  up by 2%). A relative threshold against a baseline of ~0 is not judged (MetricResult.unjudged_reason).
 - The minimum detectable change (80% power) is computed at the level a result has to clear: alpha / m for a
   gated result under Holm with m tests (what the first Holm step asks of a lone real regression), alpha
   otherwise.
