@@ -93,4 +93,4 @@ def test_lm_eval_folders_compare_like_run_directories(outputs: dict[str, Path]) 
 
 def test_mismatched_n_shot_is_refused(outputs: dict[str, Path]) -> None:
     with pytest.raises(UsageError, match=r"tiny_gen: .* different task settings \(num_fewshot 1 vs 0"):
-        compare_runs([outputs["first"], outputs["shot"]], n_boot=200)
+        compare_runs([outputs["first"], outputs["shot"]], baseline="lm_eval_out", n_boot=200)
