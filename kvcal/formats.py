@@ -131,6 +131,7 @@ INT8_MAX = 127.0
 INT8_NAN = -128  # int8 code kvcal reads as NaN (the symmetric grid is +-127)
 E2M1_NAN = 8  # E2M1 code kvcal reads as NaN (the -0 pattern; quantize writes +0 for zero)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+FP16_MAX = float(torch.finfo(torch.float16).max)
 F32_MAX = float(torch.finfo(torch.float32).max)
 
 # Index = 4-bit E2M1 code (bit 3 sign); code 8 (-0 in standard E2M1) is kvcal's NaN marker.
@@ -168,7 +169,7 @@ class KVFormat:
 
     name: str  # canonical
     aliases: tuple[str, ...]
-    element: str  # 'auto' | 'bf16' | 'e4m3' | 'e5m2' | 'int8' | 'e2m1'
+    element: str  # 'auto' | 'bf16' | 'fp16' | 'e4m3' | 'e5m2' | 'int8' | 'e4m3_token' | 'int4_rht' | 'e2m1'
     block_size: int  # elements per block scale along head_dim; 0 = none
     calibratable: bool  # takes a static `scale` (fp8_*: the scale; nvfp4: the global scale)
     max_value: float | None  # largest code magnitude (element units)
@@ -197,8 +198,12 @@ class KVFormat:
             return 16.0
         if self.element in ("e4m3", "e5m2"):
             return 8.0
-        if self.element == "int8":
+        if self.element == "fp16":
+            return 16.0
+        if self.element in ("int8", "e4m3_token"):
             return 8.0 + 32.0 / head_dim  # one fp32 scale per (token, head)
+        if self.element == "int4_rht":
+            return 4.0 + 32.0 / head_dim  # two codes per byte + one fp32 scale (zero point inside) per (token, head)
         # FP4: 4-bit codes + one 8-bit block scale (E4M3 or E8M0) per block
         return 4.0 + 8.0 / self.block_size
 
@@ -211,7 +216,9 @@ class KVFormat:
         scales)."""
         if self.is_fp4:
             return head_dim // 2, head_dim // self.block_size
-        if self.element == "int8":
+        if self.element == "int4_rht":
+            return head_dim // 2, 1
+        if self.element in ("int8", "e4m3_token"):
             return head_dim, 1
         return head_dim, None
 
@@ -233,6 +240,15 @@ _TABLE: tuple[tuple, ...] = (
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
     ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),
      ("int8_per_token_head", None, None), "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
+    ("float16", ("fp16", "half"), "fp16", 0, False, FP16_MAX, (torch.float16, None), (0, None),
+     ("float16", None, None), "float16 (IEEE half; beyond +-65504 a value becomes +-Inf, as the engine's cast)"),
+    ("fp8_per_token_head", ("fp8_per_token",), "e4m3_token", 0, False, FP8_E4M3_MAX, (_E4M3, torch.float32),
+     (5, None), ("fp8_per_token_head", None, None),
+     "FP8 E4M3FN, dynamic fp32 scale max(amax/448, 1e-6) per (token, KV head) (vLLM's per-token-head kernel)"),
+    ("int4_per_token_head", ("int4_per_token",), "int4_rht", 0, False, 15.0, (_U8, torch.float32), (6, None),
+     ("int4_per_token_head", None, None),
+     "randomized Hadamard rotation, then asymmetric 4-bit [min, max] -> 0..15 per (token, KV head); fp32 scale "
+     "with the 4-bit zero point in its low mantissa bits (vLLM's int4_per_token_head)"),
     ("nvfp4", ("nv_fp4",), "e2m1", 16, True, E2M1_MAX, (_U8, _E4M3), (3, 4), ("nvfp4", None, "NVFP4"),
      "E2M1, 16-element blocks, E4M3 block scale x fp32 global scale"),
     ("nvfp4_4over6", ("nvfp4_4o6",), "e2m1", 16, True, E2M1_MAX, (_U8, _E4M3), (3, 5),
@@ -265,6 +281,12 @@ NOT_EMULATED: dict[str, str] = {
     "K/V); kvcal evaluates per-head K/V caches",
     "fp8_ds_mla": "vLLM's FP8 cache of DeepSeek MLA latents (one compressed latent per token, not per-head K/V); "
     "kvcal evaluates per-head K/V caches",
+    # vLLM maps the name to float8_e4m3fn storage and nothing else (vllm/utils/torch_utils.py
+    # STR_DTYPE_TO_TORCH_DTYPE); what is stored is computed on Intel Gaudi by Intel Neural Compressor in the
+    # out-of-tree HPU plugin, from INC's measured scales, so vLLM's source does not show the arithmetic
+    "fp8_inc": "Intel Gaudi's FP8 KV cache through Intel Neural Compressor: vLLM only maps the name to E4M3 "
+    "storage, the quantization runs in the out-of-tree HPU plugin with INC's measured scales, which vLLM's source "
+    "does not show; for the same E4M3 storage with a calibrated scale use fp8_e4m3 --scales",
 }
 _LOOKUP: dict[str, KVFormat] = {}
 for _f in FORMATS.values():
@@ -669,6 +691,111 @@ def _quantize_mxfp4(xf: torch.Tensor, e2m1: E2M1Rounding) -> QTensor:
     return QTensor(codes=_pack(codes.flatten(-2)), block_scales=(shared + 127).to(torch.uint8))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# per-token-head FP8 / INT4 (vLLM's Triton backend), float16
+
+
+# vLLM vllm/v1/attention/ops/int4_per_token_head.py @ 055e47c28003156421365af985d676fc921cb075 (`_get_rht_signs`,
+# `single_rht`, `fast_hadamard_transform`'s PyTorch butterfly tier, `_reshape_cache_int4_kernel`); the per-token-head
+# FP8 write kernel: vllm/v1/attention/ops/triton_quant_kv/_per_token_head_kernel.py @
+# 8940d7db4a47a9d9700bad90f1142130f699950c (`_reshape_cache_per_token_head_kernel`).
+RHT_SEED = 0x9E3779B9  # vLLM's seed of round 0 of the sign vector (0x9E3779B9 + round_idx * 0x517CC1B7)
+PTH_SCALE_MIN = 1e-6  # vLLM's floor of a per-token-head scale (tl.maximum(..., 1e-6))
+INT4_LEVELS = 15.0
+
+
+def rht_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """vLLM's deterministic +-1 signs D1 of the randomized Hadamard transform, float32 [d]: torch's CPU Bernoulli
+    draws from a CPU generator seeded 0x9E3779B9 (cached per (d, device))."""
+    key = (f"rht_signs:{d}", torch.device(device))
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(RHT_SEED)
+        signs = 2.0 * torch.bernoulli(torch.full((d,), 0.5), generator=gen) - 1.0
+        t = _CONST_CACHE[key] = signs.to(device)
+    return t
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh-Hadamard transform H_d x along the last dim (H_d H_d = d I), vLLM's PyTorch butterfly
+    (the order of its float additions); d must be a power of two."""
+    d = x.shape[-1]
+    h = 1
+    while h < d:
+        xv = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = xv[..., 0, :], xv[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(x.shape)
+        h <<= 1
+    return x
+
+
+def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """vLLM's `single_rht`: H (D1 x) forward, (H x) D1 inverse (x float32 [..., d]). The inverse of the forward is
+    rht(y, inverse=True) / d."""
+    d1 = rht_signs(x.shape[-1], x.device)
+    return hadamard(x) * d1 if inverse else hadamard(x * d1)
+
+
+def check_int4_head_dim(d: int) -> None:
+    if d < 2 or d & (d - 1):
+        raise UsageError(
+            f"int4_per_token_head needs a power-of-two head_dim (vLLM rotates K/V by a {d}-point Hadamard transform, "
+            f"which exists only for powers of two), got {d}"
+        )
+
+
+def _round_half_away(y: torch.Tensor) -> torch.Tensor:
+    """vLLM's `where(y >= 0, (y + 0.5).to(int32), (y - 0.5).to(int32))` as float32 (truncation toward zero of
+    y +- 0.5 in float32; |y| stays far below 2**31 here)."""
+    return torch.where(y >= 0, torch.trunc(y + 0.5), torch.trunc(y - 0.5))
+
+
+def _quantize_fp8_token(xf: torch.Tensor) -> QTensor:
+    # scale = max(amax / 448, 1e-6) over the finite values; codes = e4m3(clamp(x * (1 / scale), +-448))
+    s = (finite_abs(xf).amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
+    codes = (xf * (1.0 / s)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # NaN stays NaN
+    return QTensor(codes=codes, block_scales=s)
+
+
+def _quantize_int4_rht(x: torch.Tensor) -> QTensor:
+    """x: K or V in the dtype the engine holds them ([..., D], D a power of two)."""
+    check_int4_head_dim(x.shape[-1])
+    # vLLM: key = single_rht(key.float()).to(key.dtype) -- the rotated values are rounded to K/V's own dtype
+    xr = rht(as_f32(x))
+    if x.dtype in (torch.bfloat16, torch.float16):
+        xr = xr.to(x.dtype)
+    y = xr.float()
+    bad = ~torch.isfinite(y).all(dim=-1, keepdim=True)  # [..., 1]: a non-finite input spreads over its whole row
+    yz = torch.where(bad, 0.0, y)
+    lo, hi = yz.amin(dim=-1, keepdim=True), yz.amax(dim=-1, keepdim=True)
+    s = ((hi - lo) / INT4_LEVELS).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
+    zp = _round_half_away(-lo / s).clamp_(0.0, INT4_LEVELS)
+    q = _round_half_away(yz * (1.0 / s) + zp).clamp_(0.0, INT4_LEVELS).to(torch.uint8)
+    # the zero point replaces the 4 low mantissa bits of the fp32 scale
+    word = (s.view(torch.int32) & -16) | zp.to(torch.int32)
+    word = torch.where(bad, torch.tensor(float("nan")).view(torch.int32), word)  # kvcal's NaN marker: the row
+    return QTensor(codes=_pack(q), block_scales=word.view(torch.float32))
+
+
+def int4_scale_zero(word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero point) float32 of int4_per_token_head's packed fp32 words [..., 1]: the word with its 4 low
+    mantissa bits cleared, and those bits (vLLM's read kernel)."""
+    bits = word.view(torch.int32)
+    return (bits & -16).view(torch.float32), (bits & 0xF).float()
+
+
+def _dequantize_int4_rht(q: QTensor) -> torch.Tensor:
+    """Unrotated float32 values: ((code - zp) * scale) in the rotated basis, rotated back by rht(., inverse) / D.
+    vLLM's attention instead rotates Q (rounded to its dtype) and rotates the output back; with exact arithmetic
+    the two give the same attention output."""
+    c = q.codes
+    codes = torch.stack((c & 0x0F, c >> 4), dim=-1).flatten(-2).float()  # [..., D]
+    s, zp = int4_scale_zero(q.block_scales)
+    y = (codes - zp) * s
+    return rht(y, inverse=True) / float(codes.shape[-1])
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | KVFormat,
@@ -685,6 +812,8 @@ def quantize(
     f = get_format(fmt)
     if f.element == "auto":
         return QTensor(codes=x)
+    if f.element == "int4_rht":
+        return _quantize_int4_rht(x)  # rounds its rotation to x's own dtype, as vLLM does
     if f.element == "bf16" and x.dtype == torch.bfloat16:
         # the float32 detour changes nothing for bf16 input (the bounds are bf16 values): one op instead of three
         return QTensor(codes=x.clamp(-BF16_MAX, BF16_MAX))
@@ -701,6 +830,12 @@ def quantize_f32(
     returns it (ignored by the others), E2M1 rounding by `e2m1`."""
     if f.element == "bf16":
         return QTensor(codes=xf.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16))
+    if f.element == "fp16":
+        return QTensor(codes=xf.to(torch.float16))  # IEEE cast: beyond +-65504 rounds to +-Inf, as the engine
+    if f.element == "e4m3_token":
+        return _quantize_fp8_token(xf)
+    if f.element == "int4_rht":
+        return _quantize_int4_rht(xf)
     if f.element in ("e4m3", "e5m2"):
         return _quantize_fp8(xf, f, s)  # type: ignore[arg-type]
     if f.element == "int8":
@@ -721,6 +856,12 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
     if f.element in ("auto", "bf16"):
         # bf16 -> float16 saturates (65504 stored as bf16 is 65536)
         return c if c.dtype == dtype else _to(c.float(), dtype)
+    if f.element == "fp16":
+        return c if c.dtype == dtype else c.to(dtype)  # a float16 cache's +-Inf stays +-Inf (the engine reads it)
+    if f.element == "e4m3_token":
+        return _to(c.float() * q.block_scales, dtype)
+    if f.element == "int4_rht":
+        return _to(_dequantize_int4_rht(q), dtype)
     if f.element in ("e4m3", "e5m2"):
         s = q.scale if q.scale is not None else torch.tensor(1.0, device=c.device)
         return _to(c.float() * _bcast(s.float(), c.dim()), dtype)

@@ -175,6 +175,8 @@ def test_quantize_kv_equals_two_quantize_calls(
 ) -> None:  # fmt: skip
     """K and V quantized in one stacked pass give each side's own bits (odd sizes put elements in a vector's scalar
     tail in one call and not in the other), scales included, for every scale shape pairing."""
+    if name == "int4_per_token_head" and d & (d - 1):
+        d = 128  # its Hadamard rotation needs a power-of-two head_dim
     shape = (b, h, t, d)
     k = _kv(seed, shape, log_mag, special, 0.3, seed % 2 == 0).to(dtype)
     v = _kv(seed + 1, shape, log_mag - 3, special, 0.3, False).to(dtype)

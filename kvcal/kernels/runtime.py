@@ -157,6 +157,8 @@ def _as_scale(s: Any) -> torch.Tensor:
 def check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
     """UsageError unless every layer's head_dim is a whole number of `fmt`'s blocks (FP4 formats)."""
     for layer in kv.layers:
+        if fmt.element == "int4_rht":
+            formats.check_int4_head_dim(layer.head_dim)
         bs = fmt.block_size
         if bs and layer.head_dim % bs:
             raise UsageError(

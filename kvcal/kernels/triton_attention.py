@@ -74,6 +74,11 @@ FMT_FP8 = 1  # fp8_e4m3 / fp8_e5m2: float8 codes, fp32 scale 0-d, [H_kv] or [B, 
 FMT_INT8 = 2  # int8_per_token_head: int8 codes, fp32 scale per (token, head)
 FMT_NVFP4 = 3  # packed E2M1, E4M3 block scales, fp32 global scale 0-d, [H_kv] or [B, 1, 1, 1]
 FMT_MXFP4 = 4  # packed E2M1, E8M0 block scales (fp4_e2m1: 16, mxfp4: 32)
+FMT_FP8_TOKEN = 5  # fp8_per_token_head: float8 e4m3 codes, fp32 scale per (token, head)
+FMT_INT4_RHT = 6  # int4_per_token_head: packed 4-bit codes, fp32 scale word per (token, head) with the zero point
+# in its low 4 bits, values in the rotated basis (q rotated before the kernel, the output rotated back after it)
+FMT_HALF = (FMT_NVFP4, FMT_MXFP4, FMT_INT4_RHT)  # two codes per byte: half-width even / odd tiles
+FMT_TOKEN = (FMT_INT8, FMT_FP8_TOKEN, FMT_INT4_RHT)  # per-(token, head) scale on the logits / probabilities
 # storage layout -> family: formats' `triton_kernel` column (a format sharing another's layout reads as that one)
 FMT_CODES: dict[str, int] = {f.name: f.triton_kernel for f in FORMATS.values() if f.layout == f.name}  # type: ignore[misc]
 
@@ -247,6 +252,14 @@ def _load_fp4_tile_impl(
     mask = n_mask[:, None] & i_mask[None, :]
     byte = tl.load(codes_base + offs_n[:, None] * stride_n + offs_i[None, :] * stride_c, mask=mask, other=0)
     byte = byte.to(tl.int32)
+    if FMT == 6:
+        # int4_per_token_head: code - zero point (small integers, exact); the scale is applied per token outside
+        word = tl.load(bs_base + offs_n * bs_stride_n, mask=n_mask, other=0.0).to(tl.int32, bitcast=True)
+        zp = (word & 0xF).to(tl.float32)[:, None]
+        return (
+            tl.where(mask, (byte & 0xF).to(tl.float32) - zp, 0.0),
+            tl.where(mask, ((byte >> 4) & 0xF).to(tl.float32) - zp, 0.0),
+        )
     lo = (((byte & 7) << 9) | ((byte & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (
         (((byte & 0x70) << 5) | ((byte & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -342,8 +355,13 @@ def _attn_fwd_impl(
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     # FMT / BLOCK_SIZE: K's format; FMT_V / BLOCK_SIZE_V: V's (equal unless a K/V format pair)
-    K_FP4: tl.constexpr = FMT >= 3
-    V_FP4: tl.constexpr = FMT_V >= 3
+    # K_FP4 / V_FP4: two codes per byte, read as half-width even / odd tiles (E2M1 families 3, 4 and int4 6)
+    K_FP4: tl.constexpr = (FMT == 3) or (FMT == 4) or (FMT == 6)
+    V_FP4: tl.constexpr = (FMT_V == 3) or (FMT_V == 4) or (FMT_V == 6)
+    K_E2M1: tl.constexpr = (FMT == 3) or (FMT == 4)
+    V_E2M1: tl.constexpr = (FMT_V == 3) or (FMT_V == 4)
+    K_TOKEN: tl.constexpr = (FMT == 2) or (FMT == 5) or (FMT == 6)  # a scale per (token, head)
+    V_TOKEN: tl.constexpr = (FMT_V == 2) or (FMT_V == 5) or (FMT_V == 6)
     K_SCALAR: tl.constexpr = (FMT == 1) or (FMT == 3)
     V_SCALAR: tl.constexpr = (FMT_V == 1) or (FMT_V == 3)
     DH: tl.constexpr = HEAD_DIM // 2
@@ -393,9 +411,9 @@ def _attn_fwd_impl(
     if V_SCALAR:
         v_scale = tl.load(VSC + b * stride_vscb + h * stride_vsc).to(tl.float32)
     # FP4 tiles hold e2m1 * 2**-14 * block_scale (see _load_fp4_tile_impl)
-    if K_FP4:
+    if K_E2M1:
         qk_scale = qk_scale * 16384.0
-    if V_FP4:
+    if V_E2M1:
         v_scale = v_scale * 16384.0
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E  # work in the exp2 domain
@@ -455,8 +473,10 @@ def _attn_fwd_impl(
                 kt = tl.where(kt == -128, float("nan"), kt.to(tl.float32))
             s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
         s = s * qk_scale
-        if FMT == 2:
+        if K_TOKEN:
             ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
+            if FMT == 6:  # the scale word without its zero-point bits
+                ks = (ks.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
             s = s * ks[None, :]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -483,8 +503,10 @@ def _attn_fwd_impl(
             # FA3's FP8 P: e4m3(P * 2**8) for the P.V product; the row sum above took the unrounded P
             # (kvcal.kernels.reference.FA3_P_OFFSET); 2**-8 is exact
             p = _round_e4m3(p * 256.0) * 0.00390625
-        if FMT_V == 2:
+        if V_TOKEN:
             vs = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
+            if FMT_V == 6:
+                vs = (vs.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
             p = p * vs[None, :]
         # ---- O += P V ----
         if V_FP4:
@@ -719,7 +741,7 @@ def _dot_kind(interpret: bool, q_dtype: torch.dtype, code_dtype: torch.dtype, fm
         return DOT_F32
     if q_dtype == torch.bfloat16 and (fmt_id != FMT_PLAIN or code_dtype == torch.bfloat16):
         return DOT_BF16
-    if q_dtype == torch.float16 and (fmt_id in (FMT_FP8, FMT_INT8) or code_dtype == torch.float16):
+    if q_dtype == torch.float16 and (fmt_id in (FMT_FP8, FMT_INT8, FMT_FP8_TOKEN, FMT_INT4_RHT) or code_dtype == torch.float16):
         return DOT_F16
     return DOT_F32
 
@@ -748,7 +770,7 @@ def _check_inputs(q: torch.Tensor, k: Any, v: Any, fk: Any, fv: Any) -> tuple[in
     bk, hkv, tk, _ = kc.shape
     for f, codes in ((fk, kc), (fv, vc)):
         dc = codes.shape[-1]
-        if bk != b or (dc * 2 if FMT_CODES[f.layout] >= FMT_NVFP4 else dc) != d:
+        if bk != b or (dc * 2 if FMT_CODES[f.layout] in FMT_HALF else dc) != d:
             raise UsageError(
                 f"q {tuple(q.shape)} and k/v codes {tuple(codes.shape)} do not fit together ({f.name})"
             )
@@ -830,12 +852,50 @@ def attention(
     """`quantized_attention_triton` plus two knobs for tests and benchmarks: `config` pins the tile config
     (no autotuning) and `num_splits` pins the decode key splits."""
     from kvcal import formats  # lazy, as in the reference
+
+    f = formats.get_format(fmt)
+    fv = f if v_fmt is None else formats.get_format(v_fmt)
+    rot_k, rot_v = FMT_CODES[f.layout] == FMT_INT4_RHT, FMT_CODES[fv.layout] == FMT_INT4_RHT
+    if not (rot_k or rot_v):
+        return _attention(q, k, v, f, fv, scaling, q_start, k_start, causal, sliding_window, softcap, sinks,
+                          key_padding, q_scale, config, num_splits)  # fmt: skip
+    # int4_per_token_head stores K/V rotated (H D1 x, norm sqrt(D) |x|): as vLLM's unified_attention_int4, the
+    # query is rotated the same way (then q_r . k_r = D q . k, so the logit scale is divided by D) and the output,
+    # a mix of rotated V rows, is rotated back and divided by D. Here q and the output stay float32.
+    d = q.shape[-1]
+    formats.check_int4_head_dim(d)
+    if q_scale is not None:
+        raise UsageError("--attention fp8 (an FP8 query) is not emulated with int4_per_token_head")
+    qk = formats.rht(q.float()) if rot_k else q
+    out = _attention(qk, k, v, f, fv, float(scaling) / d if rot_k else scaling, q_start, k_start, causal,
+                     sliding_window, softcap, sinks, key_padding, None, config, num_splits)  # fmt: skip
+    if rot_v:
+        out = formats.rht(out.float(), inverse=True) / float(d)
+    return out.to(q.dtype)
+
+
+def _attention(
+    q: torch.Tensor,
+    k,
+    v,
+    f,
+    fv,
+    scaling: float,
+    q_start: int,
+    k_start: int,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    key_padding: torch.Tensor | None,
+    q_scale: float | None,
+    config: KernelConfig | None,
+    num_splits: int | None,
+) -> torch.Tensor:
     from kvcal.kernels.reference import quantize_query
 
     if q_scale is not None:  # FP8 attention: e4m3 query codes, q_scale folded into the logit scale (as FA3)
         q, scaling = quantize_query(q, q_scale), float(scaling) * float(q_scale)
-    f = formats.get_format(fmt)
-    fv = f if v_fmt is None else formats.get_format(v_fmt)
     # a format sharing another's storage (nvfp4_4over6 -> nvfp4) reads as that one
     fmt_id, fmt_v = FMT_CODES[f.layout], FMT_CODES[fv.layout]
     b, hq, tq, d, hkv, tk = _check_inputs(q, k, v, f, fv)
@@ -938,8 +998,8 @@ def _operands(
     dev = q.device
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     for f, fid, x, name in ((fs[0], ids[0], k, "K"), (fs[1], ids[1], v, "V")):
-        if fid == FMT_INT8 and x.block_scales is None:
-            raise UsageError(f"int8_per_token_head {name} needs its per-token scales (block_scales)")
+        if fid in FMT_TOKEN and x.block_scales is None:
+            raise UsageError(f"{f.name} {name} needs its per-token scales (block_scales)")
         if fid >= FMT_NVFP4 and x.block_scales is None:
             raise UsageError(f"{f.name} {name} needs its block scales")
     kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)

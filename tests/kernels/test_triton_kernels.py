@@ -99,6 +99,11 @@ CASES = [
     Case("nvfp4", 1, 17, 2, 96),  # head_dim not a power of two (padded tiles)
     Case("nvfp4", 2, 40, 4, 128, b=2, pad_left=(0, 7), splits=2),  # 2 new tokens (speculative-style decode)
     Case("fp8_e4m3", 1, 17, 4, 64, q_dtype=torch.bfloat16),
+    Case("fp8_per_token_head", 1, 257, 4, 64, h_kv=2, splits=3),
+    Case("fp8_per_token_head", 1, 17, 3, 96, softcap=3.0),  # head_dim not a power of two
+    Case("int4_per_token_head", 1, 257, 8, 64, h_kv=2, splits=4, sinks=True),
+    Case("int4_per_token_head", 1, 64, 3, 128, k_start=300, window=64, splits=2),
+    Case("float16", 1, 33, 4, 64, q_dtype=torch.bfloat16),
     # ---- prefill (many rows: row tiles, causal / window tile skipping) ----
     Case("bf16", 17, 17, 3, 64, window=5, extra={"q_transposed": True}),
     Case("fp8_e4m3", 17, 257, 4, 128, softcap=5.0, sinks=True),  # chunked prefill: q_start = 240
@@ -107,6 +112,10 @@ CASES = [
     Case("fp4_e2m1", 17, 17, 4, 256, softcap=2.0),
     Case("mxfp4", 40, 40, 2, 64, sinks=True, h_kv=2),
     Case("fp8_e5m2", 17, 30, 4, 64, causal=False),
+    Case("fp8_per_token_head", 33, 33, 8, 64, window=8),
+    Case("int4_per_token_head", 17, 17, 4, 256, softcap=2.0),
+    Case("int4_per_token_head", 33, 41, 2, 64, b=2, pad_left=(3, 0), window=20),
+    Case("float16", 17, 17, 3, 64, window=5),
     Case("auto", 17, 17, 4, 128, pad_left=(5,)),  # left padding: the first 5 query rows see no key -> 0
 ]
 
