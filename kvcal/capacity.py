@@ -1,7 +1,8 @@
 """KV-cache capacity: bytes per token per format and how many tokens fit, from a model config alone.
 
 bytes/token = sum over layers of 2 (K and V) x kv_heads x head_dim x bits/8, with `bits` from
-`kvcal.formats` (codes + block scales: fp8 8, int8 8 + 32/head_dim, nvfp4 / fp4_e2m1 4.5, mxfp4 4.25),
+`kvcal.formats` (codes + block scales: fp8 8, int8 8 + 32/head_dim, fp8 / int4 per token-head 8 or 4 + 32/head_dim,
+nvfp4 / fp4_e2m1 4.5, mxfp4 4.25),
 skipped layers (--skip-layers) at 16 bits, and — when a context length N is given — each sliding-window layer
 weighted by min(N, window) / N (it holds at most `window` tokens of a sequence of N). A K/V format pair
 (`k=fp8_e4m3,v=nvfp4`) counts K's elements at K's bits (codes + block scales) and V's at V's: bytes/token = sum
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import UsageError
-from kvcal.formats import FORMATS, KVFormat, kv_pair, parse_kv_format
+from kvcal.formats import FORMATS, KVFormat, check_int4_head_dim, kv_pair, parse_kv_format
 from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.gguf import is_gguf
@@ -52,6 +53,9 @@ def kv_bytes_per_token(
         if layer.index in skip_layers:
             bits = 2 * 16.0  # K and V
         else:
+            for f in (fk, fv):
+                if f.element == "int4_rht":  # the engine cannot build this cache: say why rather than count it
+                    check_int4_head_dim(layer.head_dim)
             bits = fk.bits_per_element(layer.head_dim, auto_bits) + fv.bits_per_element(layer.head_dim, auto_bits)
         share = 1.0
         if context is not None and layer.type == SLIDING and layer.window:

@@ -21,6 +21,10 @@ Storage layout (kernels read these; do not change without changing them)
 | bf16 | bfloat16 [..., D] | None | None |
 | fp8_e4m3 / fp8_e5m2 | float8_e4m3fn / float8_e5m2 [..., D] | None | fp32 0-d, [H_kv] (dim 1) or [B, 1, 1, 1] |
 | int8_per_token_head | int8 [..., D] (-128 = NaN) | fp32 [..., 1] (amax/127) | None |
+| float16 | float16 [..., D] | None | None |
+| int8_per_tensor | int8 [..., D] (NaN stored as 0) | None | fp32 0-d, [H_kv] or [B, 1, 1, 1] |
+| fp8_per_token_head | float8_e4m3fn [..., D] | fp32 [..., 1] (max(amax/448, 1e-6)) | None |
+| int4_per_token_head | uint8 [..., D//2] (rotated basis) | fp32 [..., 1] word: scale, zero point in bits 0-3 | None |
 | nvfp4, nvfp4_4over6 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d, [H_kv] or [B, 1, 1, 1] global |
 | fp4_e2m1 | uint8 [..., D//2] | uint8 E8M0 [..., D//16] | None |
 | mxfp4 | uint8 [..., D//2] | uint8 E8M0 [..., D//32] | None |
@@ -47,6 +51,37 @@ Rounding and scales per format
   file stores as k_scale/v_scale (x ~ codes * scale); default 1.0 = what vLLM/SGLang use uncalibrated.
 - int8_per_token_head: symmetric, scale = amax/127 over D per (token, KV head) in fp32, codes
   `round_half_even(x / scale)` clamped to +-127 (vLLM `int8_per_token_head`). An all-zero row stores scale 0.
+- int8_per_tensor: TensorRT-LLM's INT8 KV cache (`kv_cache_quant_algo` INT8): a static fp32 scale s (0-d, [H_kv]
+  or [B, 1, 1, 1]; a scale file's k_scale / v_scale = amax / 127, ModelOpt's convention; default 1.0), codes
+  `cvt.rni.sat.s8.f32(x * (1 / s))` (TensorRT-LLM's `cuda_cast<int8_t, float>`): round half to even, saturate to
+  [-128, 127], NaN -> 0 (the one format that stores NaN as a number, as the engine: its int8 has no NaN).
+  TensorRT-LLM (tensorrt_llm/layers/attention.py, tensorrt_llm/quantization/quantize.py,
+  cpp/tensorrt_llm/common/cudaTypeUtils.cuh) passes `kv_orig_quant_scale = kv_cache_rcp_scaling_factor`
+  (= torch.reciprocal of kv_cache_scaling_factor, fp32) to its attention plugin; its checkpoint holds ONE
+  kv_cache_scaling_factor of shape (1,) per layer for K and V (a scale file's k_scale and v_scale are the same
+  value only if calibrated so).
+- float16: the IEEE cast `x.to(float16)` (round to nearest even): beyond +-65504 a value becomes +-Inf, as a bf16
+  model's K/V stored into vLLM's `--kv-cache-dtype float16` cache by its Triton `reshape_and_cache` (`tl.store`
+  converts); Inf is then counted as non-finite K/V. No scale.
+- fp8_per_token_head: vLLM's `_reshape_cache_per_token_head_kernel`
+  (vllm/v1/attention/ops/triton_quant_kv/_per_token_head_kernel.py @ 8940d7db4a47a9d9700bad90f1142130f699950c):
+  per (token, KV head) `scale = max(amax / 448, 1e-6)` (fp32; the floor keeps an all-zero row finite), codes
+  `e4m3_rne(clamp(x * (1 / scale), +-448))`; dequantized `codes * scale`. Any head_dim. kvcal computes the
+  reciprocal correctly rounded; Triton on a GPU may use an approximate division.
+- int4_per_token_head: vLLM's `reshape_and_cache_int4` / `_reshape_cache_int4_kernel`
+  (vllm/v1/attention/ops/int4_per_token_head.py @ 055e47c28003156421365af985d676fc921cb075). First a randomized
+  Hadamard rotation `single_rht(x) = H (D1 x)` in float32, rounded back to K/V's own dtype (bf16 for a bf16
+  model): D1 = +-1 signs from torch's CPU Bernoulli(0.5) under `manual_seed(0x9E3779B9)` (`rht_signs`), H the
+  unnormalised Walsh-Hadamard transform (vLLM's PyTorch butterfly, `hadamard`), so head_dim must be a power of two.
+  Then per (token, KV head) of the rotated y: `scale = max((max - min) / 15, 1e-6)`, `zp = clamp(rha(-min /
+  scale), 0, 15)`, codes `clamp(rha(y * (1 / scale) + zp), 0, 15)` with rha = round half away from zero (vLLM's
+  `(v +- 0.5).to(int32)`); element 2i in the low nibble of byte i; the scale word is the fp32 scale with its 4 low
+  mantissa bits replaced by zp. Dequantized (`dequantize`) in kvcal's unrotated basis: `rht((code - zp) *
+  scale_word_without_zp, inverse=True) / D`. vLLM's attention reads the rotated codes with a rotated query
+  (logit scale / D) and rotates the output back — the same attention up to float32 rounding (the Triton kernel
+  here does exactly that). On CUDA vLLM rotates with hadacore in bf16 instead of the butterfly (its bf16 result
+  can differ in the last bit where the float32 sum lies at a bf16 rounding boundary). A (token, head) row with a
+  NaN or Inf anywhere is stored as NaN (scale word NaN, codes 0): the rotation mixes every element into every code.
 - nvfp4: global scale g (fp32, multiplicative: x ~ e2m1 * block_scale * g), default dynamic
   `amax / (448 * 6)` (`nvfp4_dynamic_global`): per sequence (dim 0) for a 4-D [B, H_kv, T, D] tensor, over the
   whole tensor otherwise, so a sequence's codes never depend on the other sequences of its batch. Block scale =
@@ -196,7 +231,7 @@ class KVFormat:
             return float(model_bits)
         if self.element == "bf16":
             return 16.0
-        if self.element in ("e4m3", "e5m2"):
+        if self.element in ("e4m3", "e5m2", "int8s"):
             return 8.0
         if self.element == "fp16":
             return 16.0
@@ -240,6 +275,9 @@ _TABLE: tuple[tuple, ...] = (
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
     ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),
      ("int8_per_token_head", None, None), "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
+    ("int8_per_tensor", ("int8_static", "int8_kv_cache"), "int8s", 0, True, INT8_MAX, (torch.int8, None), (1, None),
+     (None, None, "INT8"),
+     "int8, static fp32 scale per tensor or KV head (calibrated amax/127, or 1.0): TensorRT-LLM's INT8 KV cache"),
     ("float16", ("fp16", "half"), "fp16", 0, False, FP16_MAX, (torch.float16, None), (0, None),
      ("float16", None, None), "float16 (IEEE half; beyond +-65504 a value becomes +-Inf, as the engine's cast)"),
     ("fp8_per_token_head", ("fp8_per_token",), "e4m3_token", 0, False, FP8_E4M3_MAX, (_E4M3, torch.float32),
@@ -284,6 +322,11 @@ NOT_EMULATED: dict[str, str] = {
     # vLLM maps the name to float8_e4m3fn storage and nothing else (vllm/utils/torch_utils.py
     # STR_DTYPE_TO_TORCH_DTYPE); what is stored is computed on Intel Gaudi by Intel Neural Compressor in the
     # out-of-tree HPU plugin, from INC's measured scales, so vLLM's source does not show the arithmetic
+    **{
+        preset: f"vLLM's TurboQuant preset {preset} (random rotation + Lloyd-Max scalar codebooks); not emulated by "
+        "kvcal yet; the nearest emulated rotated 4-bit cache is int4_per_token_head"
+        for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+    },
     "fp8_inc": "Intel Gaudi's FP8 KV cache through Intel Neural Compressor: vLLM only maps the name to E4M3 "
     "storage, the quantization runs in the out-of-tree HPU plugin with INC's measured scales, which vLLM's source "
     "does not show; for the same E4M3 storage with a calibrated scale use fp8_e4m3 --scales",
@@ -751,6 +794,16 @@ def _round_half_away(y: torch.Tensor) -> torch.Tensor:
     return torch.where(y >= 0, torch.trunc(y + 0.5), torch.trunc(y - 0.5))
 
 
+def _quantize_int8_static(xf: torch.Tensor, s: torch.Tensor) -> QTensor:
+    """TensorRT-LLM's INT8 KV cache: `cuda_cast<int8_t>(x * kv_orig_quant_scale)` = PTX `cvt.rni.sat.s8.f32`
+    (round to nearest even, saturate to [-128, 127], NaN -> 0) of x times the fp32 reciprocal of
+    kv_cache_scaling_factor (s; x ~ codes * s). The engine's int8 has no NaN: NaN is stored as 0, as there
+    (the cache still counts it as non-finite K/V)."""
+    y = xf * (1.0 / _bcast(s, xf.dim()))
+    codes = torch.round(y).clamp_(-128.0, INT8_MAX).nan_to_num_(nan=0.0)  # torch.round: half to even
+    return QTensor(codes=codes.to(torch.int8), scale=s)
+
+
 def _quantize_fp8_token(xf: torch.Tensor) -> QTensor:
     # scale = max(amax / 448, 1e-6) over the finite values; codes = e4m3(clamp(x * (1 / scale), +-448))
     s = (finite_abs(xf).amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
@@ -838,6 +891,8 @@ def quantize_f32(
         return _quantize_int4_rht(xf)
     if f.element in ("e4m3", "e5m2"):
         return _quantize_fp8(xf, f, s)  # type: ignore[arg-type]
+    if f.element == "int8s":
+        return _quantize_int8_static(xf, s)  # type: ignore[arg-type]
     if f.element == "int8":
         return _quantize_int8(xf)
     if f.name == "nvfp4":
@@ -860,6 +915,9 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
         return c if c.dtype == dtype else c.to(dtype)  # a float16 cache's +-Inf stays +-Inf (the engine reads it)
     if f.element == "e4m3_token":
         return _to(c.float() * q.block_scales, dtype)
+    if f.element == "int8s":
+        s = q.scale if q.scale is not None else torch.tensor(1.0, device=c.device)
+        return _to(c.float() * _bcast(s.float(), c.dim()), dtype)
     if f.element == "int4_rht":
         return _to(_dequantize_int4_rht(q), dtype)
     if f.element in ("e4m3", "e5m2"):

@@ -77,6 +77,12 @@ def _require_fp8_e4m3(ss: ScaleSet, engine: str) -> None:
             f"(vLLM PR #53770's fp8_k_nvfp4_v is unreleased and has no checkpoint scale layout); calibrate one "
             "format for both, e.g. --kv-format fp8_e4m3"
         )
+    if ss.kv_format == "int8_per_tensor":
+        raise UsageError(
+            f"{engine} has no per-tensor INT8 KV cache, so int8_per_tensor scales cannot be exported to it: only "
+            "TensorRT-LLM loads one (kv_cache_quant_algo INT8 with kv_cache_scaling_factor), and kvcal does not "
+            "write TensorRT-LLM checkpoints; calibrate --kv-format fp8_e4m3 to export"
+        )
     if ss.kv_format == "nvfp4":
         raise UsageError(
             f"{engine} export holds FP8 E4M3 scales only: an NVFP4 global scale has no layout in "

@@ -59,7 +59,7 @@ def check_calibratable(fmt: KVFormat, granularity: str) -> None:
         raise UsageError(
             f"KV format '{fmt.name}' has nothing to calibrate: its scales are "
             + ("dynamic (computed per block or token at run time)" if fmt.max_value else "absent")
-            + "; calibrate fp8_e4m3, fp8_e5m2 or nvfp4, or evaluate this format without --scales"
+            + "; calibrate fp8_e4m3, fp8_e5m2, int8_per_tensor or nvfp4, or evaluate this format without --scales"
         )
     if granularity not in GRANULARITIES:
         raise UsageError(f"unknown granularity '{granularity}'; use {' or '.join(GRANULARITIES)}")

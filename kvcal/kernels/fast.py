@@ -201,7 +201,7 @@ def _dequantize(q: QTensor, f: KVFormat, memo: ScaleMemo | None = None) -> torch
         if y is not None:
             return y
         return (_fp8_values(c) * _bcast_scale(q.scale.float(), c.dim())).clamp_(_F32.min, _F32.max)
-    if f.element in ("fp16", "e4m3_token", "int4_rht"):
+    if f.element in ("fp16", "e4m3_token", "int4_rht", "int8s"):
         return formats.dequantize(q, f)  # few ops already (int4: its inverse rotation is the cost)
     if f.element == "int8":
         y = c.float() * q.block_scales

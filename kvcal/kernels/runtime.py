@@ -145,6 +145,11 @@ def _first_batch_store(
             f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt.name} computes its "
             "scales at write time; use it with fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
         )
+    if fmt.element == "int8s":
+        raise UsageError(
+            "--scales first-batch is vLLM's calculate_kv_scales (FP8 / NVFP4); TensorRT-LLM's INT8 cache "
+            "(int8_per_tensor) takes a calibrated scale: kvcal calibrate MODEL -f int8_per_tensor -o S, then --scales S"
+        )
     if scales is not None:
         raise UsageError("first-batch scales replace a scale file; pass one or the other")
     return first_batch if isinstance(first_batch, FirstBatchScales) else FirstBatchScales()
@@ -175,7 +180,7 @@ def _check_scales(
         if not f.calibratable:
             raise UsageError(
                 f"format {f.name} takes no static scales (its scales are computed at write time); "
-                "drop --scales or use fp8_e4m3, fp8_e5m2 or nvfp4"
+                "drop --scales or use fp8_e4m3, fp8_e5m2, int8_per_tensor or nvfp4"
             )
     name = fmt.name if v_fmt is fmt else f"k={fmt.name},v={v_fmt.name}"
     if scales.kv_format != name:  # a ScaleSet's format is canonical (kvcal.scales.load_scale_file)
@@ -407,7 +412,7 @@ class KVRuntime:
             return f"scale file ({getattr(self.scales, 'granularity', 'tensor')})"
         if self.first_batch is not None:
             return "first-batch (vLLM calculate_kv_scales: amax / 200 for K, / 100 for V, fixed after the first write)"
-        if self.fmt.element in ("e4m3", "e5m2"):
+        if self.fmt.element in ("e4m3", "e5m2", "int8s"):
             return "uncalibrated (scale 1.0)"
         if self.fmt.layout == "nvfp4":
             return f"uncalibrated (global scale {NVFP4_GLOBALS[self.nvfp4_global]})"

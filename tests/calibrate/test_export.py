@@ -161,9 +161,15 @@ def test_vllm_export_sharded_checkpoint(word_llama_dir: Path, tmp_path: Path) ->
 
 
 def test_vllm_export_refusals(word_llama_dir: Path, tmp_path: Path) -> None:
-    for fmt, message in (("fp8_e5m2", "FP8 E4M3 scales only"), ("nvfp4", "NVFP4 global scale")):
+    for fmt, message in (
+        ("fp8_e5m2", "FP8 E4M3 scales only"),
+        ("nvfp4", "NVFP4 global scale"),
+        ("int8_per_tensor", "only TensorRT-LLM loads one"),  # TensorRT-LLM's INT8 cache: no vLLM/SGLang layout
+    ):
         with pytest.raises(UsageError, match=message):
             export_vllm(scale_set(word_llama_dir, kv_format=fmt), word_llama_dir, tmp_path / fmt)
+    with pytest.raises(UsageError, match="SGLang has no per-tensor INT8 KV cache"):
+        export_sglang(scale_set(word_llama_dir, kv_format="int8_per_tensor"), word_llama_dir, tmp_path / "i8.json")
     (tmp_path / "exists").mkdir()
     with pytest.raises(UsageError, match="already exists"):
         export_vllm(scale_set(word_llama_dir), word_llama_dir, tmp_path / "exists")

@@ -104,6 +104,7 @@ CASES = [
     Case("int4_per_token_head", 1, 257, 8, 64, h_kv=2, splits=4, sinks=True),
     Case("int4_per_token_head", 1, 64, 3, 128, k_start=300, window=64, splits=2),
     Case("float16", 1, 33, 4, 64, q_dtype=torch.bfloat16),
+    Case("int8_per_tensor", 1, 257, 4, 64, h_kv=2, splits=3, per_head_scale=True),
     # ---- prefill (many rows: row tiles, causal / window tile skipping) ----
     Case("bf16", 17, 17, 3, 64, window=5, extra={"q_transposed": True}),
     Case("fp8_e4m3", 17, 257, 4, 128, softcap=5.0, sinks=True),  # chunked prefill: q_start = 240
@@ -116,6 +117,7 @@ CASES = [
     Case("int4_per_token_head", 17, 17, 4, 256, softcap=2.0),
     Case("int4_per_token_head", 33, 41, 2, 64, b=2, pad_left=(3, 0), window=20),
     Case("float16", 17, 17, 3, 64, window=5),
+    Case("int8_per_tensor", 17, 40, 4, 64, window=9, sinks=True),
     Case("auto", 17, 17, 4, 128, pad_left=(5,)),  # left padding: the first 5 query rows see no key -> 0
 ]
 
@@ -133,7 +135,7 @@ def _run(case: Case) -> tuple[float, float, float]:
     scale = None
     if case.per_head_scale:
         amax = k.abs().amax(dim=(0, 2, 3))  # [H_kv]
-        scale = amax / 448.0 if case.fmt.startswith("fp8") else amax / (448.0 * 6.0)
+        scale = amax / {"fp8": 448.0, "int": 127.0}.get(case.fmt[:3], 448.0 * 6.0)
     kq = formats.quantize(k, case.fmt, scale=scale)
     vq = formats.quantize(v, case.fmt, scale=None if scale is None else scale * 0.5)
     q_start = case.q_start if case.q_start is not None else case.k_start + case.tk - case.tq
