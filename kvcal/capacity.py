@@ -108,7 +108,11 @@ def capacity_table(
 
     Returns {"formats": [{"kv_format", "bytes_per_token", "multiplier_vs_bf16", "multiplier_vs_fp8",
     "bits_per_element", "max_tokens", "max_sequences"}, ...], plus the inputs}."""
-    fmts = [_format_name(f) for f in (formats or list(FORMATS))]
+    if formats:
+        fmts = [_format_name(f) for f in formats]
+    else:  # every format this model's engine could build (int4_per_token_head needs a power-of-two head_dim)
+        pow2 = all(layer.head_dim & (layer.head_dim - 1) == 0 for layer in kv.layers)
+        fmts = [n for n, f in FORMATS.items() if pow2 or f.element != "int4_rht"]
     fmts = list(dict.fromkeys(fmts))  # drop repeats, keep order
     free = None
     if gpu_mem_bytes is not None:

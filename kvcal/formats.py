@@ -82,6 +82,8 @@ Rounding and scales per format
   here does exactly that). On CUDA vLLM rotates with hadacore in bf16 instead of the butterfly (its bf16 result
   can differ in the last bit where the float32 sum lies at a bf16 rounding boundary). A (token, head) row with a
   NaN or Inf anywhere is stored as NaN (scale word NaN, codes 0): the rotation mixes every element into every code.
+  So is a finite row whose rotation overflows (|x| near float32's max / D, or bf16's max / D for bf16 K/V): the
+  one exception to "finite in, finite out", as on the engine, whose rotation overflows the same way.
 - nvfp4: global scale g (fp32, multiplicative: x ~ e2m1 * block_scale * g), default dynamic
   `amax / (448 * 6)` (`nvfp4_dynamic_global`): per sequence (dim 0) for a 4-D [B, H_kv, T, D] tensor, over the
   whole tensor otherwise, so a sequence's codes never depend on the other sequences of its batch. Block scale =
@@ -275,7 +277,7 @@ _TABLE: tuple[tuple, ...] = (
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
     ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),
      ("int8_per_token_head", None, None), "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
-    ("int8_per_tensor", ("int8_static", "int8_kv_cache"), "int8s", 0, True, INT8_MAX, (torch.int8, None), (1, None),
+    ("int8_per_tensor", ("int8", "int8_static", "int8_kv_cache"), "int8s", 0, True, INT8_MAX, (torch.int8, None), (1, None),
      (None, None, "INT8"),
      "int8, static fp32 scale per tensor or KV head (calibrated amax/127, or 1.0): TensorRT-LLM's INT8 KV cache"),
     ("float16", ("fp16", "half"), "fp16", 0, False, FP16_MAX, (torch.float16, None), (0, None),

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kvcal.capacity import GIB, capacity_table, kv_bytes_per_token, model_capacity, weights_bytes
 from kvcal.cli import app
 from kvcal.errors import UsageError
+from kvcal.formats import FORMATS
 from kvcal.models.config import load_config
 from kvcal.models.geometry import FULL, SLIDING, KVSpec, LayerSpec, kv_spec
 
@@ -86,6 +87,10 @@ def test_sglang_published_multipliers_head_dim_128() -> None:
         "fp8_e4m3",
         "fp8_e5m2",
         "int8_per_token_head",
+        "int8_per_tensor",
+        "float16",
+        "fp8_per_token_head",
+        "int4_per_token_head",
         "nvfp4",
         "nvfp4_4over6",
         "fp4_e2m1",
@@ -96,6 +101,9 @@ def test_sglang_published_multipliers_head_dim_128() -> None:
         assert round(rows[name]["multiplier_vs_fp8"], 2) == 1.78
     assert rows["fp8_e4m3"]["multiplier_vs_bf16"] == 2.0
     assert rows["int8_per_token_head"]["bytes_per_token"] == 32 * 2 * 8 * 128 * 8.25 / 8
+    # vLLM's page: data + one fp32 scale per (token, head), K and V
+    assert rows["fp8_per_token_head"]["bytes_per_token"] == 32 * 2 * 8 * (128 + 4)
+    assert rows["int4_per_token_head"]["bytes_per_token"] == 32 * 2 * 8 * (64 + 4)
     assert rows["mxfp4"]["multiplier_vs_bf16"] == 16 / 4.25
     assert all(r["max_tokens"] is None for r in rows.values())
 
@@ -192,7 +200,7 @@ def test_cli_json_without_gpu_memory_has_null_tokens(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["formats"]
-    assert len(rows) == 9 and all(r["max_tokens"] is None for r in rows)
+    assert len(rows) == len(FORMATS) and all(r["max_tokens"] is None for r in rows)
 
 
 def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
