@@ -258,3 +258,14 @@ def test_real_smollm2_gguf(real_model_path: Callable[[str], str]) -> None:
     assert rows["bf16"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 2
     assert t["weights_bytes"] == Path(gguf).stat().st_size
     assert rows["nvfp4"]["max_tokens"] == (24 * GIB - t["weights_bytes"]) // rows["nvfp4"]["bytes_per_token"]
+
+
+def test_per_token_head_bytes_equal_vllms_page_on_smollm2_and_gemma3_geometry() -> None:
+    """vLLM's page per token: K and V, per KV head, data (head_size, or head_size // 2 packed INT4) + one fp32
+    scale. SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; Gemma-3-270M: 18 layers, 1 KV head, head_dim 256."""
+    for layers, heads, d in ((30, 3, 64), (18, 1, 256)):
+        kv = _spec(layers, heads, d)
+        assert kv_bytes_per_token(kv, "fp8_per_token_head") == layers * 2 * heads * (d + 4)
+        assert kv_bytes_per_token(kv, "int4_per_token_head") == layers * 2 * heads * (d // 2 + 4)
+        assert kv_bytes_per_token(kv, "float16") == layers * 2 * heads * d * 2
+        assert kv_bytes_per_token(kv, "int8_per_tensor") == layers * 2 * heads * d
