@@ -5,9 +5,12 @@
 so plain `lm_eval --model kvcal` works wherever kvcal.evaluate.adapter has been imported, e.g. from Python). With `kv_format=auto` nothing is overridden: the class *is* HFLM (the parity
 reference). Otherwise:
 
-- `_model_call` (loglikelihood, loglikelihood_rolling) passes a fresh quantized cache as `past_key_values` with
-  `use_cache=True`, so the prefill itself writes K/V into the quantized cache and attention reads them back
-  dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache.
+- `_loglikelihood_tokens` (loglikelihood, loglikelihood_rolling) scores only the continuation's rows
+  (kvcal.evaluate.scoring): each forward gets a fresh quantized cache as `past_key_values` with `use_cache=True`, so
+  the prefill itself writes K/V into the quantized cache and attention reads them back dequantized — the same thing
+  an engine does when it serves a prompt with a quantized KV cache; a question's choices share one prefill of its
+  context; the LM head and a float32 log-softmax run on the continuation rows only, a bounded block at a time.
+  `scoring=full` keeps lm-eval's own path (full-vocabulary logits of every position, through `_model_call`).
 - `_model_generate` (generate_until) passes a fresh quantized cache to `generate`, so prefill and every decode step
   read quantized K/V.
 """
@@ -45,7 +48,8 @@ class KvcalLM(HFLM):
     """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
     force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
     kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
-    calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention)."""
+    calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (continuation: only
+    the continuation rows meet the LM head, the default | full: lm-eval's every-position path)."""
 
     # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
     forward_timer: ForwardTimer | None = None
@@ -97,6 +101,7 @@ class KvcalLM(HFLM):
 
     def _set_up(self, bound: BoundSpec, pretrained: Any, kwargs: dict[str, Any]) -> None:
         """HFLM's load of `pretrained` (the bound folder, or a built model) and the bound cache plan installed."""
+        scoring = kwargs.pop("scoring", "continuation")
         placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
@@ -126,6 +131,8 @@ class KvcalLM(HFLM):
         self.model_dir = bound.model_dir
         self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
         self.scales_path = bound.spec.scales.path
+        # loglikelihood requests: "continuation" (kvcal.evaluate.scoring) or "full" (lm-eval's every-position path)
+        self.scoring = _check_scoring(str(scoring))
         self.runtime: Any = None
         if self.cache.quantized:
             self.activate_runtime()
@@ -172,9 +179,71 @@ class KvcalLM(HFLM):
             )
         return out.logits  # [B, T, V]
 
-    def _loglikelihood_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        with _recording_row_lengths(self):
-            return super()._loglikelihood_tokens(*args, **kwargs)
+    def _loglikelihood_tokens(
+        self, requests: list[Any], disable_tqdm: bool = False, override_bs: int | None = None
+    ) -> list[tuple[float, bool]]:
+        if getattr(self, "scoring", "continuation") == "full" or self.backend != "causal":
+            with _recording_row_lengths(self):  # lm-eval's own path: every position's logits
+                return super()._loglikelihood_tokens(
+                    requests, disable_tqdm=disable_tqdm, override_bs=override_bs
+                )
+        return self._score_continuations(requests, override_bs)
+
+    def _score_continuations(self, requests: list[Any], override_bs: int | None) -> list[tuple[float, bool]]:
+        """lm-eval's loglikelihood requests scored on their continuation rows only (kvcal.evaluate.scoring): the
+        same (log-likelihood, is_greedy) as HFLM's path to float rounding, with logits for no other position."""
+        from transformers.cache_utils import DynamicCache
+
+        from kvcal.evaluate.scoring import Scorer
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor | None, cache: Any, keep: int) -> torch.Tensor:
+            return self.model(
+                ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=keep
+            ).logits
+
+        def new_cache() -> Any:
+            rt = self.runtime
+            return rt.new_cache() if rt is not None else DynamicCache(config=self.model.config)
+
+        bs = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
+        scorer = Scorer(
+            self.model,
+            forward,
+            new_cache,
+            shareable=self._prefix_shareable(),
+            device=self.device,
+            checked=getattr(self, "_head_checked", False),
+        )
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=self.device.type,
+                dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None,
+            ),
+        ):
+            res = scorer.score(requests, max_length=self.max_length, batch_size=bs)
+        self._head_checked = scorer.checked
+        for (key, _, _), answer in zip(requests, res, strict=True):
+            if key is not None:  # lm-eval's cache hook (rolling windows carry None: their caller adds them)
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return res
+
+    def _prefix_shareable(self) -> bool:
+        """Whether a context's K/V can be written by its own forward and reused by each choice: not when a write's
+        scale comes from the tokens written with it (first-batch scales, nvfp4's per-sequence global)."""
+        if self.runtime is None:
+            return True
+        return not any(
+            p.first_batch is not None
+            or (
+                p.side_format(w).layout == "nvfp4"
+                and getattr(p, f"{w}_scale") is None
+                and p.nvfp4_global != "one"
+            )
+            for p in self.runtime.plans
+            for w in ("k", "v")
+        )
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
@@ -209,6 +278,19 @@ class KvcalLM(HFLM):
     @property
     def scale_set(self) -> Any:
         return self.cache.scales
+
+
+SCORINGS = ("continuation", "full")
+
+
+def _check_scoring(name: str) -> str:
+    if name not in SCORINGS:
+        from kvcal.errors import UsageError
+
+        raise UsageError(
+            f"scoring={name!r} is not one of {', '.join(SCORINGS)} (model_args scoring=continuation|full)"
+        )
+    return name
 
 
 def _name_of(pretrained: Any) -> str:
@@ -249,7 +331,9 @@ def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
     )
     spec = eval_spec(config, own_tasks=False)
     if built:  # its folder (for the scale file's binding) and its config
-        return bind(spec, model_dir=Path(getattr(pretrained, "name_or_path", ".")), hf_config=pretrained.config)
+        return bind(
+            spec, model_dir=Path(getattr(pretrained, "name_or_path", ".")), hf_config=pretrained.config
+        )
     return bind(spec, model_dir=resolve_model(pretrained, trust_remote_code=trust))
 
 

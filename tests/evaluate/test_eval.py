@@ -94,16 +94,25 @@ def _evaluate(model: str, model_args: str, task_dir: Path, tasks: list[str]) -> 
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_auto_parity_with_lm_eval_hf(tiny: dict[str, Path], kind: str) -> None:
+def test_auto_parity_with_lm_eval_hf(
+    tiny: dict[str, Path], kind: str, same_loglikelihoods: Callable[..., None]
+) -> None:
+    """scoring=full is lm-eval's own path: every sample and every metric exactly HFLM's. The default
+    (continuation-only scoring, kvcal.evaluate.scoring) is per sample HFLM's log-likelihood to float32 rounding
+    with is_greedy identical; generations are exactly HFLM's."""
     tasks = ["tiny_mc", "tiny_roll", "tiny_gen"]
     args = f"pretrained={tiny[kind]},dtype=float32"
     ref = _evaluate("hf", args, tiny["tasks"], tasks)
+    full = _evaluate("kvcal", args + ",kv_format=auto,scoring=full", tiny["tasks"], tasks)
     ours = _evaluate("kvcal", args + ",kv_format=auto", tiny["tasks"], tasks)
-    assert ref["results"] == ours["results"]
+    assert ref["results"] == full["results"]
     for task in tasks:
         r = [(s["resps"], s["filtered_resps"]) for s in ref["samples"][task]]
-        o = [(s["resps"], s["filtered_resps"]) for s in ours["samples"][task]]
-        assert r == o
+        assert r == [(s["resps"], s["filtered_resps"]) for s in full["samples"][task]]
+    gen = [s["resps"] for s in ref["samples"]["tiny_gen"]]
+    assert gen == [s["resps"] for s in ours["samples"]["tiny_gen"]]
+    for task in ("tiny_mc", "tiny_roll"):
+        same_loglikelihoods(ref["samples"][task], ours["samples"][task])
     # not vacuous: the rolling task produced a finite perplexity and the generation produced text
     assert ref["results"]["tiny_roll"]["word_perplexity,none"] > 1.0
     assert any(s["resps"][0][0] for s in ref["samples"]["tiny_gen"])
