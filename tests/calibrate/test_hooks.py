@@ -82,3 +82,45 @@ def test_model_that_writes_no_cache_is_refused(tiny_model: TinyModel) -> None:
     model = tiny_model("llama")
     with pytest.raises(KvcalError, match="did not write K/V|wrote nothing"):
         observe(model, [torch.arange(3, 9)], lambda i, k, v: None, expected_layers=5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_early_stop_sees_the_full_forwards_kv_bit_for_bit(arch: str, tiny_model: TinyModel) -> None:
+    """Calibration's forward ends right after the last layer's K/V write (no last-layer attention output, MLP,
+    final norm or LM head): every layer's K/V equal those of the whole model's forward bit for bit, so the scale
+    file is the one the full forward would give; and the work after the last K/V write is really skipped."""
+    from kvcal.calibrate.hooks import forward_observed
+
+    model = tiny_model(arch)
+    n = kv_spec(model.config).num_layers
+    ids = torch.randint(3, 320, (1, T), generator=torch.Generator().manual_seed(2))
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    early: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():  # the whole model, LM head included, with the same observing cache and no stop
+        model(
+            input_ids=ids,
+            past_key_values=ObservingCache(
+                model.config, lambda i, k, v: full.setdefault(i, (k.clone(), v.clone()))
+            ),
+            use_cache=True,
+        )
+    ran: list[str] = []
+    last = _backbone(model).layers[-1]
+    tails = {
+        "last mlp": last.mlp,
+        "final norm": _backbone(model).norm,
+        "lm head": model.get_output_embeddings(),
+    }
+    handles = [m.register_forward_hook(lambda *_a, name=name: ran.append(name)) for name, m in tails.items()]
+    try:
+        with torch.no_grad():
+            seen = forward_observed(
+                model, ids, lambda i, k, v: early.setdefault(i, (k.clone(), v.clone())), stop_after=n - 1
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == set(range(n)) and sorted(full) == sorted(early) == list(range(n))
+    for i in range(n):
+        assert torch.equal(full[i][0], early[i][0]) and torch.equal(full[i][1], early[i][1])
+    assert ran == []
