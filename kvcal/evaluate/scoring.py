@@ -63,23 +63,23 @@ class _Item:
 
 class _HeadInput:
     """While active: a forward pre-hook on the model's output embeddings records the decoder's final hidden states
-    [B, T, d] (what the head would project) and, when `take` is set, hands the head zero rows instead, so the
-    model's forward computes no logits at all; `project` applies the head afterwards to the rows wanted."""
+    [B, T, d] (what the head would project) and hands the head none of their rows, or only the last one
+    (`keep_last`), so the model's forward computes (almost) no logits; `project` applies the head afterwards to the
+    rows wanted."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.head = model.get_output_embeddings()
         self.hidden: torch.Tensor | None = None
-        self.take = True
 
     @contextmanager
-    def active(self, take: bool) -> Iterator[_HeadInput]:
-        self.take, self.hidden = take, None
+    def active(self, keep_last: bool) -> Iterator[_HeadInput]:
+        self.hidden = None
 
-        def hook(_module: Any, args: tuple) -> tuple | None:
-            (h,) = args[:1]
+        def hook(_module: Any, args: tuple) -> tuple:
+            h = args[0]  # [B, T, d]
             self.hidden = h
-            return (h[..., :0, :], *args[1:]) if self.take else None
+            return (h[..., -1:, :] if keep_last else h[..., :0, :], *args[1:])
 
         handle = self.head.register_forward_pre_hook(hook)
         try:
@@ -142,16 +142,14 @@ class Scorer:
         self.new_cache = new_cache
         self.shareable = shareable
         self.device = device
-        self.checked = checked  # check_head passed on this model already
+        self.checked = checked  # `project` verified on this model already (_verify)
 
-    def check_head(self, tokens: list[int]) -> None:
-        """Once per model: `project` must give the model's own logits bit for bit from the hidden state its head is
-        handed (every scored row relies on it). One forward of up to 8 of `tokens` on a fresh cache."""
-        ids = torch.tensor([tokens[:8]], dtype=torch.long, device=self.device)
-        with self.head.active(take=False):
-            logits = self.forward(ids, None, self.new_cache(), 1)  # [1, 1, V]
-        hidden = self.head.hidden
-        if hidden is None or not torch.equal(self.head.project(hidden), logits):
+    def _verify(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Once per model: `project` must give the model's own logits [B, k, V] bit for bit from the hidden states
+        [B, k, d] its head was handed (every scored row relies on it)."""
+        if self.checked:
+            return
+        if not torch.equal(self.head.project(hidden), logits):
             raise RuntimeError(
                 f"{type(self.head.model).__name__}: the LM head applied to the decoder's hidden states does not "
                 "reproduce the model's logits; score this model with model_args scoring=full"
@@ -160,14 +158,22 @@ class Scorer:
 
     def _prefix_logits(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """The prefix forward: the model's own logits of its last row [1, V] (its head computes that row only)."""
-        with self.head.active(take=False):
-            return self.forward(ids, None, cache, 1)[0]
+        with self.head.active(keep_last=True):
+            logits = self.forward(ids, None, cache, 1)  # [1, 1, V]; the head was handed that row alone
+        assert self.head.hidden is not None
+        self._verify(self.head.hidden, logits)
+        return logits[0]
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
-        with self.head.active(take=True):
-            self.forward(ids, mask, cache, 0)
-        assert self.head.hidden is not None
-        return self.head.hidden  # [B, T, d]
+        """The decoder's final hidden states [B, T, d]; the head computes no row (its last row, the first time:
+        the check of `project`)."""
+        with self.head.active(keep_last=not self.checked):
+            logits = self.forward(ids, mask, cache, 0)
+        hidden = self.head.hidden
+        assert hidden is not None
+        if not self.checked:
+            self._verify(hidden[:, -1:], logits)
+        return hidden
 
     def score(
         self, requests: Sequence[Request], max_length: int, batch_size: int
@@ -176,8 +182,6 @@ class Scorer:
         items = [
             _Item(i, model_window(ctx, cont, max_length), cont) for i, (_, ctx, cont) in enumerate(requests)
         ]
-        if items and not self.checked:
-            self.check_head(items[0].window)
         groups: dict[tuple[int, ...], list[_Item]] = {}
         for it in items:
             groups.setdefault(tuple(it.window[: it.prefix_len]), []).append(it)

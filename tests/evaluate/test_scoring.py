@@ -94,9 +94,9 @@ def test_shared_context_equals_separate_and_full_scoring(tiny: dict[str, Path], 
     full = lm._loglikelihood_tokens(reqs)
     _close(shared, alone)
     _close(shared, full)
-    # the contexts were prefilled once per question, not once per choice: the head check (first call on a model),
-    # then per question one prefill and one batch of every choice's rest
-    assert len(shared_tokens) == 1 + 2 * len(QUESTIONS)
+    # the contexts were prefilled once per question, not once per choice: per question one prefill and one batch
+    # of every choice's rest
+    assert len(shared_tokens) == 2 * len(QUESTIONS)
     assert sum(shared_tokens) < sum(alone_tokens)
     assert all(ll < 0 for ll, _ in shared)
 
@@ -124,7 +124,7 @@ def test_head_sees_only_continuation_rows_in_bounded_blocks(
     # prefix predicts (once per question)
     assert sum(rows) == sum(len(k) - 1 for _, _, k in reqs) + len(
         QUESTIONS
-    )  # (the head check ran before `ref`)
+    )
 
 
 def test_dynamic_scales_are_not_shared(tiny: dict[str, Path]) -> None:
