@@ -1,7 +1,7 @@
 """kvcal's command line: THE Typer app the `kvcal` console script runs (`kvcal = "kvcal.cli:app"`).
 
-This module owns the app (one-line `Error: ...` rendering of KvcalError with its exit code, --version) and
-assembles it: kvcal/commands/<area>.py define plain command functions, registered here. Commands never import
+This module owns the app (one-line `Error: ...` rendering of KvcalError and of click's own usage errors, a
+missing option included, with their exit codes; --version) and assembles it: kvcal/commands/<area>.py define plain command functions, registered here. Commands never import
 this module.
 """
 
@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
+from typer._click import exceptions as click_errors  # typer 0.29 vendors click (typer/__init__.py imports it)
+from typer.core import TyperGroup
 
 from kvcal import __version__
 from kvcal.commands.calibrate import calibrate_cmd
@@ -27,16 +31,59 @@ from kvcal.commands.sensitivity import sensitivity_cmd
 from kvcal.errors import KvcalError, UsageError
 
 
+class _Group(TyperGroup):
+    """The top-level click group: click's usage errors (a missing option or argument, an unknown option, a bad
+    value) become one line `Error: ...` naming the problem and where the options are, exit 2, instead of Typer's
+    boxed usage text. `kvcal` alone still prints the help."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            # non-standalone: click raises its exceptions to us and returns a raised Exit's code
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click_errors.UsageError as exc:
+            print(f"Error: {_usage_message(exc)}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        except click_errors.ClickException as exc:
+            print(f"Error: {exc.format_message()}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            print("Aborted.", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _usage_message(exc: click_errors.UsageError) -> str:
+    """click's message on one line, plus the command's help to read: "Missing option '-o' / '--output'. See
+    `kvcal eval --help`." """
+    message = " ".join(exc.format_message().split())
+    message += "" if message.endswith(".") else "."
+    if exc.ctx is not None:
+        message += f" See `{exc.ctx.command_path} --help`."
+    return message
+
+
 class _App(typer.Typer):
     """A Typer app that renders anticipated errors as one line `Error: ...` with the error's exit code
-    (KvcalError 1, UsageError 2); KVCAL_DEBUG=1 lets the traceback through."""
+    (KvcalError 1, UsageError 2); KVCAL_DEBUG=1 prints the traceback too and keeps the exit code."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(*args, **kwargs)
         except KvcalError as exc:
             if os.environ.get("KVCAL_DEBUG"):
-                raise
+                traceback.print_exc()
             if _says_error(exc):
                 print(f"Error: {exc}", file=sys.stderr)
             sys.exit(exc.exit_code)
@@ -55,6 +102,7 @@ def _says_error(exc: KvcalError) -> bool:
 
 app = _App(
     name="kvcal",
+    cls=_Group,
     help="Calibrate, evaluate and compare FP8 / FP4 / INT8 KV caches for LLM serving.",
     no_args_is_help=True,
     add_completion=False,

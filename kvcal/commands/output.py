@@ -1,6 +1,8 @@
 """What every command shares for output: the consoles, the --json writer and warnings.
 
 Human output goes to stdout, diagnostics (progress, warnings) to stderr, so `--json` output can be piped.
+Piped or redirected, the consoles are as wide as the content (rich would cut tables to 80 columns and
+ellipsize numbers: "0.049…"); in a terminal they fit the terminal, and `--json` is the machine contract.
 """
 
 from __future__ import annotations
@@ -9,10 +11,25 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 
-console = Console()
-err_console = Console(stderr=True)
+# Width of a console that is not a terminal: wide enough for every table kvcal prints, so nothing is cut;
+# rich tables take their natural width (they never expand to the console's).
+PIPE_WIDTH = 10_000
+
+
+class _Console(Console):
+    """A rich Console that is PIPE_WIDTH wide when its file is not a terminal (a pipe, a file, a CI log)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if self.is_terminal or self._width is not None:
+            return super().size
+        return ConsoleDimensions(PIPE_WIDTH, super().size.height)
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 
 def print_json(obj: Any) -> None:

@@ -52,7 +52,8 @@ def _short(h: Any) -> str:
 
 
 def show_cmd(scales: ScaleFileArg, json_out: JsonOpt = False) -> None:
-    """Show a scale file's manifest and per-layer scales and statistics."""
+    """Show a scale file's manifest and every scale it holds per layer (K, V and, where calibrated for FP8
+    attention, Q) with its statistics."""
     from kvcal.scales import load_scale_file
 
     ss = load_scale_file(scales)
@@ -65,6 +66,7 @@ def show_cmd(scales: ScaleFileArg, json_out: JsonOpt = False) -> None:
                 "num_layers": ss.num_layers,
                 "k_scales": [t.tolist() for t in ss.k_scales],
                 "v_scales": [t.tolist() for t in ss.v_scales],
+                "q_scales": None if ss.q_scales is None else [t.tolist() for t in ss.q_scales],
                 "manifest": ss.manifest,
             }
         )
@@ -117,16 +119,20 @@ def _show_table(ss: Any) -> Table:
     stats = {s.get("layer", i): s for i, s in enumerate(ss.layer_stats)}
     types = ss.binding.get("layer_types") or []
     table = Table(show_edge=False, header_style="bold")
-    for col in _SHOW_COLUMNS:
+    # the query's FP8 scale (schema 2, `calibrate --attention-scales`) beside K and V when the file holds one
+    columns = _SHOW_COLUMNS if ss.q_scales is None else (*_SHOW_COLUMNS[:4], "Q scale", *_SHOW_COLUMNS[4:])
+    for col in columns:
         table.add_column(col, justify="left" if col == "type" else "right")
     for i in range(ss.num_layers):
         s = stats.get(i, {})
         ltype = types[i] if i < len(types) else "—"
+        q = [] if ss.q_scales is None else [_fmt_scale(ss.q_scales[i])]
         table.add_row(
             str(i),
             ltype.replace("_attention", ""),
             _fmt_scale(ss.k_scales[i]),
             _fmt_scale(ss.v_scales[i]),
+            *q,
             _fmt_num(s.get("k_amax")),
             _fmt_num(s.get("v_amax")),
             _fmt_pct(s.get("k_clipped_fraction")),
