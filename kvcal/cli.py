@@ -24,6 +24,7 @@ from kvcal.commands.compare import compare_cmd, sweep_cmd
 from kvcal.commands.drift import drift_cmd
 from kvcal.commands.evaluate import eval_cmd
 from kvcal.commands.models import models_install, models_list, models_path
+from kvcal.commands.output import route_library_warnings
 from kvcal.commands.plan import plan_cmd, plan_export_cmd
 from kvcal.commands.release import release_cmd
 from kvcal.commands.scalefile import export_cmd, show_cmd, verify_cmd
@@ -123,6 +124,7 @@ def main(
     ] = False,
 ) -> None:
     """kvcal: calibrate K/V scales, evaluate quantized KV caches through lm-eval, compare runs."""
+    route_library_warnings()
 
 
 # In the order of the workflow: size it, calibrate, inspect and ship the scales, evaluate, compare.

@@ -8,6 +8,7 @@ ellipsize numbers: "0.049…"); in a terminal they fit the terminal, and `--json
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -40,3 +41,25 @@ def print_json(obj: Any) -> None:
 
 def warn(message: str) -> None:
     err_console.print(f"[yellow]Warning:[/yellow] {message}", highlight=False)
+
+
+class _WarningHandler(logging.Handler):
+    """kvcal's library warnings (`logging.getLogger("kvcal....").warning`) as `Warning: ...` on stderr, each
+    message once per process (the same selector is parsed by several steps of one run)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.seen: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.seen:
+            self.seen.add(message)
+            warn(message)
+
+
+def route_library_warnings() -> None:
+    """Send the `kvcal` loggers' warnings through `warn` (idempotent). Library code never prints."""
+    root = logging.getLogger("kvcal")
+    if not any(isinstance(h, _WarningHandler) for h in root.handlers):
+        root.addHandler(_WarningHandler())  # (Python's last-resort handler printed them bare before)

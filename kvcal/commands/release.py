@@ -82,7 +82,7 @@ def _render(r: dict[str, Any], output: Path) -> None:
 
     print_engine_dicts(r.get("engine_commands", {}))
     if w["reused_everything"]:
-        done = "everything reused"
+        done = "everything reused (nothing calibrated, drift-checked, evaluated or exported)"
     else:
         done = (
             f"{w['calibrations_run']} calibration(s), {w['drift_checks_run']} drift check(s), "

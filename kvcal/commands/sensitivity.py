@@ -37,7 +37,10 @@ def sensitivity_cmd(
     output: Annotated[Path | None, output_option("Write the report as JSON here.")] = None,
     scales: Annotated[
         str | None,
-        scales_option("Scale file for fp8/nvfp4; default: minmax per tensor on the same samples."),
+        scales_option(
+            "Scale file for fp8/nvfp4, or 'minmax' (per tensor on the same samples); default: scale 1.0, "
+            "as `kvcal eval` and vLLM without scales."
+        ),
     ] = None,
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
@@ -76,9 +79,9 @@ def _table(r: dict[str, Any]) -> Table:
     table = Table(title=f"{r['model']} — {r['kv_format']} KV, one layer at a time ({r['scales']})")
     for col in ("layer", "type", "KL nats", "top-1 agree"):
         table.add_column(col, justify="right")
-    worst = set(r["worst"][:3])
+    keep = set(r["advice"]["layers"])  # exactly the layers the suggested --skip-layers keeps in BF16
     for row in r["layers"]:
-        mark = " ◀" if row["layer"] in worst else ""
+        mark = " ◀" if row["layer"] in keep else ""
         table.add_row(str(row["layer"]), row["type"], f"{row['kl']:.3g}{mark}", f"{row['top1_agree']:.3f}")
     table.add_row("all", "", f"{r['all_layers']['kl']:.3g}", f"{r['all_layers']['top1_agree']:.3f}")
     return table
@@ -88,7 +91,9 @@ def _render(r: dict[str, Any], output: Path | None) -> None:
     console.print(_table(r))
     advice = r["advice"]
     console.print(
-        f"suggested --skip-layers: {advice['skip_layers'] or 'none'} ({'; '.join(advice['reasons'])})"
+        f"suggested --skip-layers: {advice['skip_layers'] or 'none'} ({'; '.join(advice['reasons'])}); "
+        f"◀ marks the layers it keeps in BF16; scales: {r['scales']}",
+        highlight=False,
     )
     if output:
         console.print(f"wrote {output}")

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcal.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -116,7 +119,8 @@ def kv_spec(config: Any) -> KVSpec:
 
 def parse_skip_layers(spec: str | None, kv: KVSpec) -> frozenset[int]:
     """Layers that keep a 16-bit cache: '', 'sliding_window' (vLLM) / 'sliding_attention', 'full_attention',
-    or comma-separated indices '0,3,17'; items may be mixed ('sliding_window,0')."""
+    or comma-separated indices '0,3,17'; items may be mixed ('sliding_window,0'). A type that selects no layer of
+    this model logs a warning (the `kvcal` CLI prints it as `Warning: ...`)."""
     if spec is None or not str(spec).strip() or str(spec).strip().lower() == "none":
         return frozenset()
     chosen: set[int] = set()
@@ -137,5 +141,11 @@ def parse_skip_layers(spec: str | None, kv: KVSpec) -> frozenset[int]:
                 f"unknown skip-layer name '{item}'; use sliding_window (or sliding_attention), "
                 "full_attention, or layer indices like 0,3,17"
             )
-        chosen.update(layer.index for layer in kv.layers if layer.type == ltype)
+        matched = [layer.index for layer in kv.layers if layer.type == ltype]
+        if not matched:  # accepted (one selector serves many models), but it keeps nothing in 16 bits here
+            log.warning(
+                f"--skip-layers '{item}' selects no layer: this {kv.model_type} model has no "
+                f"{ltype.replace('_', '-')} layers, so that item keeps none in 16 bits"
+            )
+        chosen.update(matched)
     return frozenset(chosen)

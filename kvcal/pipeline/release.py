@@ -208,9 +208,9 @@ def _bound_file(ctx: Context, path: Path) -> list[str] | None:
     return binding_differences(ss, ctx.model, ctx.model_dir, ctx.kv)
 
 
-def calibrated_scales(ctx: Context, recipe: sweep.Recipe) -> Path:
-    """The scale file of `recipe` on this checkpoint in OUT/scales: reused when it is there and bound, else
-    calibrated (the sweep's calibration step: one model load)."""
+def calibrated_scales(ctx: Context, recipe: sweep.Recipe) -> tuple[Path, bool]:
+    """(the scale file of `recipe` on this checkpoint in OUT/scales, whether this run calibrated it): reused when
+    it is there and bound, else calibrated (the sweep's calibration step: one model load)."""
     from kvcal.evaluate.spec import model_short
 
     ship, e = ctx.cfg.ship, ctx.cfg.evaluate
@@ -222,13 +222,19 @@ def calibrated_scales(ctx: Context, recipe: sweep.Recipe) -> Path:
     if path.is_file() and _bound_file(ctx, path) == []:
         ctx.work.calibrations_reused += 1
         ctx.say(f"scales: {path.name} already calibrated on this checkpoint, reused")
-        return path
+        return path, False
     cal = sweep.Calibration(recipe, ship.kv_format, ship.granularity, path, "todo")
     errors = sweep.calibrate_all(ctx.scfg, [cal], lambda m, _a: ctx.say(m), ctx.warn).errors
     if errors:
         raise KvcalError(f"calibration of {path.name} failed: {errors[str(path)]}")
     ctx.work.calibrations_run += 1
-    return path
+    return path, True
+
+
+def _calibration_reason(why: str, path: Path, ran: bool, done: str = "recalibrated") -> str:
+    """`WHY: recalibrated` when this run calibrated; when an earlier release in OUT did, it says so (the record's
+    `recalibrated` is false then: nothing was calibrated)."""
+    return f"{why}: {done}" if ran else f"{why}: calibrated by an earlier release ({path.name}), reused"
 
 
 def decide_scales(ctx: Context) -> Scales:
@@ -239,7 +245,7 @@ def decide_scales(ctx: Context) -> Scales:
     ship, configured = ctx.cfg.ship, ctx.cfg.scales
     verify: dict[str, Any] | None = None
     if configured is None:
-        reason = "no scale file configured (scales:): calibrated"
+        reason = "no scale file configured (scales:)"
     else:
         ss = load_scale_file(configured)
         verify = {"scales": configured, "sha256": sha256_file(configured), "kv_format": ss.kv_format,
@@ -247,7 +253,7 @@ def decide_scales(ctx: Context) -> Scales:
         if (ss.kv_format, ss.granularity) != (ship.kv_format, ship.granularity):
             reason = (
                 f"the configured scale file holds {ss.kv_format} per-{ss.granularity} scales; the release ships "
-                f"{ship.kv_format} per-{ship.granularity}: calibrated"
+                f"{ship.kv_format} per-{ship.granularity}"
             )
         else:
             diffs = binding_differences(ss, ctx.model, ctx.model_dir, ctx.kv)
@@ -255,10 +261,11 @@ def decide_scales(ctx: Context) -> Scales:
             if not diffs:
                 ctx.say(f"scales: {configured} is bound to this checkpoint")
                 return Scales(Path(configured), verify["sha256"], False, "bound to this checkpoint", verify)
-            reason = f"stale: {'; '.join(diffs)}: recalibrated"
+            reason = f"stale: {'; '.join(diffs)}"
     ctx.say(f"scales: {reason}")
-    path = calibrated_scales(ctx, ctx.cfg.calibration)
-    return Scales(path, sha256_file(path), True, reason, verify, [reason])
+    path, ran = calibrated_scales(ctx, ctx.cfg.calibration)
+    reason = _calibration_reason(reason, path, ran)
+    return Scales(path, sha256_file(path), ran, reason, verify, [reason])
 
 
 # ---- 2. drift --------------------------------------------------------------------------------------------------
@@ -314,12 +321,14 @@ def apply_drift(
     if stored["verdict"] != "drifted" or d.on_drift == "fail":
         return scales, record
     recipe = dataclasses.replace(ctx.cfg.calibration, dataset=d.dataset, text_field=d.text_field)
-    path = calibrated_scales(ctx, recipe)
-    why = (
-        f"drifted on {Path(d.dataset).name}: {'; '.join(stored['reasons'][:3])}: recalibrated on the traffic"
-    )
-    reason = f"{scales.reason}; then {why}" if scales.recalibrated else why
-    return Scales(path, sha256_file(path), True, reason, scales.verify, [*scales.reasons, why]), record
+    path, ran = calibrated_scales(ctx, recipe)
+    drifted = f"drifted on {Path(d.dataset).name}: {'; '.join(stored['reasons'][:3])}"
+    why = _calibration_reason(drifted, path, ran, "recalibrated on the traffic")
+    reason = f"{scales.reason}; then {why}" if scales.reasons else why
+    recalibrated = ran or scales.recalibrated
+    return Scales(
+        path, sha256_file(path), recalibrated, reason, scales.verify, [*scales.reasons, why]
+    ), record
 
 
 # ---- 3. evaluate -----------------------------------------------------------------------------------------------

@@ -8,7 +8,12 @@ over the sample's tokens (nats), and the share of tokens whose top-1 prediction 
 
 Advice: layers whose damage exceeds `factor` x the median layer's are the skip-layer candidates; when the
 sliding-window layers as a group take more damage per layer than the full-attention ones, `sliding_window` (vLLM's
-`--kv-cache-dtype-skip-layers` name) is suggested.
+`--kv-cache-dtype-skip-layers` name) is suggested. `advice.layers` lists exactly the layers the suggestion keeps
+in BF16 (what `kvcal sensitivity` marks).
+
+Scales (the same policy as `kvcal eval`): without --scales, 1.0 for fp8 and nvfp4's global scale (vLLM's default
+when the checkpoint has none); `--scales FILE` a calibrated scale file; `--scales minmax` minmax per tensor on the
+same samples; formats with dynamic scales need none.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from kvcal.models.geometry import FULL, SLIDING, KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
 from kvcal.placement import Placement
 from kvcal.scales import load_scales_for_model
+
+MINMAX = "minmax"  # --scales minmax: scales observed on the samples themselves (the pre-issue-27 default)
 
 
 class FakeQuantCache(DynamicCache):
@@ -158,7 +165,12 @@ def _advice(
             )
     if skip:
         reasons.append(f"layers {skip} exceed {factor}x the median layer damage ({med:.3g} nats)")
-    return {"skip_layers": suggestion or None, "reasons": reasons or ["no layer stands out"]}
+    chosen = [r["layer"] for r in layers if r["type"] == SLIDING] if suggestion == "sliding_window" else skip
+    return {
+        "skip_layers": suggestion or None,
+        "layers": chosen,
+        "reasons": reasons or ["no layer stands out"],
+    }
 
 
 def sensitivity(
@@ -240,13 +252,19 @@ def layer_scales(
     progress: ProgressFn | None,
     opts: ObserveOptions,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], str]:
-    """(k_scales, v_scales, where they came from): a scale file, minmax per tensor on the same samples for a
-    calibratable format, else None per layer (the format's dynamic scales)."""
+    """(k_scales, v_scales, where they came from) for a calibratable format: 1.0 without `scales` (kvcal eval's
+    and vLLM's default: kvcal.kernels.cache policy "one"), a scale file, or "minmax": minmax per tensor on the
+    same samples; else None per layer (the format's dynamic scales)."""
     n = kv.num_layers
     if not fmt.calibratable:
         return [None] * n, [None] * n, "dynamic (format has no static scales)"
-    if scales:
-        ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
-        return list(ss.k_scales), list(ss.v_scales), f"scale file {scales}"
-    ks, vs, _ = observed_scales(lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), opts, progress)
-    return list(ks), list(vs), "minmax per tensor on the same samples"
+    if scales is None:
+        one = torch.ones(())
+        return [one] * n, [one] * n, "scale 1.0, as kvcal eval and vLLM without scales"
+    if scales == MINMAX:
+        ks, vs, _ = observed_scales(
+            lm.model, samples, kv, fmt, "tensor", get_observer("minmax"), opts, progress
+        )
+        return list(ks), list(vs), "minmax per tensor on the same samples"
+    ss = load_scales_for_model(scales, lm.ref, lm.model_dir, kv, kv_format=fmt.name)
+    return list(ss.k_scales), list(ss.v_scales), f"scale file {scales}"

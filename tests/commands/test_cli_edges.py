@@ -119,3 +119,17 @@ def test_piped_show_table_has_every_number_whole(
     code, out, _ = invoke(["show", str(path), "--json"])
     doc = json.loads(out)
     assert doc["q_scales"] == [q.tolist() for q in qs]
+
+
+def test_a_skip_selector_that_selects_nothing_warns(tiny_llama_dir: Path, invoke: Invoke) -> None:
+    """A Llama has no sliding-window layers: `--skip-layers sliding_window` is accepted (one selector serves many
+    models) but says, once, that it keeps nothing in 16 bits; a selector that matches says nothing."""
+    code, out, err = invoke(["capacity", str(tiny_llama_dir), "-f", "fp8", "--skip-layers", "sliding_window"])
+    assert code == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("Warning: ")]
+    assert warnings == [
+        "Warning: --skip-layers 'sliding_window' selects no layer: this llama model has no sliding-attention "
+        "layers, so that item keeps none in 16 bits"
+    ], err
+    code, _, err = invoke(["capacity", str(tiny_llama_dir), "-f", "fp8", "--skip-layers", "full_attention,0"])
+    assert code == 0 and "Warning" not in err, err

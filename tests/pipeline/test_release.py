@@ -27,8 +27,9 @@ BASE: dict[str, Any] = {
     "gate": {"min_samples": 5, "bootstrap": 400},
     "export": {"engines": ["vllm", "sglang"]},
 }
+# what a rerun must decide the same (`recalibrated` / `reason` say what this run did: they differ on a rerun)
 DECISION_KEYS = (
-    "decision", "exit_code", "model_sha256", "scales_path", "scales_sha256", "recalibrated", "reason", "drift",
+    "decision", "exit_code", "model_sha256", "scales_path", "scales_sha256", "drift",
     "gate", "configurations", "exports", "serve_flags",
 )  # fmt: skip
 
@@ -139,11 +140,20 @@ def test_release_calibrates_then_reuses_then_recalibrates_when_stale(
 
     # Rerun, nothing changed: the same decision, and not one forward pass or model load.
     counts.update(forward=0, load_model=0)
-    code, _, stderr = invoke(["release", str(model_dir), "--config", str(cfg), "-o", str(out)])
+    code, stdout, stderr = invoke(["release", str(model_dir), "--config", str(cfg), "-o", str(out)])
     assert code == 0, stderr
     again = _record(out)
     assert counts == {"forward": 0, "load_model": 0}
     assert again["work"]["reused_everything"] is True
+    # it says what happened: nothing was recalibrated, the earlier release's file was reused
+    name = Path(first["scales_path"]).name
+    assert again["recalibrated"] is False and again["work"]["calibrations_run"] == 0
+    assert (
+        again["reason"]
+        == f"no scale file configured (scales:): calibrated by an earlier release ({name}), reused"
+    )
+    assert f"recalibrated: no ({again['reason']})" in stdout and "everything reused" in stdout
+    assert "**Recalibrated:** no" in (out / "release.md").read_text()
     assert again["work"]["calibrations_reused"] == 1 and again["work"]["evaluations_reused"] == 2
     assert again["work"]["exports_reused"] == 2
     assert _decision(again) == _decision(first)
@@ -210,6 +220,7 @@ def test_drifted_traffic_recalibrates_and_the_rerun_reuses_the_check(
     again = _record(out)
     assert counts == {"forward": 0, "load_model": 0}
     assert again["work"]["drift_checks_reused"] == 1 and again["work"]["reused_everything"] is True
+    assert again["recalibrated"] is False and again["reason"].endswith("reused")
     assert _decision(again) == _decision(rec)
 
     # on_drift: fail -> exit 1, nothing evaluated or exported (the stored drift check answers: no forward)
