@@ -5,7 +5,8 @@ block of README.md carries a marker: `run`, or `skip REASON` (a GPU, a hub, the 
 
 What is scaled down, and nothing else: the two real models become the tiny models of tests/conftest.py
 (`smollm2` -> a Llama, `gemma3-270m` -> a Gemma 3 with sliding-window layers), and the size options
-(`--num-samples`, `--seq-len`, `--limit`, `--kl-seq-len`, and the same keys of configs/*.yaml) become small.
+(`--num-samples`, `--seq-len`, `--limit`, `--kl-seq-len` — given to every `kvcal eval`, whose default 256 exceeds
+the tiny models' 64 positions — and the same keys of configs/*.yaml) become small.
 `kvcal` lines run in-process through the console script's entry point (the `invoke` fixture: the same app, the
 same exit codes, no interpreter start per line); other lines (`head`, `python3 -c`) run in bash with the
 block's variables. A line declares the exits it may end with in its comment (`# exit 1 drifted`); 0 always may.
@@ -104,6 +105,10 @@ class Runner:
                 for i, w in enumerate(words[:-1]):
                     if w in SIZES:
                         words[i + 1] = SIZES[w]
+                if (
+                    words[1] == "eval" and "--kl-seq-len" not in words
+                ):  # its default (256) > the tiny models' 64
+                    words += ["--kl-seq-len", SIZES["--kl-seq-len"]]
                 rc, _, err = self.invoke(words[1:])
             else:
                 shell = " ".join(shlex.quote(w) if not re.fullmatch(r"[<>|]", w) else w for w in words)
