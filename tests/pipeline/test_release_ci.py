@@ -44,7 +44,8 @@ def _github(doc: dict[str, Any]) -> tuple[dict[str, str], list[str], list[str], 
 def _gitlab(doc: dict[str, Any]) -> tuple[dict[str, str], list[str], list[str], list[str]]:
     job = next(v for k, v in doc.items() if isinstance(v, dict) and "script" in v)
     env = {k: str(v) for k, v in job["variables"].items()}
-    return env, list(job["script"]), job["cache"]["paths"], job["artifacts"]["paths"]
+    lines = [*job.get("before_script", []), *job["script"]]  # the runner runs before_script first
+    return env, lines, job["cache"]["paths"], job["artifacts"]["paths"]
 
 
 FILES = {"github-actions-release.yml": _github, "gitlab-ci-release.yml": _gitlab}
