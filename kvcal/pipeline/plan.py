@@ -47,7 +47,7 @@ from kvcal.models.real import resolve_real_name
 from kvcal.pipeline.plan_cost import Budget, integer_costs, parse_budget, plan_capacity
 from kvcal.pipeline.plan_export import SIXTEEN_BIT, canonical_layers, engine_commands
 from kvcal.pipeline.plan_solve import solve
-from kvcal.pipeline.sensitivity import layer_scales
+from kvcal.pipeline.sensitivity import MINMAX, layer_scales
 from kvcal.placement import Placement
 from kvcal.planfile import plan_record, save_plan
 from kvcal.scales import compute_binding, file_sha256
@@ -421,7 +421,8 @@ def _scales(
         fmt = get_format(name)
         if not fmt.calibratable:
             continue
-        k, v, source = layer_scales(lm, kv, fmt, files.get(name), samples, progress, opts)
+        # no file: minmax on the samples (plan's documented policy; sensitivity's own default is eval's 1.0)
+        k, v, source = layer_scales(lm, kv, fmt, files.get(name, MINMAX), samples, progress, opts)
         out[name] = (k, v)
         record[name] = {"path": files[name], "sha256": file_sha256(files[name])} if name in files else source
     return out, record
