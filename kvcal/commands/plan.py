@@ -18,8 +18,10 @@ from kvcal.commands.options import (
     DtypeOpt,
     JsonOpt,
     ModelArg,
+    NumSamplesOpt,
     ObserveBatchOpt,
     SeedOpt,
+    SeqLenOpt,
     TextFieldOpt,
     library_kwargs,
     output_option,
@@ -61,10 +63,8 @@ def plan_cmd(
     ] = None,
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
-    num_samples: Annotated[
-        int, typer.Option("--num-samples", help="Calibration samples the damage is measured on.")
-    ] = 16,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sample.")] = 512,
+    num_samples: NumSamplesOpt = 16,  # calibration text the per-layer damage is measured on
+    seq_len: SeqLenOpt = 512,
     seed: SeedOpt = 0,
     heldout_windows: Annotated[
         int, typer.Option("--heldout-windows", help="Held-out windows the chosen plan is measured on.")
@@ -196,6 +196,7 @@ def plan_export_cmd(
     model: Annotated[
         str | None, typer.Option("--model", help="Check the plan was solved on this checkpoint first.")
     ] = None,
+    json_out: JsonOpt = False,
 ) -> None:
     """A plan file as the engine reads it: ModelOpt's per-layer map, vLLM skip layers, or TRT-LLM's range string."""
     from kvcal import __version__
@@ -219,19 +220,31 @@ def plan_export_cmd(
         p = load_plan(plan_file)
         model = p.model
     if engine == "vllm-modelopt":
-        text = json.dumps(modelopt_config(p.layers, f"kvcal {__version__}"), indent=2) + "\n"
-        if output is None:
+        config = modelopt_config(p.layers, f"kvcal {__version__}")
+        text = json.dumps(config, indent=2) + "\n"
+        result: dict[str, object] = {"engine": engine, "hf_quant_config": config}
+        if output is not None:
+            atomic_write_text(output, text)
+            result["wrote"] = str(output)
+            result["command"] = f"vllm serve {output.parent} --kv-cache-dtype auto"
+        if json_out:
+            print_json(result)
+        elif output is None:
             console.print(text, end="", markup=False, highlight=False)
         else:
-            atomic_write_text(output, text)
-            console.print(
-                f"wrote {output}; serve the checkpoint with: vllm serve {output.parent} --kv-cache-dtype auto"
-            )
+            console.print(f"wrote {output}; serve the checkpoint with: {result['command']}")
     elif engine == "vllm-skip-layers":
         kv = kv_spec(load_config(p.record["binding"].get("model_dir") or model))
         dtype, skip = vllm_skip_layers(p.layers, kv)
         extra = f" --kv-cache-dtype-skip-layers {skip}" if skip else ""
-        console.print(f"vllm serve {model} --kv-cache-dtype {dtype}{extra}", markup=False, highlight=False)
+        command = f"vllm serve {model} --kv-cache-dtype {dtype}{extra}"
+        if json_out:
+            print_json({"engine": engine, "kv_cache_dtype": dtype, "skip_layers": skip, "command": command})
+        else:
+            console.print(command, markup=False, highlight=False)
     else:
         spec = trtllm_dtype(p.layers)
-        console.print(f'kv_cache_config:\n  dtype: "{spec}"', markup=False, highlight=False)
+        if json_out:
+            print_json({"engine": engine, "kv_cache_config": {"dtype": spec}})
+        else:
+            console.print(f'kv_cache_config:\n  dtype: "{spec}"', markup=False, highlight=False)

@@ -212,9 +212,7 @@ def divergence_tasks(run: Any) -> list[str]:
 def _raw_samples(run: Any, task: str) -> list[dict[str, Any]]:
     import json
 
-    from kvcal.rundir import samples_file
-
-    lines = (run.path / samples_file(task)).read_text().splitlines()
+    lines = run.samples_path(task).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 

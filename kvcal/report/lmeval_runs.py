@@ -230,6 +230,7 @@ def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
                 "records; rerun lm_eval with --log_samples"
             )
         run.samples[task], run.metric_order[task] = read_samples_file(f, f"lm-eval output {folder}")
+        run.sample_files[task] = f
     return run
 
 

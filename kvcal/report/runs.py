@@ -43,6 +43,12 @@ class Run:
     metric_order: dict[str, list[str]] = field(default_factory=dict)
     # env.json (device, gpu, host, versions): only the speed section reads it; {} when missing or unreadable
     env: dict[str, Any] = field(default_factory=dict)
+    # task -> the samples file its records came from (a run directory's samples_<task>.jsonl, or lm-eval's
+    # samples_<task>_<date>.jsonl): what reads the raw records (output agreement) reads them from here
+    sample_files: dict[str, Path] = field(default_factory=dict)
+
+    def samples_path(self, task: str) -> Path:
+        return self.sample_files.get(task) or self.path / samples_file(task)
 
     @property
     def kv_format(self) -> str:
