@@ -234,6 +234,8 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
     name = fmt.engine_names.get(engine)
     if name is None and not (engine == "trtllm" and fmt.name in ("auto", "bf16")):
         return f"{_ENGINE_NAMES[engine]} has no KV cache dtype for {s.kv_format}"
+    if (engine, _engine_dtype(fmt.name, engine)) in OTHER_BACKEND:
+        return OTHER_BACKEND[engine, _engine_dtype(fmt.name, engine)]
     if _engine_dtype(fmt.name, engine) not in KV_CACHE_DTYPES[engine]:
         return f"'{name}' is not a KV cache dtype of {_ENGINE_NAMES[engine]} (see kvcal/engines.py)"
     return None
@@ -248,6 +250,16 @@ def _engine_dtype(fmt_name: str, engine: str) -> str:
 
 
 _ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+
+# Engine names of formats' table that the serve commands here cannot run, and why (tests/test_engines.py checks
+# every other name is one of KV_CACHE_DTYPES)
+OTHER_BACKEND: dict[tuple[str, str], str] = {
+    ("trtllm", "int8"): (
+        "TensorRT-LLM's INT8 KV cache (QuantMode INT8_KV_CACHE, a checkpoint quantized with kv_cache_quant_algo "
+        "INT8) belongs to its TensorRT engine backend; the PyTorch backend that `trtllm-serve --backend pytorch` "
+        "runs takes kv_cache_config.dtype fp8, nvfp4 or auto"
+    ),
+}
 
 
 def _calibrated_fp8(s: EngineSetup, engine: str) -> str | None:

@@ -85,6 +85,9 @@ class RunConfig:
     # when a passkey task runs; written only when set, so every other run keeps its identity hash.
     passkey_lengths: list[int] | None = None
     passkey_depths: list[float] | None = None
+    # "continuation" (`--scoring continuation`: loglikelihood requests scored on their continuation rows only);
+    # None = lm-eval's own path. Written only when set, so every other run keeps its identity hash.
+    scoring: str | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -96,7 +99,7 @@ class RunConfig:
             del d["nvfp4_global"]
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
-            "kl_subsample",
+            "kl_subsample", "scoring",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]

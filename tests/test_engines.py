@@ -11,6 +11,7 @@ import yaml
 
 from kvcal.engines import (
     KV_CACHE_DTYPES,
+    OTHER_BACKEND,
     EngineSetup,
     commands_dict,
     engine_commands,
@@ -42,7 +43,10 @@ def test_every_engine_name_in_the_format_table_is_an_engine_choice() -> None:
                 name = (
                     name.lower()
                 )  # kv_cache_config.dtype is lower case; the table keeps TensorRT-LLM's FP8/NVFP4
-            assert name is None or name in names, (fmt.name, engine, name)
+            assert name is None or name in names or (engine, name) in OTHER_BACKEND, (fmt.name, engine, name)
+            if name is not None and (engine, name) in OTHER_BACKEND:  # refused with the reason, no command
+                (cmd,) = [c for c in engine_commands(EngineSetup("ckpt", fmt.name)) if c.engine == engine]
+                assert cmd.refused == OTHER_BACKEND[engine, name]
 
 
 def test_calibrated_fp8_with_skip_layers() -> None:

@@ -114,6 +114,15 @@ TrustRemoteCodeOpt = Annotated[
     bool,
     typer.Option("--trust-remote-code", help="Run the checkpoint's own Python code (config.json auto_map)."),
 ]
+ScoringOpt = Annotated[
+    str,
+    typer.Option(
+        "--scoring",
+        help="loglikelihood requests (multiple choice, rolling perplexity): 'full' (lm-eval's own path, every "
+        "position's logits) or 'continuation' (logits only for the continuation's rows; a question's choices "
+        "share one prefill; float32 log-softmax).",
+    ),
+]
 Nvfp4GlobalOpt = Annotated[
     str,
     typer.Option(
@@ -188,6 +197,7 @@ def eval_cmd(
     passkey_lengths: PasskeyLengthsOpt = _DEFAULT["passkey_lengths"],
     passkey_depths: PasskeyDepthsOpt = _DEFAULT["passkey_depths"],
     strict: StrictOpt = _DEFAULT["strict"],
+    scoring: ScoringOpt = _DEFAULT["scoring"],
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:

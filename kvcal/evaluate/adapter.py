@@ -101,7 +101,7 @@ class KvcalLM(HFLM):
 
     def _set_up(self, bound: BoundSpec, pretrained: Any, kwargs: dict[str, Any]) -> None:
         """HFLM's load of `pretrained` (the bound folder, or a built model) and the bound cache plan installed."""
-        scoring = kwargs.pop("scoring", "continuation")
+        scoring = kwargs.pop("scoring", "full")
         placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
@@ -182,7 +182,7 @@ class KvcalLM(HFLM):
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, override_bs: int | None = None
     ) -> list[tuple[float, bool]]:
-        if getattr(self, "scoring", "continuation") == "full" or self.backend != "causal":
+        if getattr(self, "scoring", "full") == "full" or self.backend != "causal":
             with _recording_row_lengths(self):  # lm-eval's own path: every position's logits
                 return super()._loglikelihood_tokens(
                     requests, disable_tqdm=disable_tqdm, override_bs=override_bs

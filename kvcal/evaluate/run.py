@@ -56,6 +56,7 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
             device=spec.device,
             batch_size=spec.batch_size,
             trust_remote_code=spec.trust_remote_code,
+            scoring=spec.scoring,
         )
         loop = TaskLoop(lm, ForwardTimer(lm.model), store, dist, say)
         try:

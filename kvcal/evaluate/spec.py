@@ -85,6 +85,9 @@ class EvalConfig:
     attention: str = "kv"  # "fp8": vLLM's FlashAttention-3 FP8 attention (Q and P cast to e4m3)
     passkey_lengths: str = DEFAULT_LENGTHS  # passkey prompt lengths in tokens, e.g. "1k,2k,4k" (k = 1024)
     passkey_depths: str = DEFAULT_DEPTHS  # where the key sits: fractions of the filler before it
+    # loglikelihood requests: "full" (lm-eval's own path, every position's logits) or "continuation" (only the
+    # continuation rows reach the head, a question's choices share one prefill: kvcal.evaluate.scoring)
+    scoring: str = "full"
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class EvalSpec:
     passkey_depths: tuple[float, ...]
     output: str | None = None
     gpqa_password: str | None = field(default=None, repr=False, compare=False)
+    scoring: str = "full"  # kvcal.evaluate.adapter's scoring of loglikelihood requests (SCORINGS)
     plan_file: str | None = None  # `-f plan.json`: kv_format / skip_layers came from it; bind checks its binding
 
     # ---- derived -----------------------------------------------------------------------------------------------
@@ -251,6 +255,7 @@ class EvalSpec:
             "max_gen_toks": self.max_gen_toks,
             "nvfp4_global": self.nvfp4_global if self.any_nvfp4 and self.scales.kind == "none" else None,
             "attention": None if self.attention == "kv" else self.attention,
+            "scoring": None if self.scoring == "full" else self.scoring,  # recorded only off the default
         }
 
     def differences(self, have: RunConfig, scales_sha256: str | None = None) -> list[str]:
@@ -403,6 +408,15 @@ def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None]:
     return dataclasses.replace(config, kv_format=fmt, skip_layers=skip), str(config.kv_format)
 
 
+SCORINGS = ("full", "continuation")
+
+
+def _check_scoring(name: str) -> str:
+    if name not in SCORINGS:
+        raise UsageError(f"--scoring must be one of {', '.join(SCORINGS)}, got '{name}'")
+    return name
+
+
 def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: bool = True) -> EvalSpec:
     """Parse and check everything that needs no model (UsageError naming the option otherwise). `scales_tag`:
     the run-directory tag of a scale file named before it exists (a sweep cell); the file is then loaded when
@@ -474,6 +488,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         passkey_lengths=lengths,
         passkey_depths=depths,
         plan_file=plan_file,
+        scoring=_check_scoring(config.scoring),
         output=config.output,
         gpqa_password=config.gpqa_password,
     )

@@ -97,14 +97,14 @@ def _evaluate(model: str, model_args: str, task_dir: Path, tasks: list[str]) -> 
 def test_auto_parity_with_lm_eval_hf(
     tiny: dict[str, Path], kind: str, same_loglikelihoods: Callable[..., None]
 ) -> None:
-    """scoring=full is lm-eval's own path: every sample and every metric exactly HFLM's. The default
-    (continuation-only scoring, kvcal.evaluate.scoring) is per sample HFLM's log-likelihood to float32 rounding
+    """scoring=full (the default) is lm-eval's own path: every sample and every metric exactly HFLM's.
+    scoring=continuation (continuation-only scoring, kvcal.evaluate.scoring) is per sample HFLM's log-likelihood to float32 rounding
     with is_greedy identical; generations are exactly HFLM's."""
     tasks = ["tiny_mc", "tiny_roll", "tiny_gen"]
     args = f"pretrained={tiny[kind]},dtype=float32"
     ref = _evaluate("hf", args, tiny["tasks"], tasks)
     full = _evaluate("kvcal", args + ",kv_format=auto,scoring=full", tiny["tasks"], tasks)
-    ours = _evaluate("kvcal", args + ",kv_format=auto", tiny["tasks"], tasks)
+    ours = _evaluate("kvcal", args + ",kv_format=auto,scoring=continuation", tiny["tasks"], tasks)
     assert ref["results"] == full["results"]
     for task in tasks:
         r = [(s["resps"], s["filtered_resps"]) for s in ref["samples"][task]]

@@ -77,6 +77,7 @@ def tiny(tiny_lm_dir: Callable[..., Path]) -> dict[str, Path]:
 def _lm(path: Path, **args: Any) -> Any:
     from kvcal.evaluate.adapter import KvcalLM
 
+    args.setdefault("scoring", "continuation")  # kvcal's default is lm-eval's own path (scoring=full)
     return KvcalLM(pretrained=str(path), dtype="float32", device="cpu", batch_size=2, impl="torch", **args)
 
 
@@ -181,7 +182,7 @@ def test_smollm2_per_sample_equal_to_lm_eval_hf(
     lm_eval_task(tmp_path, "smol_roll", "loglikelihood_rolling", ROLL_DOCS, ["word_perplexity"])
     args = f"pretrained={resolve_model('smollm2')},dtype=float32"
     runs = {}
-    for model, extra in (("hf", ""), ("kvcal", ",kv_format=auto")):
+    for model, extra in (("hf", ""), ("kvcal", ",kv_format=auto,scoring=continuation")):
         runs[model] = simple_evaluate(
             model=model,
             model_args=args + extra,

@@ -231,7 +231,10 @@ def test_the_library_reports_the_abi_cpu_write_py_passes() -> None:
     assert cpu_write.FORMATS == {
         f.name: f.c_kernel for f in formats.FORMATS.values() if f.c_kernel is not None
     }
-    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"}  # every quantized format
+    # every quantized format but the ones the C write does not know yet: their decode steps write through the torch
+    # path (kvcal.kernels.fast), the reference's bits (tests/kernels/test_cache.py)
+    torch_only = {"float16", "fp8_per_token_head", "int4_per_token_head", "int8_per_tensor"}
+    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"} - torch_only
 
     class Short(ctypes.Structure):
         _fields_ = [f for f in cpu_write._Side._fields_ if f[0] != "exps"]
