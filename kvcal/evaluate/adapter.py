@@ -127,10 +127,8 @@ class KvcalLM(HFLM):
         self._kvcal_tp = parallel.from_env() if kwargs.get("tp_plan") is not None else parallel.Dist()
         if self._kvcal_dist.active:
             self._rank, self._world_size = self._kvcal_dist.rank, self._kvcal_dist.world_size
-        self.model_ref = bound.spec.model
         self.model_dir = bound.model_dir
         self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
-        self.scales_path = bound.spec.scales.path
         # loglikelihood requests: "continuation" (kvcal.evaluate.scoring) or "full" (lm-eval's every-position path)
         self.scoring = _check_scoring(str(scoring))
         self.runtime: Any = None
@@ -166,18 +164,19 @@ class KvcalLM(HFLM):
         # inps: [B, T] right-padded (HFLM); the mask tells the cache which positions are padding (not stored)
         mask = _right_padding_mask(inps, getattr(self, "_row_lengths", None))
         self._row_lengths = None
-        with (
-            torch.no_grad(),
-            torch.autocast(
-                device_type=self.device.type,
-                dtype=self.mixed_precision_dtype,
-                enabled=self.mixed_precision_dtype is not None,
-            ),
-        ):
+        with torch.no_grad(), self._autocast():
             out = self.model(
                 inps, attention_mask=mask, past_key_values=self.runtime.new_cache(), use_cache=True
             )
         return out.logits  # [B, T, V]
+
+    def _autocast(self) -> Any:
+        """HFLM's mixed precision (`mixed_precision_dtype`) around a forward, as its own `_model_call` does."""
+        return torch.autocast(
+            device_type=self.device.type,
+            dtype=self.mixed_precision_dtype,
+            enabled=self.mixed_precision_dtype is not None,
+        )
 
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, override_bs: int | None = None
@@ -214,14 +213,7 @@ class KvcalLM(HFLM):
             device=self.device,
             checked=getattr(self, "_head_checked", False),
         )
-        with (
-            torch.no_grad(),
-            torch.autocast(
-                device_type=self.device.type,
-                dtype=self.mixed_precision_dtype,
-                enabled=self.mixed_precision_dtype is not None,
-            ),
-        ):
+        with torch.no_grad(), self._autocast():
             res = scorer.score(requests, max_length=self.max_length, batch_size=bs)
         self._head_checked = scorer.checked
         for (key, _, _), answer in zip(requests, res, strict=True):

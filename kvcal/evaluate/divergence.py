@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from kvcal.errors import UsageError
+from kvcal.evaluate.kl import mean_stderr
 from kvcal.filecache import cache_root as kvcal_cache_root
 from kvcal.io import atomic_write_with
 
@@ -213,17 +213,9 @@ def by_position(
                 continue
             entry[m] = float(torch.cat([p[m] for p in parts]).double().mean())
             means = [float(p[m].double().mean()) for p in parts]
-            entry[f"{m}_stderr"] = _stderr(means)
+            entry[f"{m}_stderr"] = mean_stderr(means)
         buckets.append(entry)
     return {"gen_len": gen_len, "n_prompts": len(per_prompt), "buckets": buckets}
-
-
-def _stderr(values: list[float]) -> float | None:
-    n = len(values)
-    if n < 2:
-        return None
-    mean = sum(values) / n
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 # ---- prompts ------------------------------------------------------------------------------------------------
@@ -471,7 +463,7 @@ def _results(task: str, samples: list[dict[str, Any]], config: dict[str, Any], t
     for m in METRICS:
         vals = [s[m] for s in samples]
         metrics[f"{m},none"] = sum(vals) / len(vals)
-        se = _stderr(vals)
+        se = mean_stderr(vals)
         metrics[f"{m}_stderr,none"] = "N/A" if se is None else se
     exposure = sum(s["first_divergence"] for s in samples)
     events = sum(bool(s["diverged"]) for s in samples)

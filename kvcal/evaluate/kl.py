@@ -502,7 +502,8 @@ def bucket_tokens(edges: list[tuple[int, int]], subsample: int = 1) -> list[int]
     return [r1 - r0 for r0, r1 in _bucket_rows(edges, subsample)]
 
 
-def _stderr(values: list[float]) -> float | None:
+def mean_stderr(values: list[float]) -> float | None:
+    """Standard error of the mean of `values` (None below two)."""
     n = len(values)
     if n < 2:
         return None
@@ -525,7 +526,7 @@ def by_position(
         for m in _BUCKET_METRICS:
             vals = [w[m][b] for w in per_window]
             entry[m] = sum(vals) / len(vals)
-            entry[f"{m}_stderr"] = _stderr(vals)
+            entry[f"{m}_stderr"] = mean_stderr(vals)
         entry["per_window"] = {m: [w[m][b] for w in per_window] for m in _BUCKET_METRICS}
         buckets.append(entry)
     out = {"seq_len": seq_len, "prefill_chunk": chunk, "n_windows": len(per_window), "buckets": buckets}
@@ -545,7 +546,7 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, float]:
     ppl = math.exp(sum(s["nll"] for s in samples) / tokens)
 
     def stderr(key: str) -> float | str:
-        se = _stderr([s[key] for s in samples])
+        se = mean_stderr([s[key] for s in samples])
         return "N/A" if se is None else se
 
     return {

@@ -128,9 +128,6 @@ class RunStore:
             atomic_write_json(self.root / name, obj)
         self.mark_complete(config)
 
-    def write_json(self, name: str, obj: Any) -> None:
-        atomic_write_json(self.root / name, obj)
-
     def mark_complete(self, config: RunConfig) -> None:
         atomic_write_json(
             self.root / COMPLETE,
