@@ -1,6 +1,6 @@
 """lm-eval model `kvcal`: lm-eval's HFLM whose every forward reads K/V through kvcal's quantized cache.
 
-`python -m kvcal.evaluate.adapter --model kvcal --model_args pretrained=DIR,kv_format=nvfp4,kv_scales=S,skip_layers=sliding_window
+`kvcal-lm-eval --model kvcal --model_args pretrained=DIR,kv_format=nvfp4,kv_scales=S,skip_layers=sliding_window
 --tasks ...` is lm-eval's own command line with this model registered (lm-eval 0.4.13 has no model plugin discovery,
 so plain `lm_eval --model kvcal` works wherever kvcal.evaluate.adapter has been imported, e.g. from Python). With `kv_format=auto` nothing is overridden: the class *is* HFLM (the parity
 reference). Otherwise:
@@ -356,16 +356,3 @@ def _right_padding_mask(inps: torch.Tensor, lengths: list[int] | None) -> torch.
         return None
     n = torch.tensor(lengths, device=inps.device)
     return (torch.arange(inps.shape[1], device=inps.device)[None, :] < n[:, None]).long()
-
-
-def lm_eval_main() -> None:
-    """lm-eval's own command line with the `kvcal` model registered (lm-eval has no model plugin discovery):
-    `python -m kvcal.evaluate.adapter --model kvcal --model_args pretrained=...,kv_format=fp8_e4m3 --tasks ...`
-    behaves exactly like `lm_eval ...`."""
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    lm_eval_main()

@@ -8,7 +8,8 @@ What is scaled down, and nothing else: the two real models become the tiny model
 (`--num-samples`, `--seq-len`, `--limit`, `--kl-seq-len` — given to every `kvcal eval`, whose default 256 exceeds
 the tiny models' 64 positions — and the same keys of configs/*.yaml) become small.
 `kvcal` lines run in-process through the console script's entry point (the `invoke` fixture: the same app, the
-same exit codes, no interpreter start per line); other lines (`head`, `python3 -c`) run in bash with the
+same exit codes, no interpreter start per line); `kvcal-lm-eval` lines run as a process of this interpreter
+(`pretrained=smollm2` becomes the tiny model there too); other lines (`head`, `python3 -c`) run in bash with the
 block's variables. A line declares the exits it may end with in its comment (`# exit 1 drifted`); 0 always may.
 """
 
@@ -19,6 +20,7 @@ import re
 import shlex
 import string
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +112,8 @@ class Runner:
                 ):  # its default (256) > the tiny models' 64
                     words += ["--kl-seq-len", SIZES["--kl-seq-len"]]
                 rc, _, err = self.invoke(words[1:])
+            elif words[0] == "kvcal-lm-eval":  # lm-eval's CLI: its own process, as the console script runs it
+                rc, err = self._lm_eval(words[1:])
             else:
                 shell = " ".join(shlex.quote(w) if not re.fullmatch(r"[<>|]", w) else w for w in words)
                 proc = subprocess.run(
@@ -118,6 +122,25 @@ class Runner:
                 )  # fmt: skip
                 rc, err = proc.returncode, proc.stderr
             assert rc in allowed, f"{where}\nexit {rc} (declared: {sorted(allowed)})\n{err[-3000:]}"
+
+
+    def _lm_eval(self, args: list[str]) -> tuple[int, str]:
+        """`kvcal-lm-eval ARGS` with --limit small and `pretrained=NAME` of a real model -> the tiny model."""
+        for i, w in enumerate(args[:-1]):
+            if w == "--limit":
+                args[i + 1] = SIZES["--limit"]
+            elif w == "--model_args":
+                args[i + 1] = ",".join(self._model_arg(v) for v in args[i + 1].split(","))
+        env = {**os.environ, **self.env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcal.evaluate.lm_eval_cli", *args],
+            cwd=self.scratch, env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        return proc.returncode, proc.stderr
+
+    def _model_arg(self, item: str) -> str:
+        key, _, value = item.partition("=")
+        return f"{key}={self.models[value]}" if key == "pretrained" and value in self.models else item
 
 
 def _shrunk(node: object) -> object:

@@ -54,7 +54,7 @@ def outputs(
     # lm-eval's own CLI, its hf backend; then kvcal's model through lm-eval's CLI into the same --output_path
     _run(["-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
           "--tasks", TASKS, "--output_path", str(both), *common], root)  # fmt: skip
-    _run(["-m", "kvcal.evaluate.adapter", "--model", "kvcal", "--model_args",
+    _run(["-m", "kvcal.evaluate.lm_eval_cli", "--model", "kvcal", "--model_args",
           f"pretrained={model},dtype=float32,kv_format=fp8_e4m3", "--tasks", TASKS, "--output_path", str(both),
           *common], root)  # fmt: skip
     shot = root / "one_shot"
