@@ -91,6 +91,8 @@ class EngineSetup:
     num_fewshot: int | None = None
     limit: int | None = None
     max_gen_toks: int | None = None
+    gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs, parsed (kvcal.evaluate.spec.parse_gen_kwargs)
+    repeats: int | None = None  # --repeats: generations per document
     include_path: str | None = None
     label: str = ""  # names the lm-eval output folder
 
@@ -110,6 +112,8 @@ class EngineSetup:
             num_fewshot=rc.num_fewshot,
             limit=rc.limit,
             max_gen_toks=rc.max_gen_toks,
+            gen_kwargs=tuple((rc.gen_kwargs or {}).items()),
+            repeats=rc.repeats,
             include_path=rc.include_path,
             label=label,
         )
@@ -286,6 +290,13 @@ def _engine_tasks(s: EngineSetup) -> tuple[list[str], list[str]]:
         if own
         else []
     )
+    if s.repeats is not None and s.repeats > 1:
+        # lm-eval's CLI has no repeats option (lm_eval/_cli/run.py @ 0.4.13): it is the task config's `repeats`
+        notes.append(
+            f"--repeats {s.repeats}: lm-eval's CLI has no repeats option; set `repeats: {s.repeats}` in the task's "
+            "YAML (--include_path), and kvcal compare scores each document by the mean over its repeats only in "
+            "kvcal's own runs (lm-eval's filters keep the first)"
+        )
     return tasks, notes
 
 
@@ -297,8 +308,9 @@ def _lm_eval(model: str, model_args: dict[str, Any], s: EngineSetup, engine: str
         argv += ["--num_fewshot", str(s.num_fewshot)]
     if s.limit is not None:
         argv += ["--limit", str(s.limit)]
-    if s.max_gen_toks is not None:
-        argv += ["--gen_kwargs", f"max_gen_toks={s.max_gen_toks}"]
+    gen = ([("max_gen_toks", s.max_gen_toks)] if s.max_gen_toks is not None else []) + list(s.gen_kwargs)
+    if gen:
+        argv += ["--gen_kwargs", ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in gen)]
     if s.include_path:
         argv += ["--include_path", s.include_path]
     out = Path("lm-eval") / f"{engine}-{s.label or s.kv_format}"

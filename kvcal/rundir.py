@@ -88,6 +88,11 @@ class RunConfig:
     # "continuation" (`--scoring continuation`: loglikelihood requests scored on their continuation rows only);
     # None = lm-eval's own path. Written only when set, so every other run keeps its identity hash.
     scoring: str | None = None
+    # Sampling for generative lm-eval tasks (`--repeats N`, `--gen-kwargs temperature=0.6,...`): each document
+    # generated N times with a seed per (document, repeat), scored as the mean over its repeats. Written only
+    # when set, so every other run keeps its identity hash.
+    repeats: int | None = None
+    gen_kwargs: dict[str, Any] | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -99,7 +104,7 @@ class RunConfig:
             del d["nvfp4_global"]
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
-            "kl_subsample", "scoring",
+            "kl_subsample", "scoring", "repeats", "gen_kwargs",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]

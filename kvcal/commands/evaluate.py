@@ -123,6 +123,22 @@ ScoringOpt = Annotated[
         "share one prefill; float32 log-softmax).",
     ),
 ]
+RepeatsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--repeats",
+        help="Generative tasks: generate each document N times (a seed per document and repeat, the same in every "
+        "configuration) and score it by the mean over its N generations, as AIME25 is scored over 10 samples.",
+    ),
+]
+GenKwargsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gen-kwargs",
+        help="lm-eval's --gen_kwargs for generative tasks, e.g. 'temperature=0.6,top_p=0.95' (a temperature "
+        "above 0 samples, as in vLLM).",
+    ),
+]
 Nvfp4GlobalOpt = Annotated[
     str,
     typer.Option(
@@ -198,6 +214,8 @@ def eval_cmd(
     passkey_depths: PasskeyDepthsOpt = _DEFAULT["passkey_depths"],
     strict: StrictOpt = _DEFAULT["strict"],
     scoring: ScoringOpt = _DEFAULT["scoring"],
+    repeats: RepeatsOpt = _DEFAULT["repeats"],
+    gen_kwargs: GenKwargsOpt = _DEFAULT["gen_kwargs"],
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:

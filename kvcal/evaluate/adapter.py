@@ -53,6 +53,9 @@ class KvcalLM(HFLM):
 
     # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
     forward_timer: ForwardTimer | None = None
+    # the base of every sampled request's seed (generate_until): lm-eval's default torch seed; kvcal eval sets
+    # its --seed's (kvcal.evaluate.record.seeds)
+    sample_seed: int = 1234
 
     def __init__(
         self,
@@ -236,6 +239,25 @@ class KvcalLM(HFLM):
             for p in self.runtime.plans
             for w in ("k", "v")
         )
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """lm-eval's generate_until; when the requests sample, one request at a time, each from its own seed
+        (kvcal.evaluate.repeats.sample_seed of this LM's sample_seed, the task, the document and the repeat), so
+        repeat r of a document draws the same random numbers in every configuration and in every batching, and
+        two configurations' repeats pair. lm-eval hands a request with `repeats: N` over as N consecutive copies
+        of one Instance: the copy's position among them is its repeat. Greedy requests: lm-eval's path as is."""
+        from kvcal.evaluate.repeats import sample_seed, samples
+
+        if not any(samples(req.args[1]) for req in requests):
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        seen: dict[int, int] = {}
+        out: list[str] = []
+        for req in requests:
+            repeat = seen.get(id(req), 0)
+            seen[id(req)] = repeat + 1
+            torch.manual_seed(sample_seed(self.sample_seed, req.task_name, req.doc_id, repeat))
+            out.extend(super().generate_until([req], disable_tqdm=True))
+        return out
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvcal import parallel
 from kvcal.evaluate.bound import BoundSpec, bind
-from kvcal.evaluate.record import environment, metrics_record, results_record
+from kvcal.evaluate.record import environment, metrics_record, results_record, seeds
 from kvcal.evaluate.runstore import RunStore, open_shared
 from kvcal.evaluate.spec import EvalConfig, EvalSpec, run_dir_name
 from kvcal.evaluate.task_runs import TaskLoop
@@ -58,6 +58,7 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
             trust_remote_code=spec.trust_remote_code,
             scoring=spec.scoring,
         )
+        lm.sample_seed = seeds(spec.seed)["torch_random_seed"]  # sampled requests' seeds derive from it
         loop = TaskLoop(lm, ForwardTimer(lm.model), store, dist, say)
         try:
             for task in pending:

@@ -88,6 +88,10 @@ class EvalConfig:
     # loglikelihood requests: "full" (lm-eval's own path, every position's logits) or "continuation" (only the
     # continuation rows reach the head, a question's choices share one prefill: kvcal.evaluate.scoring)
     scoring: str = "full"
+    # generative lm-eval tasks: each document generated `repeats` times (a seed per document and repeat), scored
+    # as the mean over its repeats; `gen_kwargs` as lm-eval's --gen_kwargs ("temperature=0.6,top_p=0.95")
+    repeats: int | None = None
+    gen_kwargs: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,8 @@ class EvalSpec:
     gpqa_password: str | None = field(default=None, repr=False, compare=False)
     scoring: str = "full"  # kvcal.evaluate.adapter's scoring of loglikelihood requests (SCORINGS)
     plan_file: str | None = None  # `-f plan.json`: kv_format / skip_layers came from it; bind checks its binding
+    repeats: int | None = None  # generations per document (None = lm-eval's task config: one)
+    gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs parsed (parse_gen_kwargs), in the user's order
 
     # ---- derived -----------------------------------------------------------------------------------------------
 
@@ -256,7 +262,20 @@ class EvalSpec:
             "nvfp4_global": self.nvfp4_global if self.any_nvfp4 and self.scales.kind == "none" else None,
             "attention": None if self.attention == "kv" else self.attention,
             "scoring": None if self.scoring == "full" else self.scoring,  # recorded only off the default
+            "repeats": self.repeats,
+            "gen_kwargs": dict(self.gen_kwargs) or None,
         }
+
+    @property
+    def generation_kwargs(self) -> dict[str, Any] | None:
+        """What simple_evaluate's gen_kwargs gets: --max-gen-toks and --gen-kwargs (None: the tasks' own)."""
+        out: dict[str, Any] = {"max_gen_toks": self.max_gen_toks} if self.max_gen_toks else {}
+        out.update(self.gen_kwargs)
+        if "temperature" in out and "do_sample" not in out:
+            # a temperature above 0 samples, as in vLLM (lm-eval's task YAMLs often say do_sample: false, which
+            # would otherwise win over the temperature given here)
+            out["do_sample"] = float(out["temperature"]) > 0
+        return out or None
 
     def differences(self, have: RunConfig, scales_sha256: str | None = None) -> list[str]:
         """What differs between a recorded run (config.yaml) and this spec, as 'field: there, here' lines ([] =
@@ -377,6 +396,47 @@ def _check_numbers(config: EvalConfig) -> None:
         raise UsageError(f"--kl-seq-len must be at least 2 tokens, got {config.kl_seq_len}")
     if config.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {config.prefill_chunk}")
+    if config.repeats is not None and config.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1 generation per document, got {config.repeats}")
+
+
+# --gen-kwargs keys kvcal checks the values of; other keys go to transformers' generate as lm-eval passes them
+_GEN_FLOATS = {"temperature": (0.0, None), "top_p": (0.0, 1.0)}
+
+
+def parse_gen_kwargs(text: str | None) -> tuple[tuple[str, Any], ...]:
+    """lm-eval's --gen_kwargs syntax, 'temperature=0.6,top_p=0.95,do_sample=true', parsed once: true/false ->
+    bool, numbers -> int / float (lm-eval's handle_arg_string), anything else a string. UsageError on a pair
+    without '=' or a value out of range."""
+    if not text:
+        return ()
+    out: dict[str, Any] = {}
+    for item in (p.strip() for p in text.split(",")):
+        key, sep, raw = item.partition("=")
+        if not item or not sep or not key.strip() or not raw.strip():
+            raise UsageError(f"--gen-kwargs item '{item}' is not key=value; e.g. --gen-kwargs temperature=0.6,top_p=0.95")
+        key, raw = key.strip(), raw.strip()
+        if key == "until":
+            raise UsageError("--gen-kwargs until=... is the task's stop sequences; set them in the task's YAML")
+        out[key] = _gen_value(raw)
+    for key, (lo, hi) in _GEN_FLOATS.items():
+        if key in out:
+            v = out[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (hi is not None and v > hi):
+                bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+                raise UsageError(f"--gen-kwargs {key}={v} must be a number {bound}")
+    return tuple(out.items())
+
+
+def _gen_value(raw: str) -> Any:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:
@@ -489,6 +549,8 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         passkey_depths=depths,
         plan_file=plan_file,
         scoring=_check_scoring(config.scoring),
+        repeats=config.repeats,
+        gen_kwargs=parse_gen_kwargs(config.gen_kwargs),
         output=config.output,
         gpqa_password=config.gpqa_password,
     )

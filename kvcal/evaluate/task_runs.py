@@ -19,6 +19,7 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.bound import BoundSpec
 from kvcal.evaluate.git_probe import quiet_git_probe
 from kvcal.evaluate.record import check_nonfinite, nonfinite_kv, seeds, sum_nonfinite, task_part
+from kvcal.evaluate.repeats import aggregate, check_mean_metrics, score_repeats, with_repeats
 from kvcal.evaluate.runstore import RunStore
 from kvcal.evaluate.tasks import DIVERGENCE_TASKS, KL_TASK, PASSKEY_TASKS, task_manager_for
 from kvcal.evaluate.timing import FORWARDS_KEY, ForwardTimer, ForwardTotals
@@ -106,15 +107,21 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
 
     plan, config = bound.tasks, bound.spec
     assert plan is not None
+    spec = plan.lm_eval_specs[task]
+    manager = task_manager_for(plan)
+    repeated = config.repeats is not None and config.repeats > 1
+    if repeated:
+        spec = with_repeats(spec, int(config.repeats or 1), task, manager)
+    limit = None if task in PASSKEY_TASKS else config.limit  # passkey: --limit = samples per cell
     with quiet_git_probe():  # lm-eval's `git describe` prints "fatal: ..." outside a checkout
         res = simple_evaluate(
             model=lm,
-            tasks=[plan.lm_eval_specs[task]],
+            tasks=[spec],
             num_fewshot=config.num_fewshot,
-            limit=None if task in PASSKEY_TASKS else config.limit,  # passkey: --limit = samples per cell
+            limit=limit,
             log_samples=True,
-            task_manager=task_manager_for(plan),
-            gen_kwargs={"max_gen_toks": config.max_gen_toks} if config.max_gen_toks else None,
+            task_manager=manager,
+            gen_kwargs=config.generation_kwargs,
             **seeds(config.seed),
         )
     if res is None:
@@ -132,6 +139,8 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
                 rec["task"] = name
             samples.append(private_sample(rec) if task in plan.private else rec)
     part = task_part(res)
+    if repeated:
+        samples = _score_repeats(spec, manager, config, limit, samples, part, task, lm.sample_seed)
     if task in plan.private:
         part = _scrub_configs(part)
     if task in PASSKEY_TASKS:
@@ -139,6 +148,28 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
 
         part["passkey_by_cell"] = {task: cells(task, samples)}
     return part, samples
+
+
+def _score_repeats(
+    spec: dict[str, Any],
+    manager: Any,
+    config: Any,
+    limit: int | None,
+    samples: list[dict[str, Any]],
+    part: dict[str, Any],
+    task: str,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """Every repeat scored (kvcal.evaluate.repeats): the task rebuilt as simple_evaluate built it, its samples'
+    metrics the mean over their repeats, results.json's metrics the mean over documents."""
+    from kvcal.evaluate.divergence import lm_eval_requests
+
+    fewshot_seed = seeds(config.seed)["fewshot_random_seed"]
+    lm_task, instances = lm_eval_requests(spec, manager, config.num_fewshot, fewshot_seed, limit)
+    check_mean_metrics(lm_task, task)
+    scored = score_repeats(lm_task, instances, samples)
+    aggregate(part, lm_task.config.task, scored, int(config.repeats), seed)
+    return scored
 
 
 def undo_rank_split(recs: list[dict[str, Any]], repeats: int) -> list[dict[str, Any]]:
