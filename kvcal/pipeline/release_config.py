@@ -30,7 +30,7 @@ ship and how to decide. Sections (every key optional unless marked; unknown keys
       limit: null                       #   samples per task (a mapping task: n gives each its own)
       kl_seq_len: null                  #   + prefill_chunk, kl_subsample, passkey_lengths, passkey_depths, num_fewshot,
       dtype: float32                    #     data_dir, include_path, max_gen_toks, dtype, device, impl,
-                                        #     batch_size, seed (as in a sweep YAML)
+                                        #     batch_size, seed, repeats, gen_kwargs (as in a sweep YAML)
     gate:
       mode: noninferiority              #   noninferiority: ship only what is shown within max_drop (one-sided
                                         #   upper bound); regression: ship unless shown worse (kvcal compare's)

@@ -65,6 +65,18 @@ def read_int(value: Any, key: str, base: Path | None) -> int:
         raise UsageError(f"sweep config: '{key}' must be an integer, got {value!r}") from None
 
 
+def read_gen_kwargs(value: Any, key: str, base: Path | None) -> str:
+    """`gen_kwargs: {temperature: 0.6, top_p: 0.95}` or lm-eval's string form; kvcal eval's --gen-kwargs text
+    (checked here: kvcal.evaluate.spec.parse_gen_kwargs)."""
+    from kvcal.evaluate.spec import parse_gen_kwargs
+
+    if isinstance(value, dict):
+        value = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+    text = str(value)
+    parse_gen_kwargs(text)
+    return text
+
+
 def read_tokens(value: Any, key: str, base: Path | None) -> int:
     n = read_int(value, key, base)
     if n < 1:
@@ -198,6 +210,9 @@ class EvalSettings:
     # kl scores positions 0, N, 2N, ... (kvcal eval --kl-subsample)
     kl_subsample: int | None = yaml_field(read_subsample, None)
     max_gen_toks: int | None = yaml_field(read_int, None)  # cap on generated tokens (lm-eval's aime25 asks for 32768)
+    # generative tasks: N samples per document, scored by their mean (kvcal eval --repeats / --gen-kwargs)
+    repeats: int | None = yaml_field(read_int, None)
+    gen_kwargs: str | None = yaml_field(read_gen_kwargs, None)
     passkey_lengths: str | None = yaml_field(read_passkey_spec(parse_lengths), None)  # e.g. [1k, 2k, 4k]
     passkey_depths: str | None = yaml_field(read_passkey_spec(parse_depths), None)  # e.g. [0, 0.5, 1]
     # K/V rounded to this dtype before quantization (kvcal eval --kv-input-dtype): the engine's serving dtype

@@ -148,3 +148,17 @@ def test_clustered_interval_is_wider_than_the_naive_one() -> None:
     naive, _, _ = stats.binary_difference(base.ravel(), other.ravel())
     clustered = stats.bca_difference(base.mean(1), other.mean(1), n_boot=2000)
     assert clustered.ci_high - clustered.ci_low > 1.2 * (naive.ci_high - naive.ci_low)
+
+
+def test_sweep_and_release_yaml_take_repeats() -> None:
+    from kvcal.evaluate.spec import EvalConfig, eval_spec
+    from kvcal.pipeline.settings import EvalSettings, eval_options, read_fields
+
+    raw = {"repeats": 10, "gen_kwargs": {"temperature": 0.6, "top_p": 0.95, "do_sample": True}}
+    settings = EvalSettings(**read_fields(EvalSettings, raw, None, "evaluate key"))
+    opts = eval_options(settings, "aime25")
+    assert opts["repeats"] == 10 and opts["gen_kwargs"] == "temperature=0.6,top_p=0.95,do_sample=true"
+    spec = eval_spec(EvalConfig(model="m", kv_format="fp8_e4m3", tasks=["aime25"], **opts))
+    assert spec.repeats == 10 and spec.recorded_fields()["gen_kwargs"] == dict(raw["gen_kwargs"])
+    with pytest.raises(UsageError, match="top_p=2 must be a number between"):
+        read_fields(EvalSettings, {"gen_kwargs": "top_p=2"}, None, "evaluate key")
