@@ -93,6 +93,8 @@ class RunConfig:
     # when set, so every other run keeps its identity hash.
     repeats: int | None = None
     gen_kwargs: dict[str, Any] | None = None
+    # `--prompts FILE.jsonl` of a divergence task: {"path", "sha256"}; written only when set
+    prompts: dict[str, str] | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -104,7 +106,7 @@ class RunConfig:
             del d["nvfp4_global"]
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
-            "kl_subsample", "scoring", "repeats", "gen_kwargs",
+            "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]

@@ -139,6 +139,14 @@ GenKwargsOpt = Annotated[
         "above 0 samples, as in vLLM).",
     ),
 ]
+PromptsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prompts",
+        help="The divergence task's prompts from your own JSONL (one {\"prompt\": ...} per line, e.g. logged "
+        "requests) instead of gsm8k's; the answer compared is then the whole output.",
+    ),
+]
 Nvfp4GlobalOpt = Annotated[
     str,
     typer.Option(
@@ -216,6 +224,7 @@ def eval_cmd(
     scoring: ScoringOpt = _DEFAULT["scoring"],
     repeats: RepeatsOpt = _DEFAULT["repeats"],
     gen_kwargs: GenKwargsOpt = _DEFAULT["gen_kwargs"],
+    prompts: PromptsOpt = _DEFAULT["prompts"],
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:

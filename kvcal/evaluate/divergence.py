@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,26 @@ def eos_ids(tokenizer: Any, model: Any) -> set[int]:
 # ---- the task -----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class UserPrompts:
+    """`--prompts FILE.jsonl` read: the prompt texts in file order and the file's sha256 (names the prompts)."""
+
+    texts: list[str]
+    sha256: str
+
+
+@dataclass
+class _UserPrompt:
+    """What the loop reads of an lm-eval Instance, for a prompt of --prompts: its index and no stop sequence."""
+
+    doc_id: int
+    text: str
+
+    @property
+    def arguments(self) -> tuple[str, dict[str, Any]]:
+        return self.text, {}
+
+
 def run_divergence(
     lm: Any,
     *,
@@ -308,6 +329,7 @@ def run_divergence(
     fewshot_seed: int,
     prefill_chunk: int,
     cache_dir: Path | None = None,
+    user_prompts: UserPrompts | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Evaluate divergence task `task` (module docstring) with kvcal's lm-eval model `lm` (.model, .tokenizer,
     .tok_encode, .tok_decode, .max_length). `quant_session()` / `baseline()`: as kl's (kvcal.evaluate.kl.lm_sides).
@@ -323,10 +345,15 @@ def run_divergence(
         )
     model, root = lm.model, cache_dir or cache_root()
     device = input_device(model)
-    lm_task, instances = lm_eval_requests(prompts_spec, task_manager, num_fewshot, fewshot_seed, limit)
+    if user_prompts is None:
+        lm_task, instances = lm_eval_requests(prompts_spec, task_manager, num_fewshot, fewshot_seed, limit)
+        texts = [inst.arguments[0] for inst in instances]
+    else:  # --prompts: the user's own; the "answer" is the whole output (no task filter to extract one)
+        lm_task, texts = None, user_prompts.texts[:limit] if limit else user_prompts.texts
+        instances = [_UserPrompt(i, t) for i, t in enumerate(texts)]
     eos = eos_ids(lm.tokenizer, model)
     room = lm.max_length - gen_len
-    prompts = [lm.tok_encode(inst.arguments[0])[-room:] for inst in instances]
+    prompts = [lm.tok_encode(text)[-room:] for text in texts]
     keys = [trajectory_key(fingerprint, baseline_desc, p, gen_len, eos) for p in prompts]
     hits = _baseline_trajectories(baseline, prompts, keys, root, gen_len, eos, device, prefill_chunk)
 
@@ -381,27 +408,30 @@ def run_divergence(
                     "quant_tokens": q_tokens,
                 }
             )
-    base_answers = extracted_answers(lm_task, instances, base_texts)
-    quant_answers = extracted_answers(lm_task, instances, quant_texts)
+    if lm_task is None:
+        base_answers, quant_answers = base_texts, quant_texts
+    else:
+        base_answers = extracted_answers(lm_task, instances, base_texts)
+        quant_answers = extracted_answers(lm_task, instances, quant_texts)
     for s, a, b in zip(samples, base_answers, quant_answers, strict=True):
         s["answer_agree"] = float(a == b)
         s["base_answer"], s["quant_answer"] = a, b
     config = {
         "task": task,
         "output_type": "kvcal_divergence",
-        "prompts": lm_task.config.task,
-        "num_fewshot": lm_task.get_config("num_fewshot"),
+        "prompts": lm_task.config.task if lm_task else f"file sha256:{user_prompts.sha256}",
+        "num_fewshot": lm_task.get_config("num_fewshot") if lm_task else None,
         "gen_len": gen_len,
         "greedy": True,
         "top_k": TOP_K,
         "eos_token_ids": sorted(eos),
-        "answer_filter": lm_task._filters[0].name,
+        "answer_filter": lm_task._filters[0].name if lm_task else "none (the whole output)",
         "prefill_chunk": prefill_chunk,
         "baseline": baseline_desc,
         "evaluated": evaluated_desc,
         "baseline_cache_hits": hits,
     }
-    results = _results(task, samples, config, len(lm_task.eval_docs))
+    results = _results(task, samples, config, len(lm_task.eval_docs) if lm_task else len(user_prompts.texts))
     results["divergence_by_position"] = {task: by_position(per_prompt, edges, gen_len)}
     return results, samples
 

@@ -92,6 +92,8 @@ class EvalConfig:
     # as the mean over its repeats; `gen_kwargs` as lm-eval's --gen_kwargs ("temperature=0.6,top_p=0.95")
     repeats: int | None = None
     gen_kwargs: str | None = None
+    # a divergence task's prompts from this JSONL ({"prompt": ...} per line) instead of its lm-eval task
+    prompts: str | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,49 @@ class ScaleSource:
 
         assert self.path is not None
         return load_scale_file(self.path)
+
+
+@dataclass(frozen=True)
+class PromptFile:
+    """`--prompts FILE.jsonl`: one {"prompt": "..."} per line (vLLM's benchmark datasets' field), checked once;
+    its sha256 names the prompts in config.yaml and in the divergence task's config (runs of other prompts are
+    refused for pairing)."""
+
+    path: str  # resolved
+    sha256: str
+
+    FIELD = "prompt"
+
+    def record(self) -> dict[str, str]:
+        return {"path": self.path, "sha256": self.sha256}
+
+    def read(self) -> list[str]:
+        import json
+
+        lines = Path(self.path).read_text(encoding="utf-8").splitlines()
+        return [str(json.loads(line)[self.FIELD]) for line in lines if line.strip()]
+
+
+def _prompt_file(path: str | None, tasks: tuple[str, ...]) -> PromptFile | None:
+    if path is None:
+        return None
+    import hashlib
+
+    from kvcal.evaluate.tasks import DIVERGENCE_TASKS, check_jsonl_file
+
+    div = [t for t in tasks if t in DIVERGENCE_TASKS]
+    if len(div) != 1:
+        raise UsageError(
+            "--prompts gives one divergence task its prompts; run it with exactly one of "
+            f"{', '.join(DIVERGENCE_TASKS)} in --tasks (got {len(div)})"
+        )
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--prompts '{path}' is not a file; pass a JSONL with one {{\"prompt\": ...}} per line")
+    check_jsonl_file(p, "--prompts", field=PromptFile.FIELD)
+    if not any(line.strip() for line in p.read_text(encoding="utf-8").splitlines()):
+        raise UsageError(f"--prompts '{path}' holds no prompt; write one {{\"prompt\": ...}} per line")
+    return PromptFile(str(p.resolve()), hashlib.sha256(p.read_bytes()).hexdigest())
 
 
 @dataclass(frozen=True)
@@ -164,6 +209,7 @@ class EvalSpec:
     plan_file: str | None = None  # `-f plan.json`: kv_format / skip_layers came from it; bind checks its binding
     repeats: int | None = None  # generations per document (None = lm-eval's task config: one)
     gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs parsed (parse_gen_kwargs), in the user's order
+    prompts: PromptFile | None = None  # --prompts: the divergence task's own prompts (checked, hashed)
 
     # ---- derived -----------------------------------------------------------------------------------------------
 
@@ -225,6 +271,7 @@ class EvalSpec:
             include_path=self.include_path,
             data_dir=self.data_dir,
             gpqa_password=self.gpqa_password,
+            own_prompts=self.prompts is not None,
         )
 
     def with_output(self, output: str | Path) -> EvalSpec:
@@ -264,6 +311,7 @@ class EvalSpec:
             "scoring": None if self.scoring == "full" else self.scoring,  # recorded only off the default
             "repeats": self.repeats,
             "gen_kwargs": dict(self.gen_kwargs) or None,
+            "prompts": self.prompts.record() if self.prompts else None,
         }
 
     @property
@@ -551,6 +599,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         scoring=_check_scoring(config.scoring),
         repeats=config.repeats,
         gen_kwargs=parse_gen_kwargs(config.gen_kwargs),
+        prompts=_prompt_file(config.prompts, tasks),
         output=config.output,
         gpqa_password=config.gpqa_password,
     )

@@ -243,7 +243,7 @@ def _kl_evaluated_side(recorded: RunConfig) -> dict[str, Any]:
 def run_divergence_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist | None = None) -> TaskResult:
     """A divergence task (kvcal.evaluate.divergence): the bound spec's model, cache and options; its BF16 baseline
     as kl's (kvcal.evaluate.kl.lm_sides)."""
-    from kvcal.evaluate.divergence import DEFAULT_GEN_LEN, private_record, run_divergence
+    from kvcal.evaluate.divergence import DEFAULT_GEN_LEN, UserPrompts, private_record, run_divergence
     from kvcal.evaluate.kl import lm_sides, model_fingerprint, position_buckets
 
     if dist is not None and dist.active:
@@ -265,7 +265,7 @@ def run_divergence_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dis
     part, samples = run_divergence(
         lm,
         task=task,
-        prompts_spec=plan.lm_eval_specs[DIVERGENCE_TASKS[task]],
+        prompts_spec=plan.lm_eval_specs.get(DIVERGENCE_TASKS[task], ""),  # absent with --prompts
         task_manager=task_manager_for(plan),
         quant_session=quant_session,
         baseline=baseline,
@@ -278,6 +278,7 @@ def run_divergence_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dis
         num_fewshot=spec.num_fewshot,
         fewshot_seed=seed,
         prefill_chunk=spec.prefill_chunk,
+        user_prompts=UserPrompts(spec.prompts.read(), spec.prompts.sha256) if spec.prompts else None,
     )
     if task in plan.private:  # GPQA: no output a reader could decode back into the question's text
         samples = [private_record(r) for r in samples]

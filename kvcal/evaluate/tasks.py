@@ -144,8 +144,10 @@ def resolve_tasks(
     include_path: str | os.PathLike[str] | None = None,
     data_dir: str | os.PathLike[str] | None = None,
     gpqa_password: str | None = None,
+    own_prompts: bool = False,
 ) -> TaskPlan:
-    """Turn `--tasks a,b` into lm-eval specs. Unknown names -> UsageError with close matches; files missing
+    """Turn `--tasks a,b` into lm-eval specs (`own_prompts`: a divergence task reads --prompts, not its lm-eval
+    task). Unknown names -> UsageError with close matches; files missing
     from --data-dir or not UTF-8 -> UsageError naming the path; GPQA from --data-dir without a password ->
     UsageError."""
     names = parse_task_list(tasks)
@@ -160,6 +162,8 @@ def resolve_tasks(
         elif name in PASSKEY_TASKS:  # its lm-eval config is built with the model's tokenizer (run_eval)
             if ddir is not None:
                 read_text_file(_require(ddir / KL_TEXT_FILE, name), f"task '{name}'")
+        elif name in DIVERGENCE_TASKS and own_prompts:  # --prompts: the user's file, checked by the spec
+            continue
         elif name in DIVERGENCE_TASKS:  # its prompts are its source task's lm-eval requests
             _add_lm_eval_task(plan, DIVERGENCE_TASKS[name], ddir, gpqa_password)
             if DIVERGENCE_TASKS[name] in plan.private:

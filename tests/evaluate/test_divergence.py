@@ -71,18 +71,9 @@ def _run(model: Path, fmt: str, out: Path, data: Path, **kw: Any) -> dict[str, A
     from kvcal.evaluate.run import EvalConfig, run_eval
     from kvcal.evaluate.spec import eval_spec
 
-    cfg = EvalConfig(
-        model=str(model),
-        kv_format=fmt,
-        tasks=["divergence"],
-        data_dir=str(data),
-        limit=3,
-        num_fewshot=0,
-        max_gen_toks=12,
-        dtype="float32",
-        output=str(out),
-        **kw,
-    )
+    options: dict[str, Any] = {"limit": 3, "num_fewshot": 0, "max_gen_toks": 12, "dtype": "float32", **kw}
+    cfg = EvalConfig(model=str(model), kv_format=fmt, tasks=["divergence"], data_dir=str(data), output=str(out),
+                     **options)  # fmt: skip
     run_eval(eval_spec(cfg))
     return json.loads((out / "results.json").read_text())
 
@@ -176,3 +167,56 @@ def test_no_engine_command_is_written_for_a_divergence_task() -> None:
     from kvcal.evaluate.tasks import DIVERGENCE_TASKS
 
     assert set(DIVERGENCE_TASKS) <= KVCAL_ONLY_TASKS
+
+
+# ---- your own prompts ---------------------------------------------------------------------------------------
+
+PROMPTS = ["Natalia sold clips to 48 of her friends", "Question: how many? Answer:", "sold clips in April"]
+
+
+def _prompt_file(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+def test_divergence_over_your_own_prompts(tiny_llama: Path, tmp_path: Path) -> None:
+    """`--prompts FILE.jsonl`: the prompts of the file in order (no lm-eval task, no --data-dir); the answer
+    compared is the whole output; another file's runs are refused for pairing."""
+    from kvcal.errors import UsageError
+    from kvcal.report.compare import compare_runs
+
+    mine = _prompt_file(tmp_path / "mine.jsonl", [{"prompt": p, "id": i} for i, p in enumerate(PROMPTS)])
+    kw: dict[str, Any] = {"prompts": str(mine), "limit": None}
+    for fmt in ("bf16", "int8_per_token_head"):
+        _run(tiny_llama, fmt, tmp_path / fmt, tmp_path, **kw)  # data_dir: any folder (no lm-eval data read)
+    base, int8 = _samples(tmp_path / "bf16"), _samples(tmp_path / "int8_per_token_head")
+    assert [s["doc_id"] for s in base] == [0, 1, 2] and all(s["identical"] == 1.0 for s in base)
+    assert all(s["answer_agree"] == s["identical"] for s in int8)  # the whole output is the answer
+    assert all(s["prompt_tokens"] > 0 for s in int8)
+    config = json.loads((tmp_path / "bf16" / "results.json").read_text())["configs"]["divergence"]
+    assert config["prompts"].startswith("file sha256:") and config["num_fewshot"] is None
+    recorded = (tmp_path / "bf16" / "config.yaml").read_text()
+    assert str(mine.resolve()) in recorded and "sha256" in recorded
+    compare_runs([tmp_path / "bf16", tmp_path / "int8_per_token_head"], min_samples=2)
+    other = _prompt_file(tmp_path / "other.jsonl", [{"prompt": p} for p in reversed(PROMPTS)])
+    _run(tiny_llama, "int8_per_token_head", tmp_path / "other", tmp_path, prompts=str(other), limit=None)
+    with pytest.raises(UsageError, match="prompts"):
+        compare_runs([tmp_path / "bf16", tmp_path / "other"], min_samples=2)
+
+
+def test_bad_prompt_files_are_one_error_line(
+    tiny_llama: Path, tmp_path: Path, invoke: Callable[[list[str]], tuple[int, str, str]]
+) -> None:
+    no_field = _prompt_file(tmp_path / "text.jsonl", [{"text": "a traffic line, not a prompt"}])
+    out = tmp_path / "run"
+    base = ["eval", str(tiny_llama), "-f", "fp8_e4m3", "-o", str(out)]
+    cases = [
+        (["--tasks", "divergence", "--prompts", str(no_field)], "is not a JSON object with a 'prompt' field"),
+        (["--tasks", "divergence", "--prompts", str(tmp_path / "missing.jsonl")], "is not a file"),
+        (["--tasks", "kl", "--prompts", str(no_field)], "--prompts gives one divergence task its prompts"),
+    ]
+    for args, message in cases:
+        code, _, err = invoke([*base, *args])
+        assert code == 2 and err.count("\n") == 1 and err.startswith("Error: ") and message in err, err
+        assert not out.exists()
