@@ -88,10 +88,17 @@ def compare_cmd(
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Paired bootstrap resamples."),
     seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
     context: CapacityContextOpt = None,
+    at_length: str = typer.Option(
+        "4k,16k,32k",
+        "--at-length",
+        help="Divergence tasks: the generated lengths (tokens, k = 1024) the fraction of outputs still identical "
+        "to the baseline's is projected to from the measured hazard, e.g. 8k,32k for a reasoning task's traces.",
+    ),
     as_json: JsonOpt = False,
 ) -> None:
     """Compare run directories against a baseline: report with error bars and a regression gate."""
     from kvcal.errors import UsageError
+    from kvcal.evaluate.passkey import parse_lengths
     from kvcal.pipeline.sweep import recorded_context
     from kvcal.report.compare import compare_runs
     from kvcal.report.conformance import add_conformance
@@ -118,6 +125,7 @@ def compare_cmd(
         gate=gate,
         allow_unjudged=allow_unjudged,
         labels=label,
+        at_lengths=parse_lengths(at_length, "--at-length"),
     )
     add_conformance(cmp, conformance, warn)
     failed = fail_on_regression and not cmp.gate_passed

@@ -69,18 +69,18 @@ _LENGTH = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
 # ---- options ------------------------------------------------------------------------------------------------
 
 
-def parse_lengths(spec: str) -> list[int]:
-    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens); UsageError for anything else."""
+def parse_lengths(spec: str, option: str = "--passkey-lengths") -> list[int]:
+    """'1k,2k,4096' -> [1024, 2048, 4096] (k = 1024 tokens); UsageError naming `option` for anything else."""
     items = [s.strip() for s in str(spec).split(",") if s.strip()]
     if not items:
-        raise UsageError("--passkey-lengths is empty; give prompt lengths in tokens, e.g. 1k,2k,4k")
+        raise UsageError(f"{option} is empty; give lengths in tokens, e.g. 1k,2k,4k")
     out: list[int] = []
     for item in items:
         m = _LENGTH.match(item)
         value = float(m.group(1)) * (1024 if m.group(2) else 1) if m else 0.0
         if not m or value != int(value) or value < 1:
             raise UsageError(
-                f"--passkey-lengths: '{item}' is not a whole number of tokens; use e.g. 1k,2k,4k or 1000,3000"
+                f"{option}: '{item}' is not a whole number of tokens; use e.g. 1k,2k,4k or 1000,3000"
             )
         if int(value) not in out:
             out.append(int(value))

@@ -12,7 +12,7 @@ baseline -> capacity -> measure every (configuration, task, metric, filter) -> j
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -783,6 +783,7 @@ def compare_runs(
     gate: str = REGRESSION,
     allow_unjudged: bool = False,
     labels: Iterable[str] | dict[str, str] | None = None,
+    at_lengths: Sequence[int] = agreement.AT_LENGTHS,
 ) -> Comparison:
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
 
@@ -796,6 +797,7 @@ def compare_runs(
     `context`: tokens of context the capacity column assumes (sliding-window layers hold min(context, window));
     None: the longest context the runs evaluated (kl_seq_len, passkey lengths), or none when no run says.
     `context_source` says where a given `context` comes from, in the report's words.
+    `at_lengths`: generated lengths (tokens) the divergence tasks' identical fraction is projected to.
     `gate`: 'regression' (fail a configuration shown worse than its threshold) or 'noninferiority' (pass only one
     whose one-sided upper bound of the degradation is under its threshold); `allow_unjudged`: a configuration the
     gate could not judge (too few samples, no task in common) passes Comparison.gate_passed.
@@ -836,6 +838,6 @@ def compare_runs(
         ),
         passkey=[g for c in configs for g in longcontext.passkey_grids(c.label, c.runs, _warn)],
         speed=emulation_speed([(c.label, c.runs) for c in configs], base_tasks),
-        agreement_rows=agreement.divergence_rows([(c.label, c.runs) for c in configs]),
+        agreement_rows=agreement.divergence_rows([(c.label, c.runs) for c in configs], at_lengths),
         text_agreement_rows=agreement.text_agreement_rows([(c.label, c.runs) for c in configs]),
     )  # fmt: skip

@@ -198,7 +198,8 @@ def test_divergence_over_your_own_prompts(tiny_llama: Path, tmp_path: Path) -> N
     assert config["prompts"].startswith("file sha256:") and config["num_fewshot"] is None
     recorded = (tmp_path / "bf16" / "config.yaml").read_text()
     assert str(mine.resolve()) in recorded and "sha256" in recorded
-    compare_runs([tmp_path / "bf16", tmp_path / "int8_per_token_head"], min_samples=2)
+    cmp = compare_runs([tmp_path / "bf16", tmp_path / "int8_per_token_head"], min_samples=2, at_lengths=[8192, 65536])
+    assert all(set(r["projection"]) == {"8192", "65536"} for r in cmp.agreement_rows)  # kvcal compare --at-length
     other = _prompt_file(tmp_path / "other.jsonl", [{"prompt": p} for p in reversed(PROMPTS)])
     _run(tiny_llama, "int8_per_token_head", tmp_path / "other", tmp_path, prompts=str(other), limit=None)
     with pytest.raises(UsageError, match="prompts"):
@@ -220,3 +221,8 @@ def test_bad_prompt_files_are_one_error_line(
         code, _, err = invoke([*base, *args])
         assert code == 2 and err.count("\n") == 1 and err.startswith("Error: ") and message in err, err
         assert not out.exists()
+
+
+def test_at_length_is_checked(tmp_path: Path, invoke: Callable[[list[str]], tuple[int, str, str]]) -> None:
+    code, _, err = invoke(["compare", str(tmp_path), "--at-length", "32x"])
+    assert code == 2 and err.count("\n") == 1 and "--at-length: '32x' is not a whole number of tokens" in err
