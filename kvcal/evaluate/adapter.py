@@ -250,9 +250,12 @@ class KvcalLM(HFLM):
 
         if not any(samples(req.args[1]) for req in requests):
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        from tqdm import tqdm
+
         seen: dict[int, int] = {}
         out: list[str] = []
-        for req in requests:
+        bar = tqdm(requests, desc="Running sampled generate_until requests", disable=disable_tqdm or self.rank != 0)
+        for req in bar:
             repeat = seen.get(id(req), 0)
             seen[id(req)] = repeat + 1
             torch.manual_seed(sample_seed(self.sample_seed, req.task_name, req.doc_id, repeat))
