@@ -56,6 +56,8 @@ class KvcalLM(HFLM):
     # the base of every sampled request's seed (generate_until): lm-eval's default torch seed; kvcal eval sets
     # its --seed's (kvcal.evaluate.record.seeds)
     sample_seed: int = 1234
+    # each generate_until request's generated token ids, by context (GenerationRecorder; kvcal eval takes them)
+    generations: GenerationRecorder
 
     def __init__(
         self,
@@ -131,6 +133,7 @@ class KvcalLM(HFLM):
         if self._kvcal_dist.active:
             self._rank, self._world_size = self._kvcal_dist.rank, self._kvcal_dist.world_size
         self.model_dir = bound.model_dir
+        self.generations = GenerationRecorder(self.tok_decode)
         self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
         # loglikelihood requests: "continuation" (kvcal.evaluate.scoring) or "full" (lm-eval's every-position path)
         self.scoring = _check_scoring(str(scoring))
@@ -248,19 +251,22 @@ class KvcalLM(HFLM):
         of one Instance: the copy's position among them is its repeat. Greedy requests: lm-eval's path as is."""
         from kvcal.evaluate.repeats import sample_seed, samples
 
-        if not any(samples(req.args[1]) for req in requests):
-            return super().generate_until(requests, disable_tqdm=disable_tqdm)
-        from tqdm import tqdm
+        with self.generations.recording(self):
+            if not any(samples(req.args[1]) for req in requests):
+                return super().generate_until(requests, disable_tqdm=disable_tqdm)
+            from tqdm import tqdm
 
-        seen: dict[int, int] = {}
-        out: list[str] = []
-        bar = tqdm(requests, desc="Running sampled generate_until requests", disable=disable_tqdm or self.rank != 0)
-        for req in bar:
-            repeat = seen.get(id(req), 0)
-            seen[id(req)] = repeat + 1
-            torch.manual_seed(sample_seed(self.sample_seed, req.task_name, req.doc_id, repeat))
-            out.extend(super().generate_until([req], disable_tqdm=True))
-        return out
+            seen: dict[int, int] = {}
+            out: list[str] = []
+            bar = tqdm(
+                requests, desc="Running sampled generate_until requests", disable=disable_tqdm or self.rank != 0
+            )
+            for req in bar:
+                repeat = seen.get(id(req), 0)
+                seen[id(req)] = repeat + 1
+                torch.manual_seed(sample_seed(self.sample_seed, req.task_name, req.doc_id, repeat))
+                out.extend(super().generate_until([req], disable_tqdm=True))
+            return out
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
@@ -269,7 +275,9 @@ class KvcalLM(HFLM):
             # context: [B, T] left-padded; generate keeps the attention mask, the cache holds quantized K/V.
             generation_kwargs["past_key_values"] = self.runtime.new_cache()
         with generate_call(self.forward_timer, int(context.shape[0])):
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self.generations.push([row[context.shape[1] :] for row in out.tolist()])  # [B][generated ids]
+        return out
 
     def activate_runtime(self) -> None:
         """(Re)install this LM's cache plan on its model. A model carries one KVRuntime at a time, so anything
@@ -295,6 +303,61 @@ class KvcalLM(HFLM):
     @property
     def scale_set(self) -> Any:
         return self.cache.scales
+
+
+class GenerationRecorder:
+    """The generated token ids of every generate_until request, by its context string (what the comparison needs
+    to find the first token where two runs' outputs differ; lm-eval's samples keep only the text).
+
+    HFLM.generate_until decodes each row of a `_model_generate` batch and, in the same order, hands the request's
+    (context, gen_kwargs) and its final text to the LM's cache hook (`cache_hook.add_partial`). So `_model_generate`
+    pushes the batch's generated rows and, while `recording`, this object stands in as the cache hook (passing
+    every call on to lm-eval's own): each generate_until call takes the next row, cut to the tokens that make up
+    the text lm-eval kept (up to its stop sequence)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode  # the LM's tok_decode (the one HFLM decodes rows with)
+        self.inner: Any = None
+        self.pending: list[list[int]] = []
+        self.by_context: dict[str, list[list[int]]] = {}
+
+    @contextmanager
+    def recording(self, lm: Any) -> Iterator[None]:
+        if self.inner is not None:  # nested (the sampled path calls generate_until per request): already on
+            yield
+            return
+        self.inner, lm.cache_hook = lm.cache_hook, self
+        try:
+            yield
+        finally:
+            lm.cache_hook, self.inner = self.inner, None
+            self.pending = []
+
+    def push(self, rows: list[list[int]]) -> None:
+        if self.inner is not None:
+            self.pending.extend(rows)
+
+    def add_partial(self, attr: str, req: Any, res: Any) -> None:
+        if attr == "generate_until" and self.pending:
+            ids = self.pending.pop(0)
+            self.by_context.setdefault(str(req[0]), []).append(self.cut(ids, str(res)))
+        self.inner.add_partial(attr, req, res)
+
+    def cut(self, ids: list[int], text: str) -> list[int]:
+        """The shortest prefix of `ids` that decodes to at least `text`'s length (lm-eval cut the decoded row at
+        its stop sequence; rows of a batch that finished early run on until the batch stops)."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.decode(ids[:mid])) >= len(text):
+                hi = mid
+            else:
+                lo = mid + 1
+        return ids[:lo]
+
+    def take(self) -> dict[str, list[list[int]]]:
+        out, self.by_context = self.by_context, {}
+        return out
 
 
 SCORINGS = ("continuation", "full")

@@ -82,7 +82,7 @@ def _sum_counts(counts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
 def private_sample(sample: dict[str, Any]) -> dict[str, Any]:
     """A GPQA sample with nothing of the question left in plain text: the doc, the prompts and the raw
     generations go; a hash of the doc stays (enough to pair samples across runs)."""
-    out = {k: v for k, v in sample.items() if k not in ("doc", "arguments", "resps")}
+    out = {k: v for k, v in sample.items() if k not in ("doc", "arguments", "resps", "gen_token_ids")}
     out["doc_hash"] = (
         sample.get("doc_hash")
         or hashlib.sha256(repr(sorted((sample.get("doc") or {}).items())).encode()).hexdigest()
@@ -124,6 +124,7 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
             gen_kwargs=config.generation_kwargs,
             **seeds(config.seed),
         )
+    generated = _generated_ids(lm, dist)  # every rank takes part (a collective), before rank 0 goes on alone
     if res is None:
         if lm.rank != 0:  # lm-eval gathered this rank's share on rank 0
             return None, []
@@ -134,7 +135,7 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
         if lm.world_size > 1:
             recs = undo_rank_split(recs, (res.get("configs", {}).get(name) or {}).get("repeats", 1))
         for rec in recs:
-            rec = dict(rec)
+            rec = with_token_ids(dict(rec), generated)
             if len(samples_by_task) > 1:
                 rec["task"] = name
             samples.append(private_sample(rec) if task in plan.private else rec)
@@ -148,6 +149,30 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
 
         part["passkey_by_cell"] = {task: cells(task, samples)}
     return part, samples
+
+
+def _generated_ids(lm: Any, dist: parallel.Dist) -> dict[str, list[list[int]]]:
+    """Every rank's generate_until token ids by context (kvcal.evaluate.adapter.GenerationRecorder), on rank 0."""
+    mine = lm.generations.take() if hasattr(lm, "generations") else {}
+    gathered = parallel.gather_objects(mine, dist) if dist.active else [mine]
+    merged: dict[str, list[list[int]]] = {}
+    for part in gathered or []:
+        for context, ids in part.items():
+            merged.setdefault(context, []).extend(ids)
+    return merged
+
+
+def with_token_ids(rec: dict[str, Any], generated: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """A generate_until sample with `gen_token_ids`: the generated ids of each of its repeats (what the comparison
+    finds the first differing token with). Records of other requests are returned as they are."""
+    args = rec.get("arguments")
+    if not generated or not isinstance(args, list) or not args or not isinstance(args[0], (list, tuple)):
+        return rec
+    ids = generated.get(str(args[0][0]))
+    if ids is not None:
+        repeats = len(rec["resps"][0]) if rec.get("resps") and isinstance(rec["resps"][0], list) else 1
+        rec["gen_token_ids"] = ids[:repeats]
+    return rec
 
 
 def _score_repeats(

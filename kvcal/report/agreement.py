@@ -289,11 +289,42 @@ def _text(rec: dict[str, Any]) -> str | None:
     return None  # GPQA's private records keep no output text
 
 
-def text_agreement_rows(configs: list[tuple[str, list[Any]]]) -> list[dict[str, Any]]:
+def _token_ids(rec: dict[str, Any]) -> list[int] | None:
+    """The first repeat's generated token ids (kvcal runs record them: `gen_token_ids`); None for lm-eval's own
+    folders and private records, which keep text only."""
+    ids = rec.get("gen_token_ids")
+    return [int(t) for t in ids[0]] if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> tuple[int, bool]:
+    """(time, event) of two outputs: the 1-based position of the first differing token, or the shorter length
+    when one is a prefix of the other (censored)."""
+    n = min(len(a), len(b))
+    where = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return (int(where[0]) + 1, True) if where.size else (n, False)
+
+
+def token_divergence(
+    base: dict[str, dict[str, Any]], mine: dict[str, dict[str, Any]], docs: list[str], at_lengths: Sequence[int]
+) -> dict[str, Any] | None:
+    """Survival of token identity over the documents both runs recorded token ids for (their first repeat, so
+    documents stay independent observations); None when fewer than two have them."""
+    pairs = [(a, b) for a, b in ((_token_ids(base[d]), _token_ids(mine[d])) for d in docs) if a and b]
+    if len(pairs) < 2:
+        return None
+    tes = [first_difference(a, b) for a, b in pairs]
+    times, events = [max(t, 1) for t, _ in tes], [e for _, e in tes]
+    return summarize(times, events, at_lengths=at_lengths, task_lengths=[len(a) for a, _ in pairs])
+
+
+def text_agreement_rows(
+    configs: list[tuple[str, list[Any]]], at_lengths: Sequence[int] = AT_LENGTHS
+) -> list[dict[str, Any]]:
     """Per (configuration, lm-eval generative task) other than the first (the baseline): the fraction of documents
     whose extracted answer (lm-eval's first filter's filtered response) and whose output text equal the baseline
-    run's, with Wilson intervals. Documents are paired by doc_id. lm-eval records text, not token ids, so the
-    first divergence by token is the divergence tasks' (`divergence_rows`)."""
+    run's, with Wilson intervals; and where both runs recorded the generated token ids (kvcal runs), the survival
+    of token identity (`tokens`: as `summarize`, over the first repeat of each document). Documents are paired by
+    doc_id."""
     if not configs:
         return []
     base_label, base_runs = configs[0]
@@ -314,16 +345,18 @@ def text_agreement_rows(configs: list[tuple[str, list[Any]]]) -> list[dict[str, 
             answers = sum(base[d].get("filtered_resps") == mine[d].get("filtered_resps") for d in docs)
             texts = [(_text(base[d]), _text(mine[d])) for d in docs]
             comparable = [(a, b) for a, b in texts if a is not None and b is not None]
-            rows.append(
-                {
-                    "config": label,
-                    "task": task,
-                    "baseline": base_label,
-                    "n": len(docs),
-                    "answer_agree": proportion(int(answers), len(docs)),
-                    "identical": proportion(sum(a == b for a, b in comparable), len(comparable)),
-                }
-            )
+            row = {
+                "config": label,
+                "task": task,
+                "baseline": base_label,
+                "n": len(docs),
+                "answer_agree": proportion(int(answers), len(docs)),
+                "identical": proportion(sum(a == b for a, b in comparable), len(comparable)),
+            }
+            tokens = token_divergence(base, mine, docs, at_lengths)
+            if tokens is not None:
+                row["tokens"] = tokens
+            rows.append(row)
     return rows
 
 

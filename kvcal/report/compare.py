@@ -839,5 +839,5 @@ def compare_runs(
         passkey=[g for c in configs for g in longcontext.passkey_grids(c.label, c.runs, _warn)],
         speed=emulation_speed([(c.label, c.runs) for c in configs], base_tasks),
         agreement_rows=agreement.divergence_rows([(c.label, c.runs) for c in configs], at_lengths),
-        text_agreement_rows=agreement.text_agreement_rows([(c.label, c.runs) for c in configs]),
+        text_agreement_rows=agreement.text_agreement_rows([(c.label, c.runs) for c in configs], at_lengths),
     )  # fmt: skip

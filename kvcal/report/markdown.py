@@ -377,11 +377,17 @@ def agreement_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def text_agreement_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
     """(header, rows): per (configuration, lm-eval generative task) agreement with the baseline run's outputs."""
-    header = ["task", "configuration", "documents", "same extracted answer", "identical output text"]
-    rows = [
-        [r["task"], f"`{r['config']}`", str(r["n"]), _iv(r["answer_agree"]), _iv(r["identical"])]
-        for r in cmp.text_agreement_rows
-    ]
+    header = ["task", "configuration", "documents", "same extracted answer", "identical output text",
+              "median tokens to divergence", "divergences / 1k tokens"]  # fmt: skip
+    rows = []
+    for r in cmp.text_agreement_rows:
+        tok = r.get("tokens")
+        med = tok["km"]["median"] if tok else None
+        median = "n/a" if med is None else "not reached" if med["value"] is None else _iv(med, 0)
+        rows.append(
+            [r["task"], f"`{r['config']}`", str(r["n"]), _iv(r["answer_agree"]), _iv(r["identical"]), median,
+             _iv(tok["hazard_per_1k"], 2) if tok else "n/a"]
+        )  # fmt: skip
     return header, rows
 
 
@@ -393,7 +399,9 @@ def _agreement(cmp: Comparison) -> list[str]:
             "",
             f"Per document, against `{cmp.baseline}`'s output: the answer lm-eval's first filter extracts, and the "
             "output text itself (n/a where the run keeps no text, e.g. GPQA). 95% Wilson intervals. Tokens to "
-            "divergence need token ids: run the matching divergence task.",
+            "divergence (Kaplan-Meier median over each document's first repeat, outputs that end first censored) "
+            "and the divergence hazard where both runs recorded token ids (kvcal runs; lm-eval's own folders keep "
+            "text only: n/a).",
             "",
             *_table(*text_agreement_table(cmp)),
             "",
