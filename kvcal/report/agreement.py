@@ -361,7 +361,7 @@ def text_agreement_rows(
 
 
 # config.yaml keys that change what a generative task generates (kvcal.rundir.RunConfig)
-TEXT_GENERATION_KEYS = ("max_gen_toks", "num_fewshot", "seed")
+TEXT_GENERATION_KEYS = ("max_gen_toks", "num_fewshot", "seed", "repeats", "gen_kwargs")
 
 
 def _check_same_text_generation(task: str, base: tuple[str, Any], other: tuple[str, Any]) -> None:

@@ -132,6 +132,12 @@ def test_repeats_refuse_to_pair_with_a_run_of_other_repeats(
     assert rc == 0, err
     with pytest.raises(UsageError, match=r"tiny_gen: .*different task settings.*repeats"):
         compare_runs([tmp_path / "four", tmp_path / "two"], baseline="four", n_boot=200)
+    cooler = tmp_path / "cooler"  # the same repeats, another temperature: other samples, refused too
+    rc, _, err = invoke(["eval", str(model), "-f", "auto", "--tasks", "tiny_gen", "--include-path", str(tasks),
+                         "--repeats", "4", "--gen-kwargs", "temperature=0.5", "-o", str(cooler)])  # fmt: skip
+    assert rc == 0, err
+    with pytest.raises(UsageError, match=r"tiny_gen: .*temperature"):
+        compare_runs([tmp_path / "four", cooler], baseline="four", n_boot=200)
 
 
 def test_clustered_interval_is_wider_than_the_naive_one() -> None:
