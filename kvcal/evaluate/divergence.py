@@ -10,8 +10,11 @@ cut from the left, as lm-eval's HFLM cuts a generation context.
 Per prompt, three passes, each one forward per generated token (the engine's decode path: every step writes one
 token into the cache and attends over everything stored):
 1. baseline: greedy decode through a BF16 cache (kvcal's attention, as `kl`'s baseline), until EOS or the cap.
-   Its tokens and float16 log-probs [n, V] are cached on disk like `kl`'s baseline (key: model fingerprint,
-   baseline side, BOS-free prompt ids, cap, EOS ids) under $KVCAL_CACHE/divergence, so a sweep decodes it once.
+   Its tokens are cached on disk (key: model fingerprint, baseline side, BOS-free prompt ids, cap, EOS ids)
+   under $KVCAL_CACHE/divergence, so a sweep decodes it once. The BF16 log-probs every comparison needs come
+   from one chunked prefill of prompt + trajectory through the BF16 cache (`baseline_logprobs`), recomputed per
+   evaluation: a prefill is cheap next to the decodes, and [n, V] float16 per prompt on disk is not (Gemma 3,
+   262k vocabulary, 2,048 tokens: 1 GB a prompt).
 2. quantized greedy decode from the same prompt: token-exact identity, the first generated position where the
    tokens differ (1-based; censored at the shorter output's length when they never do), the answer lm-eval's
    filters extract from each output (the task's first filter), and vLLM's `check_logprobs_close` at top-k 5
@@ -44,7 +47,7 @@ from kvcal.evaluate.kl import mean_stderr
 from kvcal.filecache import cache_root as kvcal_cache_root
 from kvcal.io import atomic_write_with
 
-DIVERGENCE_VERSION = 1
+DIVERGENCE_VERSION = 2  # 2: the cache holds tokens only
 DEFAULT_GEN_LEN = 256
 TOP_K = 5  # vLLM's correctness tests ask for 5 log-probs (e.g. tests/models/language/generation)
 METRICS = ("answer_agree", "identical", "logprobs_close", "decode_kl", "prefill_kl", "decode_top1")
@@ -89,10 +92,10 @@ def fp16_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy(
-    forward: ChunkForward, prompt: torch.Tensor, gen_len: int, eos: set[int], full: bool
+    forward: ChunkForward, prompt: torch.Tensor, gen_len: int, eos: set[int]
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy decode of up to `gen_len` tokens (EOS included, then stop), one forward per token after the
-    prompt's. prompt: [1, P]. Returns (tokens, float16 log-probs [n, V] when `full`, else top-k ids [n, k])."""
+    prompt's. prompt: [1, P]. Returns (tokens, their top-k ids [n, k])."""
     P = prompt.shape[1]
     logits = forward(prompt, torch.tensor([P - 1], device=prompt.device))[0, -1]  # [V]
     tokens: list[int] = []
@@ -101,7 +104,7 @@ def greedy(
         row = logits.float()
         tok = int(row.argmax())
         tokens.append(tok)
-        rows.append(fp16_logprobs(row[None])[0].cpu() if full else row.topk(TOP_K).indices.cpu())
+        rows.append(row.topk(TOP_K).indices.cpu())
         if tok in eos or len(tokens) >= gen_len:
             break
         logits = forward(torch.tensor([[tok]], device=prompt.device))[0, -1]
@@ -161,22 +164,24 @@ def _path(root: Path, key: str) -> Path:
     return root / key[:2] / f"{key}.safetensors"
 
 
-def load_trajectory(root: Path, key: str) -> tuple[list[int], torch.Tensor] | None:
-    """(tokens, float16 log-probs [n, V]) of a cached baseline trajectory; None when absent or damaged."""
+def load_trajectory(root: Path, key: str) -> list[int] | None:
+    """The tokens of a cached baseline trajectory; None when absent or damaged."""
     from safetensors.torch import load_file
 
     try:
-        t = load_file(str(_path(root, key)))
-        tokens, lp = t["tokens"].tolist(), t["logprobs"]
+        tokens = load_file(str(_path(root, key)))["tokens"].tolist()
     except Exception:
         return None
-    return (tokens, lp) if len(tokens) == lp.shape[0] and len(tokens) > 0 else None
+    return tokens if tokens else None
 
 
-def store_trajectory(root: Path, key: str, tokens: list[int], lp16: torch.Tensor) -> None:
+def store_trajectory(root: Path, key: str, tokens: list[int]) -> None:
+    """Only the tokens: the BF16 log-probs a comparison needs are recomputed by one prefill (`baseline_logprobs`),
+    since [n, V] float16 per prompt would be 25 MB for SmolLM2's 49k vocabulary at 256 tokens and 2 GB for
+    Gemma 3's 262k at 2,048 (100 gsm8k prompts: 2.5 GB; 30 aime25 prompts on Gemma: 60 GB)."""
     from safetensors.torch import save_file
 
-    data = {"tokens": torch.tensor(tokens, dtype=torch.long), "logprobs": lp16.contiguous()}
+    data = {"tokens": torch.tensor(tokens, dtype=torch.long)}
     try:
         atomic_write_with(_path(root, key), lambda tmp: save_file(data, str(tmp)))
     except OSError as exc:
@@ -184,6 +189,14 @@ def store_trajectory(root: Path, key: str, tokens: list[int], lp16: torch.Tensor
             f"cannot write the divergence baseline cache under '{root}' ({exc.strerror or exc}); "
             "set KVCAL_CACHE to a writable folder"
         ) from exc
+
+
+def baseline_logprobs(session: ChunkForward, prompt: list[int], tokens: list[int], chunk: int, device: Any) -> torch.Tensor:
+    """float16 log-probs [n, V] of the BF16 cache predicting each of the trajectory's n tokens: one chunked
+    prefill of prompt + tokens[:-1] through the BF16 cache (BF16 decode and prefill agree within float tolerance:
+    tests/evaluate/test_divergence.py)."""
+    full = torch.tensor([prompt + tokens[:-1]], dtype=torch.long, device=device)
+    return fp16_logprobs(prefilled(session, full, len(prompt) - 1, chunk)).contiguous()
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -355,24 +368,25 @@ def run_divergence(
     room = lm.max_length - gen_len
     prompts = [lm.tok_encode(text)[-room:] for text in texts]
     keys = [trajectory_key(fingerprint, baseline_desc, p, gen_len, eos) for p in prompts]
-    hits = _baseline_trajectories(baseline, prompts, keys, root, gen_len, eos, device, prefill_chunk)
+    hits = _baseline_trajectories(baseline, prompts, keys, root, gen_len, eos, device)
 
     samples: list[dict[str, Any]] = []
     per_prompt: list[dict[str, torch.Tensor]] = []
     base_texts, quant_texts = [], []
     with torch.no_grad():
         for inst, prompt, key in zip(instances, prompts, keys, strict=True):
-            loaded = load_trajectory(root, key)
-            assert loaded is not None  # stored just above
-            base_tokens, base_lp16, base_prefill = loaded[0], loaded[1], _load_prefill(root, key)
+            base_tokens = load_trajectory(root, key)
+            assert base_tokens is not None  # stored just above
+            with baseline() as new_session:
+                base_lp16 = baseline_logprobs(new_session(), prompt, base_tokens, prefill_chunk, device)
             ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-            q_tokens, q_top = greedy(quant_session(), ids, gen_len, eos, full=False)
+            q_tokens, q_top = greedy(quant_session(), ids, gen_len, eos)
             base_top = base_lp16.float().topk(TOP_K, dim=-1).indices
             targets = torch.tensor(base_tokens, dtype=torch.long)
             dec = token_stats(base_lp16, teacher_forced(quant_session(), ids, base_tokens), targets)
             full = torch.tensor([prompt + base_tokens[:-1]], dtype=torch.long, device=device)
             pre = token_stats(
-                base_prefill, prefilled(quant_session(), full, len(prompt) - 1, prefill_chunk), targets
+                base_lp16, prefilled(quant_session(), full, len(prompt) - 1, prefill_chunk), targets
             )
             t, event = first_divergence(base_tokens, q_tokens)
             until = list((inst.arguments[1] or {}).get("until") or [])
@@ -436,16 +450,6 @@ def run_divergence(
     return results, samples
 
 
-def _prefill_path(root: Path, key: str) -> Path:
-    return root / key[:2] / f"{key}.prefill.safetensors"
-
-
-def _load_prefill(root: Path, key: str) -> torch.Tensor:
-    from safetensors.torch import load_file
-
-    return load_file(str(_prefill_path(root, key)))["logprobs"]
-
-
 def _baseline_trajectories(
     baseline: Any,
     prompts: list[list[int]],
@@ -454,35 +458,16 @@ def _baseline_trajectories(
     gen_len: int,
     eos: set[int],
     device: torch.device,
-    chunk: int,
 ) -> int:
-    """Decode (and prefill) the BF16 baseline of every prompt not cached yet, in one baseline() entry. Returns the
-    number of cache hits."""
-    from safetensors.torch import save_file
-
-    missing = [
-        i
-        for i, k in enumerate(keys)
-        if load_trajectory(root, k) is None or not _prefill_path(root, k).is_file()
-    ]
+    """Greedy-decode the BF16 baseline of every prompt not cached yet, in one baseline() entry, and store its
+    tokens. Returns the number of cache hits."""
+    missing = [i for i, k in enumerate(keys) if load_trajectory(root, k) is None]
     if missing:
         with baseline() as new_session, torch.no_grad():
             for i in missing:
                 ids = torch.tensor([prompts[i]], dtype=torch.long, device=device)
-                tokens, lp16 = greedy(new_session(), ids, gen_len, eos, full=True)
-                full = torch.tensor([prompts[i] + tokens[:-1]], dtype=torch.long, device=device)
-                pre16 = fp16_logprobs(prefilled(new_session(), full, len(prompts[i]) - 1, chunk)).contiguous()
-                try:
-                    atomic_write_with(
-                        _prefill_path(root, keys[i]),
-                        lambda tmp, t=pre16: save_file({"logprobs": t}, str(tmp)),
-                    )
-                except OSError as exc:
-                    raise UsageError(
-                        f"cannot write the divergence baseline cache under '{root}' ({exc.strerror or exc}); "
-                        "set KVCAL_CACHE to a writable folder"
-                    ) from exc
-                store_trajectory(root, keys[i], tokens, lp16)  # last: its presence says the entry is whole
+                tokens, _ = greedy(new_session(), ids, gen_len, eos)
+                store_trajectory(root, keys[i], tokens)
     return len(keys) - len(missing)
 
 

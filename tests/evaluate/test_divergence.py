@@ -89,18 +89,21 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
     res = _run(tiny_llama, "bf16", tmp_path / "bf16", shared_data)
     r = res["results"]["divergence"]
     assert r["identical,none"] == 1.0 and r["answer_agree,none"] == 1.0 and r["logprobs_close,none"] == 1.0
-    assert r["decode_kl,none"] == 0.0 and r["divergences_per_1k,none"] == 0.0
+    assert r["divergences_per_1k,none"] == 0.0 and r["prefill_kl,none"] == 0.0  # the same prefill forwards
     samples = _samples(tmp_path / "bf16")
     assert [s["doc_id"] for s in samples] == [0, 1, 2]
     assert all(not s["diverged"] and s["base_tokens"] == s["quant_tokens"] for s in samples)
     assert all(s["first_divergence"] == s["base_len"] for s in samples)  # censored at the output's end
     buckets = res["divergence_by_position"]["divergence"]["buckets"]
-    assert buckets[0]["lo"] == 1 and buckets[0]["decode_kl"] == 0.0
+    assert buckets[0]["lo"] == 1
     # the baseline trajectory was decoded once: the int8 run reads it from the cache
     res4 = _run(tiny_llama, "int8_per_token_head", tmp_path / "int8", shared_data)
     assert res4["configs"]["divergence"]["baseline_cache_hits"] == 3
     r4 = res4["results"]["divergence"]
     assert r4["decode_kl,none"] > 0.0 and r4["prefill_kl,none"] > 0.0
+    # bf16's decode against the BF16 prefill (its baseline log-probs) is float rounding only: a bound from the
+    # run itself, scale-free, not one number of this machine's kernels
+    assert r["decode_kl,none"] <= 1e-3 * r4["decode_kl,none"]
     for s in _samples(tmp_path / "int8"):
         t = s["first_divergence"]
         if s["diverged"]:  # the recorded position is the first token that differs
