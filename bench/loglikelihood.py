@@ -3,6 +3,8 @@
     python bench/loglikelihood.py --model gemma3-270m --task passkey_mc --passkey-length 2k --limit 5 \\
         --formats auto,fp8_e4m3 --code before=/tmp/kvcal-before --code after=. [--rounds 2] [-o bench/out/ll.json]
     python bench/loglikelihood.py --model gemma3-270m --task gpqa_diamond_zeroshot --limit 40 --data-dir DATA ...
+    python bench/loglikelihood.py ... --code full=.,scoring=full --code continuation=.,scoring=continuation
+        (one tree, the two scorings: continuation scoring is opt-in, `kvcal eval --scoring continuation`)
 
 Each cell is one whole `kvcal eval MODEL -f FORMAT --tasks TASK --limit N` process (fresh, PYTHONPATH = that code's
 tree: a checkout or an exported one, `git archive REV | tar -x -C DIR`), so its wall time counts everything a user
@@ -30,9 +32,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cell(args: argparse.Namespace, code: str, fmt: str, out: Path) -> dict[str, Any]:
+def parse_code(value: str) -> tuple[str, tuple[str, str | None]]:
+    """'LABEL=DIR' or 'LABEL=DIR,scoring=continuation' -> (LABEL, (DIR, scoring or None: kvcal eval's default))."""
+    label, _, rest = value.partition("=")
+    tree, _, opt = rest.partition(",scoring=")
+    return label, (tree, opt or None)
+
+
+def run_cell(args: argparse.Namespace, code: tuple[str, str | None], fmt: str, out: Path) -> dict[str, Any]:
+    code, scoring = code
     cmd = [sys.executable, "-m", "kvcal.cli", "eval", args.model, "-f", fmt, "--tasks", args.task,
            "--limit", str(args.limit), "-o", str(out), "--batch-size", str(args.batch_size)]  # fmt: skip
+    if scoring:
+        cmd += ["--scoring", scoring]
     if args.task.startswith("passkey"):
         cmd += ["--passkey-lengths", args.passkey_length, "--passkey-depths", args.passkey_depth]
     if args.data_dir:
@@ -92,11 +104,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--code", action="append", default=[], help="LABEL=DIR (repeatable); default after=.")
+    p.add_argument("--code", action="append", default=[],
+                   help="LABEL=DIR[,scoring=full|continuation] (repeatable); default after=.")  # fmt: skip
     p.add_argument("--work", default=str(ROOT / "bench" / "out" / "loglikelihood"))
     p.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "loglikelihood.json"))
     args = p.parse_args()
-    codes = dict(c.split("=", 1) for c in (args.code or ["after=."]))
+    codes = dict(parse_code(c) for c in (args.code or ["after=."]))
     formats = args.formats.split(",")
     cells = [(c, f) for f in formats for c in codes]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {cell: [] for cell in cells}
