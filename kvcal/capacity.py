@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,52 @@ def _cached_snapshot(model: str) -> Path | None:
         return None
 
 
+def layers_bytes_per_token(kv: KVSpec, layer_formats: list[str], context: int | None = None) -> float:
+    """Bytes per token of one format (or K/V pair) per layer — a `kvcal plan` file's layers — each layer counted
+    by kv_bytes_per_token on its own (`bf16` is 16 + 16 bits, what --skip-layers counts)."""
+    if len(layer_formats) != kv.num_layers:
+        raise UsageError(f"a plan of {len(layer_formats)} layers does not fit a model of {kv.num_layers} layers")
+    return sum(
+        kv_bytes_per_token(replace(kv, layers=(layer,)), f, context=context)
+        for layer, f in zip(kv.layers, layer_formats, strict=True)
+    )
+
+
+def _free_bytes(gpu_mem_bytes: float | None, weights_bytes: float | None) -> float | None:
+    """GPU memory left for the cache; UsageError naming the option when it cannot be known or is not positive."""
+    if gpu_mem_bytes is None:
+        return None
+    if gpu_mem_bytes <= 0:
+        raise UsageError(f"--gpu-mem-gib must be positive, got {gpu_mem_bytes / GIB:g}")
+    if weights_bytes is None:
+        raise UsageError("the weights' size is unknown; pass --weights-gib (GiB the weights take on the GPU)")
+    free = gpu_mem_bytes - weights_bytes
+    if free <= 0:
+        raise UsageError(
+            f"--gpu-mem-gib {gpu_mem_bytes / GIB:g} is not larger than the weights ({weights_bytes / GIB:.3g} "
+            "GiB); give the GPU's memory for this model, or --weights-gib if the weights are smaller on the GPU"
+        )
+    return free
+
+
+def _row(
+    name: str, b: float, b_whole: float, kv: KVSpec, skip: frozenset[int], context: int | None,
+    free: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One table row from bytes per token at the context (`b`) and with every layer counted whole (`b_whole`)."""
+    elems = sum(2 * layer.kv_heads * layer.head_dim for layer in kv.layers)
+    max_tokens = None if free is None else math.floor(free / b)
+    return {
+        "kv_format": name,
+        "bytes_per_token": b,
+        "multiplier_vs_bf16": kv_bytes_per_token(kv, "bf16", frozenset(), context) / b,
+        "multiplier_vs_fp8": kv_bytes_per_token(kv, "fp8_e4m3", skip, context) / b,
+        "bits_per_element": 8 * b_whole / elems,
+        "max_tokens": max_tokens,
+        "max_sequences": None if max_tokens is None or context is None else max_tokens // context,
+    }
+
+
 def capacity_table(
     kv: KVSpec,
     formats: list[str | KVFormat] | None = None,
@@ -103,49 +150,30 @@ def capacity_table(
     context: int | None = None,
     gpu_mem_bytes: float | None = None,
     weights_bytes: float | None = None,
+    plans: list[tuple[str, list[str]]] | None = None,
 ) -> dict[str, Any]:
-    """Per-format bytes per token, multiplier vs BF16 (and vs FP8) and, given GPU memory, the tokens that fit.
+    """Per-format bytes per token, multiplier vs BF16 (and vs FP8) and, given GPU memory, the tokens that fit;
+    then one row per plan (label, its format per layer: layers_bytes_per_token, skip_layers not applied).
 
     Returns {"formats": [{"kv_format", "bytes_per_token", "multiplier_vs_bf16", "multiplier_vs_fp8",
     "bits_per_element", "max_tokens", "max_sequences"}, ...], plus the inputs}."""
     if formats:
         fmts = [_format_name(f) for f in formats]
+    elif plans:
+        fmts = []
     else:  # every format this model's engine could build (int4_per_token_head needs a power-of-two head_dim)
         pow2 = all(layer.head_dim & (layer.head_dim - 1) == 0 for layer in kv.layers)
         fmts = [n for n, f in FORMATS.items() if pow2 or f.element != "int4_rht"]
     fmts = list(dict.fromkeys(fmts))  # drop repeats, keep order
-    free = None
-    if gpu_mem_bytes is not None:
-        if gpu_mem_bytes <= 0:
-            raise UsageError(f"--gpu-mem-gib must be positive, got {gpu_mem_bytes / GIB:g}")
-        if weights_bytes is None:
-            raise UsageError(
-                "the weights' size is unknown; pass --weights-gib (GiB the weights take on the GPU)"
-            )
-        free = gpu_mem_bytes - weights_bytes
-        if free <= 0:
-            raise UsageError(
-                f"--gpu-mem-gib {gpu_mem_bytes / GIB:g} is not larger than the weights ({weights_bytes / GIB:.3g} "
-                "GiB); give the GPU's memory for this model, or --weights-gib if the weights are smaller on the GPU"
-            )
-    bf16 = kv_bytes_per_token(kv, "bf16", frozenset(), context)
-    fp8 = kv_bytes_per_token(kv, "fp8_e4m3", skip_layers, context)
-    elems = sum(2 * layer.kv_heads * layer.head_dim for layer in kv.layers)
-    rows = []
-    for f in fmts:
-        b = kv_bytes_per_token(kv, f, skip_layers, context)
-        max_tokens = None if free is None else math.floor(free / b)
-        rows.append(
-            {
-                "kv_format": f,
-                "bytes_per_token": b,
-                "multiplier_vs_bf16": bf16 / b,
-                "multiplier_vs_fp8": fp8 / b,
-                "bits_per_element": 8 * kv_bytes_per_token(kv, f, skip_layers) / elems,
-                "max_tokens": max_tokens,
-                "max_sequences": None if max_tokens is None or context is None else max_tokens // context,
-            }
-        )
+    free = _free_bytes(gpu_mem_bytes, weights_bytes)
+    rows = [
+        _row(f, kv_bytes_per_token(kv, f, skip_layers, context), kv_bytes_per_token(kv, f, skip_layers), kv,
+             skip_layers, context, free)
+        for f in fmts
+    ]  # fmt: skip
+    for label, layers in plans or []:
+        b, whole = layers_bytes_per_token(kv, layers, context), layers_bytes_per_token(kv, layers)
+        rows.append(_row(label, b, whole, kv, skip_layers, context, free))
     return {
         "model_type": kv.model_type,
         "num_layers": kv.num_layers,
@@ -181,8 +209,10 @@ def model_capacity(
     context: int | None = None,
     gpu_mem_gib: float | None = None,
     weights_gib: float | None = None,
+    plans: list[tuple[str, list[str]]] | None = None,
 ) -> dict[str, Any]:
-    """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only."""
+    """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only.
+    `plans`: (label, format per layer) rows after the formats' (kvcal.pipeline.plan_cost reads plan files)."""
     fmts = [_format_name(f) for f in formats] if formats else None  # unknown names fail before any file is read
     ref = resolve_real_name(model)
     kv = kv_spec(load_config(ref))
@@ -204,6 +234,7 @@ def model_capacity(
         context,
         None if gpu_mem_gib is None else gpu_mem_gib * GIB,
         wbytes,
+        plans,
     )
     table["model"] = ref
     table["weights_source"] = source

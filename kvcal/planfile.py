@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.filecache import sha256_file
 from kvcal.formats import kv_pair
 from kvcal.io import atomic_write_json
 from kvcal.models.geometry import KVSpec
@@ -35,6 +36,42 @@ class PlanFile:
     @property
     def model(self) -> str:
         return str(self.record["model"])
+
+    @property
+    def label(self) -> str:
+        return plan_label(self.record)
+
+    def run_record(self) -> dict[str, Any]:
+        """What a run of this plan records (config.yaml's `plan`): its label and budget decide what was measured
+        (with the format and 16-bit layers the run records anyway); its path and sha256 say which file it was."""
+        return {
+            "label": self.label,
+            "budget": self.record.get("budget"),
+            "path": str(self.path.resolve()),
+            "sha256": sha256_file(self.path),
+        }
+
+
+def is_plan_path(value: object) -> bool:
+    """A --kv-format value naming a plan file (`-f plan.json`) rather than a format."""
+    return str(value).strip().lower().endswith(".json")
+
+
+def _number(value: float) -> str:
+    """3 -> '3.0', 2.75 -> '2.75': a budget as people write it."""
+    return f"{value:.1f}" if float(value) * 10 == round(float(value) * 10) else f"{value:g}"
+
+
+def plan_label(record: dict[str, Any]) -> str:
+    """A plan's name among configurations, from its budget: `plan@3.0x`, `plan@3.0x/ctx4096` (a capacity at a
+    context), `plan@5.5bits` (an effective-bits budget); `plan` for a plan file without one."""
+    budget = record.get("budget")
+    if not isinstance(budget, dict) or not isinstance(budget.get("value"), (int, float)):
+        return "plan"
+    if budget.get("kind") == "effective_bits":
+        return f"plan@{_number(budget['value'])}bits"
+    context = budget.get("context")
+    return f"plan@{_number(budget['value'])}x" + (f"/ctx{context}" if context else "")
 
 
 def plan_record(

@@ -9,7 +9,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kvcal.capacity import GIB, model_capacity
+from kvcal.capacity import GIB
 from kvcal.commands.options import JsonOpt, KvFormatsOpt, ModelArg, SkipLayersOpt
 from kvcal.commands.output import console, print_json
 
@@ -47,9 +47,12 @@ def capacity_cmd(
     ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Bytes per token (codes + scales, all layers), multiplier vs BF16 and tokens that fit, per KV format."""
+    """Bytes per token (codes + scales, all layers), multiplier vs BF16 and tokens that fit, per KV format
+    (`-f plan.json`: a `kvcal plan` file, its format per layer)."""
+    from kvcal.pipeline.plan_cost import capacity_with_plans
+
     formats = [f for item in (kv_format or []) for f in split_formats(item)] or None
-    table = model_capacity(model, formats, skip_layers, context, gpu_mem_gib, weights_gib)
+    table = capacity_with_plans(model, formats, skip_layers, context, gpu_mem_gib, weights_gib)
     if json_out:
         print_json(table)
         return

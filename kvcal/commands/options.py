@@ -25,8 +25,8 @@ from kvcal.formats import FORMATS
 MODEL_HELP = "HF model folder, hub id, .gguf file, or an installed real model (smollm2, gemma3-270m)."
 JSON_HELP = "Machine-readable output on stdout."
 KV_FORMAT_HELP = (
-    f"KV cache format: {', '.join(FORMATS)}; vLLM/SGLang names (fp8, bfloat16, ...) work too; eval also takes a "
-    "plan file from `kvcal plan` (one format plus 16-bit layers)."
+    f"KV cache format: {', '.join(FORMATS)}; vLLM/SGLang names (fp8, bfloat16, ...) work too; or a plan "
+    "file from `kvcal plan` (plan.json; eval runs one format plus 16-bit layers)."
 )
 
 # ---- model and output ----------------------------------------------------------------------------------------

@@ -506,9 +506,10 @@ def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:
 def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None]:
     """`-f plan.json` (a `kvcal plan` file): its one format and 16-bit layers as --kv-format / --skip-layers
     (kvcal.planfile.one_format_plus_16_bit refuses a plan the quantized cache cannot run)."""
-    if not str(config.kv_format).lower().endswith(".json"):
+    from kvcal.planfile import is_plan_path, load_plan, one_format_plus_16_bit
+
+    if not is_plan_path(config.kv_format):
         return config, None
-    from kvcal.planfile import load_plan, one_format_plus_16_bit
 
     if config.skip_layers:
         raise UsageError("--skip-layers comes from the plan file given as --kv-format; drop --skip-layers")

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import Any
 
-from kvcal.capacity import kv_bytes_per_token
+from kvcal.capacity import kv_bytes_per_token, layers_bytes_per_token, model_capacity
 from kvcal.errors import UsageError
 from kvcal.formats import kv_pair
 from kvcal.models.geometry import SLIDING, KVSpec
@@ -31,8 +32,8 @@ def layer_bytes(kv: KVSpec, layer: int, fmt: str, context: int | None) -> float:
 
 
 def plan_bytes_per_token(kv: KVSpec, layer_formats: list[str], context: int | None = None) -> float:
-    """Bytes per token of a plan (one format or K/V pair per layer), as kvcal capacity counts them."""
-    return sum(layer_bytes(kv, i, f, context) for i, f in enumerate(layer_formats))
+    """Bytes per token of a plan (one format or K/V pair per layer): kvcal capacity's own count of a plan."""
+    return layers_bytes_per_token(kv, list(layer_formats), context)
 
 
 def _exact_layer_bits(kv: KVSpec, layer: int, fmt: str, context: int | None) -> Fraction:
@@ -108,3 +109,46 @@ def plan_capacity(kv: KVSpec, layer_formats: list[str], context: int | None) -> 
         "multiplier_vs_bf16": kv_bytes_per_token(kv, "bf16", context=context) / b,
         "bits_per_element": 8 * plan_bytes_per_token(kv, layer_formats, None) / elems,
     }
+
+
+def _plans_context(plans: list[Any], context: int | None) -> int | None:
+    """--context, else the context the plans' budgets were solved at (one for all of them)."""
+    if context is not None or not plans:
+        return context
+    found = {(p.record.get("budget") or {}).get("context") for p in plans}
+    if len(found) > 1:
+        shown = ", ".join(str(c) for c in sorted(found, key=str))
+        raise UsageError(f"the plans' budgets are at different contexts ({shown}); pass --context")
+    return found.pop()
+
+
+def capacity_with_plans(
+    model: str,
+    formats: list[str] | None = None,
+    skip_layers: str | None = None,
+    context: int | None = None,
+    gpu_mem_gib: float | None = None,
+    weights_gib: float | None = None,
+) -> dict[str, Any]:
+    """`kvcal capacity`: kvcal.capacity.model_capacity, where a `formats` item ending in .json is a `kvcal plan`
+    file (refused unless solved on this checkpoint): one row of its formats per layer, labelled by its budget
+    (`plan@3.0x`), at --context or else at the context its budget was solved at."""
+    from kvcal.models.real import resolve_real_name
+    from kvcal.planfile import is_plan_path, load_plan_for_model
+
+    paths = [f for f in formats or [] if is_plan_path(f)]
+    names = [f for f in formats or [] if not is_plan_path(f)]
+    if not paths:
+        return model_capacity(model, formats, skip_layers, context, gpu_mem_gib, weights_gib)
+    if skip_layers:
+        raise UsageError("--skip-layers does not apply to a plan file (its 16-bit layers are the plan's); drop one")
+    from kvcal.scales import resolve_model_and_spec
+
+    ref = resolve_real_name(model)
+    model_dir, kv = resolve_model_and_spec(ref)
+    plans = [load_plan_for_model(p, ref, model_dir, kv) for p in paths]
+    rows = [(p.label, p.layers) for p in plans]
+    table = model_capacity(model, names, None, _plans_context(plans, context), gpu_mem_gib, weights_gib, rows)
+    for row, p in zip(table["formats"][-len(plans) :], plans, strict=True):
+        row.update(plan_file=str(p.path), layers=p.layers)
+    return table

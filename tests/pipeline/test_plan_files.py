@@ -1,0 +1,83 @@
+"""A plan file as a configuration (issue 25) on tiny random-weight models: `kvcal capacity -f plan.json` counts
+exactly the plan's own budget; a sweep runs it as a cell recording the plan; compare shows it beside the uniform
+formats; a release solves, writes and gates one. Bad input is one Error line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+Invoke = Callable[[list[str]], tuple[int, str, str]]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ["--num-samples", "2", "--seq-len", "16", "--heldout-windows", "1", "--heldout-seq-len", "16"]
+
+
+def _solve(invoke: Invoke, model: Path, out: Path, *budget: str, candidates: str = "bf16,nvfp4") -> dict:
+    code, stdout, err = invoke(
+        ["plan", str(model), "--candidates", candidates, *budget, *SMALL, "-o", str(out), "--json"]
+    )
+    assert code == 0, err
+    return json.loads(stdout)
+
+
+@pytest.fixture(scope="module")
+def gemma_plan(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3.0x plan at context 16 of the tiny Gemma 3 (sliding window 8: its sliding layers count half)."""
+    from typer.testing import CliRunner
+
+    from kvcal.cli import app
+
+    out = tmp_path_factory.mktemp("plan") / "gemma.plan.json"
+    args = ["plan", str(tiny_model_dir("gemma3")), "--candidates", "bf16,fp8_e4m3,nvfp4", "--capacity", "3.0x",
+            "--context", "16", *SMALL, "-o", str(out)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_capacity_of_a_plan_is_the_plans_own_count(
+    gemma_plan: Path, tiny_model_dir: Callable[[str], Path], invoke: Invoke
+) -> None:
+    model = tiny_model_dir("gemma3")
+    recorded = json.loads(gemma_plan.read_text())
+    code, stdout, err = invoke(["capacity", str(model), "-f", "bf16", "-f", str(gemma_plan), "--json"])
+    assert code == 0, err
+    table = json.loads(stdout)
+    assert table["context"] == 16  # the plan's budget context, since --context was not given
+    bf16, row = table["formats"]
+    assert row["kv_format"] == "plan@3.0x/ctx16" and row["plan_file"] == str(gemma_plan)
+    assert row["layers"] == [r["kv_format"] for r in recorded["layers"]]
+    for key in ("bytes_per_token", "multiplier_vs_bf16", "bits_per_element"):
+        assert row[key] == recorded["capacity"][key], key  # the same count, not a re-derivation
+    assert row["multiplier_vs_bf16"] >= 3.0 and bf16["multiplier_vs_bf16"] == 1.0
+    code, stdout, err = invoke(["capacity", str(model), "-f", str(gemma_plan), "--context", "64", "--json"])
+    assert code == 0, err
+    [row64] = json.loads(stdout)["formats"]
+    assert row64["bytes_per_token"] < row["bytes_per_token"]  # sliding layers hold 8 of 64 tokens, not 8 of 16
+    code, stdout, err = invoke(["capacity", str(model), "-f", str(gemma_plan), "--context", "16"])
+    assert code == 0 and "plan@3.0x/ctx16" in stdout, err
+
+
+def test_capacity_refuses_a_plan_of_another_checkpoint(
+    gemma_plan: Path, tiny_model_dir: Callable[[str], Path], tmp_path: Path, invoke: Invoke
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir("gemma3"), other)
+    config = json.loads((other / "config.json").read_text())
+    config["kvcal_note"] = "edited"
+    (other / "config.json").write_text(json.dumps(config))
+    code, _, err = invoke(["capacity", str(other), "-f", str(gemma_plan)])
+    assert code == 1
+    [line] = err.splitlines()
+    assert line.startswith("Error: plan file") and "config.json changed" in line
+    code, _, err = invoke(
+        ["capacity", str(tiny_model_dir("gemma3")), "-f", str(gemma_plan), "--skip-layers", "0"]
+    )
+    assert code == 2 and err.splitlines() == [
+        "Error: --skip-layers does not apply to a plan file (its 16-bit layers are the plan's); drop one"
+    ]
