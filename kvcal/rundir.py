@@ -33,6 +33,8 @@ TASKS_DIR = "tasks"
 # Fields that do not change what is measured (a rerun with another value is the same run). model_dir is where
 # kvcal's cache happens to hold a converted GGUF (its name can change between kvcal versions); `model` names it.
 NON_IDENTITY_KEYS = frozenset({"kvcal_version", "run_dir", "scales_path", "model_dir", "run_format"})
+# ... and within `plan`: where the plan file is and which version of it (its layers are kv_format + skip_layers)
+PLAN_NON_IDENTITY_KEYS = frozenset({"path", "sha256"})
 
 
 def samples_file(task: str) -> str:
@@ -95,6 +97,10 @@ class RunConfig:
     gen_kwargs: dict[str, Any] | None = None
     # `--prompts FILE.jsonl` of a divergence task: {"path", "sha256"}; written only when set
     prompts: dict[str, str] | None = None
+    # `-f plan.json` (a `kvcal plan` file, kvcal.planfile.PlanFile.run_record): {"label", "budget", "path",
+    # "sha256"}; kv_format and skip_layers hold its layers. Its label and budget are identity, its path and
+    # sha256 (which file, which version) are not. Written only when set, so every other run keeps its hash.
+    plan: dict[str, Any] | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -106,7 +112,7 @@ class RunConfig:
             del d["nvfp4_global"]
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
-            "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts",
+            "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]
@@ -128,7 +134,15 @@ class RunConfig:
 
     def identity(self) -> dict[str, Any]:
         """The fields that decide what is measured (what the run hash covers)."""
-        return {k: v for k, v in self.to_dict().items() if k not in NON_IDENTITY_KEYS}
+        out = {k: v for k, v in self.to_dict().items() if k not in NON_IDENTITY_KEYS}
+        if isinstance(out.get("plan"), dict):
+            out["plan"] = {k: v for k, v in out["plan"].items() if k not in PLAN_NON_IDENTITY_KEYS}
+        return out
+
+    @property
+    def plan_label(self) -> str | None:
+        """The label of the plan file the run evaluated (`plan@3.0x`), None for a run of a format."""
+        return str(self.plan.get("label") or "plan") if isinstance(self.plan, dict) else None
 
     @property
     def kv_input_dtype_or_legacy(self) -> str | None:

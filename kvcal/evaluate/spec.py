@@ -210,6 +210,7 @@ class EvalSpec:
     repeats: int | None = None  # generations per document (None = lm-eval's task config: one)
     gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs parsed (parse_gen_kwargs), in the user's order
     prompts: PromptFile | None = None  # --prompts: the divergence task's own prompts (checked, hashed)
+    plan: dict[str, Any] | None = None  # config.yaml's `plan` of that file (kvcal.planfile.PlanFile.run_record)
 
     # ---- derived -----------------------------------------------------------------------------------------------
 
@@ -312,6 +313,7 @@ class EvalSpec:
             "repeats": self.repeats,
             "gen_kwargs": dict(self.gen_kwargs) or None,
             "prompts": self.prompts.record() if self.prompts else None,
+            "plan": self.plan,
         }
 
     @property
@@ -356,6 +358,9 @@ class EvalSpec:
             diffs.append(
                 f"skip_layers: {have.skip_layers or 'none'!r} there, {self.skip_layers or 'none'!r} here"
             )
+        plan = (self.plan or {}).get("label")
+        if have.plan_label != plan:
+            diffs.append(f"plan: {have.plan_label or 'none'!r} there, {plan or 'none'!r} here")
         if have.calibrated != self.scales.is_file:
             diffs.append(
                 "scales: " + ("calibrated there, not here" if have.calibrated else "not calibrated there")
@@ -408,11 +413,14 @@ def skip_tag(skip_layers: str | None) -> str:
 
 
 def base_dir_name(spec: EvalSpec) -> str:
-    """`{model_short}__{kv_format}__{scales tag}__skip-{skip_tag}` (a K/V pair k=A,v=B as k-a-v-b)."""
+    """`{model_short}__{kv_format}__{scales tag}__skip-{skip_tag}` (a K/V pair k=A,v=B as k-a-v-b); a plan file's
+    run `{model_short}__plan-3.0x-{kv_format}__{scales tag}` (its label: the plan decides the 16-bit layers)."""
     tag = spec.scales.tag
     if spec.any_nvfp4 and spec.scales.kind == "none" and spec.nvfp4_global != "one":
         tag = f"global-{slug(spec.nvfp4_global)}"
     fmt_tag = slug(spec.kv_format) if "=" in spec.kv_format else spec.kv_format
+    if spec.plan is not None:
+        return f"{model_short(spec.model)}__{slug(str(spec.plan['label']))}-{fmt_tag}__{tag}"
     return f"{model_short(spec.model)}__{fmt_tag}__{tag}__skip-{skip_tag(spec.skip_layers)}"
 
 
@@ -503,18 +511,19 @@ def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:
     return ScaleSource("file", str(scales), f"calib-{loaded.granularity}", loaded)
 
 
-def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None]:
+def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None, dict[str, Any] | None]:
     """`-f plan.json` (a `kvcal plan` file): its one format and 16-bit layers as --kv-format / --skip-layers
-    (kvcal.planfile.one_format_plus_16_bit refuses a plan the quantized cache cannot run)."""
+    (kvcal.planfile.one_format_plus_16_bit refuses a plan the quantized cache cannot run), the file, and what
+    config.yaml records of it."""
     from kvcal.planfile import is_plan_path, load_plan, one_format_plus_16_bit
 
     if not is_plan_path(config.kv_format):
-        return config, None
-
+        return config, None, None
     if config.skip_layers:
         raise UsageError("--skip-layers comes from the plan file given as --kv-format; drop --skip-layers")
-    fmt, skip = one_format_plus_16_bit(load_plan(config.kv_format))
-    return dataclasses.replace(config, kv_format=fmt, skip_layers=skip), str(config.kv_format)
+    plan = load_plan(config.kv_format)
+    fmt, skip = one_format_plus_16_bit(plan)
+    return dataclasses.replace(config, kv_format=fmt, skip_layers=skip), str(config.kv_format), plan.run_record()
 
 
 SCORINGS = ("full", "continuation")
@@ -532,7 +541,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
     the run starts. `own_tasks` False: lm-eval's model (`--model kvcal --model_args ...`, kvcal.evaluate.adapter),
     whose tasks lm-eval runs: the spec has none."""
     _check_numbers(config)
-    config, plan_file = _from_plan_file(config)
+    config, plan_file, plan = _from_plan_file(config)
     scales = _scale_source(config, scales_tag)
     check_kl_subsample(config.kl_subsample)
     if config.dtype not in DTYPES:
@@ -597,6 +606,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         passkey_lengths=lengths,
         passkey_depths=depths,
         plan_file=plan_file,
+        plan=plan,
         scoring=_check_scoring(config.scoring),
         repeats=config.repeats,
         gen_kwargs=parse_gen_kwargs(config.gen_kwargs),

@@ -65,6 +65,7 @@ from kvcal.pipeline.settings import (
     as_list,
     eval_options,
     read_fields,
+    read_path,
     read_recipes,
     read_tasks,
     read_text,
@@ -114,6 +115,32 @@ def _scales(value: Any, key: str, base: Path | None) -> list[str]:
     return scales
 
 
+def _plans(value: Any, key: str, base: Path | None) -> list[str]:
+    """Plan files (`kvcal plan -o`): each read now, one quantized format plus 16-bit layers (what kvcal eval
+    runs), no two with the same label and format (they would share a run directory)."""
+    from kvcal.planfile import load_plan, one_format_plus_16_bit
+
+    out: list[str] = []
+    names: dict[tuple[str, str], str] = {}
+    for item in as_list(value, key):
+        path = read_path(item, key, base)
+        if path is None or path in out:
+            continue
+        try:
+            plan = load_plan(path)
+            fmt, _skip = one_format_plus_16_bit(plan)
+        except UsageError as exc:
+            raise UsageError(f"sweep config: plans: {exc}") from None
+        if (plan.label, fmt) in names:
+            raise UsageError(
+                f"sweep config: plans '{names[plan.label, fmt]}' and '{path}' are both {plan.label} in {fmt}; "
+                "keep one (or re-plan one at another budget)"
+            )
+        names[plan.label, fmt] = path
+        out.append(path)
+    return out
+
+
 def _skips(value: Any, key: str, base: Path | None) -> list[str]:
     skips: list[str] = []
     for s in as_list(value, key):
@@ -127,7 +154,9 @@ def _skips(value: Any, key: str, base: Path | None) -> list[str]:
 class SweepConfig(EvalSettings):
     model: str = yaml_field(read_text)
     tasks: list[str] = yaml_field(read_tasks)
-    formats: list[str] = yaml_field(_formats)
+    formats: list[str] = yaml_field(_formats, factory=list)
+    # plan files (`kvcal plan -o`): each a configuration beside the formats, in every scale variant of its format
+    plans: list[str] = yaml_field(_plans, factory=list)
     scales: list[str] = yaml_field(_scales, factory=lambda: ["uncalibrated", "tensor"])
     skip_layers: list[str] = yaml_field(_skips, factory=lambda: ["none"])
     baseline: str = yaml_field(read_text, "bf16")
@@ -152,6 +181,8 @@ def parse_sweep_config(raw: dict[str, Any], base_dir: Path | None = None) -> Swe
     for key in required:
         if not raw.get(key):
             raise UsageError(f"sweep config: '{key}' is required (see configs/ for examples)")
+    if not raw.get("formats") and not raw.get("plans"):
+        raise UsageError("sweep config: 'formats' is required, or 'plans' (plan files); see configs/ for examples")
     return SweepConfig(**kwargs)
 
 
@@ -225,6 +256,7 @@ class Cell:
     spec: EvalSpec
     status: str = "todo"  # 'complete' | 'partial' (resumes) | 'todo' | 'stale' (another config lives there)
     detail: str = ""
+    plan: str | None = None  # the plan file this cell evaluates (its format and 16-bit layers: kv_format, skip)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -236,6 +268,7 @@ class Cell:
             "skip_layers": self.skip,
             "run_dir": str(self.path),
             "baseline": self.is_baseline,
+            "plan": self.plan,
             "status": self.status,
             "detail": self.detail,
         }
@@ -336,31 +369,45 @@ def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
     root = Path(runs_dir)
     if root.exists() and not root.is_dir():
         raise UsageError(f"-o {root} is a file; pass a directory for the sweep's runs")
+    check_plans(cfg)
     calibrations: dict[tuple[str, str, str], Calibration] = {}
     cells: list[Cell] = []
-    for fmt, label, gran, recipe, skip, baseline in _configurations(cfg):
+    for fmt, label, gran, recipe, skip, baseline, plan in _configurations(cfg):
         cal = None
         if gran is not None and recipe is not None:
             key = (recipe.name, fmt, gran)
             if key not in calibrations:
                 calibrations[key] = _calibration(root, recipe, fmt, gran)
             cal = calibrations[key]
-        cells.extend(task_cells(cfg, root, fmt, label, skip, cal, baseline))
+        cells.extend(task_cells(cfg, root, fmt, label, skip, cal, baseline, plan))
     return SweepPlan(root, cells, list(calibrations.values()))
 
 
+def check_plans(cfg: SweepConfig) -> None:
+    """Every plan file was solved on the sweep's checkpoint (KvcalError naming what changed), before any work."""
+    if not cfg.plans:
+        return
+    from kvcal.planfile import load_plan_for_model
+    from kvcal.scales import resolve_model_and_spec
+
+    model_dir, kv = resolve_model_and_spec(cfg.model)
+    for path in cfg.plans:
+        load_plan_for_model(path, cfg.model, model_dir, kv)
+
+
 def cell_spec(
-    cfg: EvalSettings, model: str, task: str, fmt: str, label: str, skip: str, cal: Calibration | None
-) -> EvalSpec:
+    cfg: EvalSettings, model: str, task: str, fmt: str, label: str, skip: str, cal: Calibration | None,
+    plan: str | None = None,
+) -> EvalSpec:  # fmt: skip
     """The `kvcal eval` spec of one cell, by kvcal eval's own builder: the settings' options by name, the
-    configuration's format, scale source and skip layers. A calibrated cell is named by its label (its file may
-    not exist yet; the run loads it)."""
+    configuration's format (or plan file: `kvcal eval -f plan.json`), scale source and skip layers. A calibrated
+    cell is named by its label (its file may not exist yet; the run loads it)."""
     options = EvalConfig(
         model=model,
-        kv_format=fmt,
+        kv_format=plan or fmt,
         tasks=[task],
         scales=str(cal.path) if cal else (FIRST_BATCH if label == FIRST_BATCH else None),
-        skip_layers=None if skip == "none" else skip,
+        skip_layers=None if skip == "none" or plan else skip,
         **eval_options(cfg, task),
     )
     return eval_spec(options, scales_tag=label if cal else None)
@@ -374,15 +421,16 @@ def task_cells(
     skip: str,
     cal: Calibration | None,
     baseline: bool,
+    plan: str | None = None,
 ) -> list[Cell]:
     """One configuration's cell per task (run directory root/<task>/<the spec's name>), each with its status on
-    disk."""
+    disk. `plan`: a plan file, whose format is `fmt` and whose 16-bit layers are `skip`."""
     cells = []
     for task in cfg.tasks:
-        spec = cell_spec(cfg, cfg.model, task, fmt, label, skip, cal)
+        spec = cell_spec(cfg, cfg.model, task, fmt, label, skip, cal, plan)
         path = _cell_dir(root / task, spec)
         spec = spec.with_output(path)
-        cell = Cell(path.name, task, fmt, label, skip, path, cal, baseline, spec)
+        cell = Cell(path.name, task, fmt, label, skip, path, cal, baseline, spec, plan=plan)
         cell.status, cell.detail = _cell_state(cell)
         cells.append(cell)
     return cells
@@ -396,18 +444,34 @@ def _cell_dir(folder: Path, spec: EvalSpec) -> Path:
     return legacy if not new.exists() and legacy != new and legacy.exists() else new
 
 
-def _configurations(cfg: SweepConfig) -> Iterator[tuple[str, str, str | None, Recipe | None, str, bool]]:
-    """(format, scales label, granularity, recipe, skip, is_baseline) of every configuration: the baseline first,
-    without skipped layers; BF16 / auto never skip layers."""
+Configuration = tuple[str, str, str | None, Recipe | None, str, bool, str | None]
+
+
+def _configurations(cfg: SweepConfig) -> Iterator[Configuration]:
+    """(format, scales label, granularity, recipe, skip, is_baseline, plan file) of every configuration: the
+    baseline first, without skipped layers; BF16 / auto never skip layers; then every plan file in each scale
+    variant of its format (its 16-bit layers are its own, the skip_layers list does not apply)."""
     base_fmt = get_format(cfg.baseline).name
-    yield base_fmt, "none", None, None, "none", True
+    yield base_fmt, "none", None, None, "none", True, None
     for fmt in cfg.formats:
         if fmt == base_fmt:
             continue
         skips = ["none"] if fmt in ("auto", "bf16") else cfg.skip_layers
         for label, gran, recipe in _scale_variants(fmt, cfg):
             for skip in skips:
-                yield fmt, label, gran, recipe, skip, False
+                yield fmt, label, gran, recipe, skip, False, None
+    for path in cfg.plans:
+        fmt, skip = _plan_format(path)
+        for label, gran, recipe in _scale_variants(fmt, cfg):
+            yield fmt, label, gran, recipe, skip, False, path
+
+
+def _plan_format(path: str) -> tuple[str, str]:
+    """(format, 16-bit layers as a --skip-layers value or 'none') of a plan file the config parser accepted."""
+    from kvcal.planfile import load_plan, one_format_plus_16_bit
+
+    fmt, skip = one_format_plus_16_bit(load_plan(path))
+    return fmt, skip or "none"
 
 
 def _scale_variants(fmt_name: str, cfg: SweepConfig) -> list[tuple[str, str | None, Recipe | None]]:

@@ -61,6 +61,12 @@ class Configuration:
     scales: str
     skip: str
     capacity: float | None = None  # tokens that fit vs BF16 (x)
+    plan: str | None = None  # the label of the plan file its runs evaluated (`plan@3.0x`), None for a format
+
+    @property
+    def format_shown(self) -> str:
+        """The kv format column: `plan@3.0x (nvfp4)` for a plan (its 16-bit layers are the skip column)."""
+        return f"{self.plan} ({self.kv_format})" if self.plan else self.kv_format
 
     def run_for(self, task: str) -> Run | None:
         return next((r for r in self.runs if task in r.samples), None)
@@ -251,6 +257,7 @@ class Comparison:
         return {
             "label": c.label,
             "kv_format": c.kv_format,
+            "plan": c.runs[0].config.plan,
             "scales": c.scales,
             "skip_layers": c.skip,
             "runs": [str(r.path) for r in c.runs],
@@ -438,7 +445,8 @@ def _configurations(runs: list[Run]) -> list[Configuration]:
                 label, i = f"{r.path.parent.name}/{r.name}#{i}", i + 1
         groups.setdefault(label, []).append(r)
     return [
-        Configuration(lab, rs, rs[0].kv_format, describe_scales(rs[0].config), describe_skip(rs[0].config))
+        Configuration(lab, rs, rs[0].kv_format, describe_scales(rs[0].config), describe_skip(rs[0].config),
+                      plan=rs[0].config.plan_label)  # fmt: skip
         for lab, rs in groups.items()
     ]
 

@@ -90,7 +90,7 @@ def _summary(cmp: Comparison) -> list[str]:
         worse = any(r.worse and r.gated for r in cmp.by_config(c.label))
         cls = "fail" if gate == "FAIL" else ("worse" if worse else _ROW_CLASS.get(gate, ""))
         out.append(
-            f"<tr class='{cls}'><td><code>{e(c.label)}</code></td><td>{e(c.kv_format)}</td><td>{e(c.scales)}</td>"
+            f"<tr class='{cls}'><td><code>{e(c.label)}</code></td><td>{e(c.format_shown)}</td><td>{e(c.scales)}</td>"
             f"<td>{e(c.skip)}</td><td>{fmt.mult(c.capacity)}</td>"
             f"<td>{e(gate)}</td><td>{e(verdict)}</td></tr>"
         )

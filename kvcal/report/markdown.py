@@ -132,7 +132,7 @@ def _summary(cmp: Comparison) -> list[str]:
     for c in cmp.configs:
         verdict = "baseline" if c.label == cmp.baseline else cmp.config_verdict(c.label)
         lines.append(
-            f"| `{c.label}` | {c.kv_format} | {c.scales} | {c.skip} | {fmt.mult(c.capacity)} | "
+            f"| `{c.label}` | {c.format_shown} | {c.scales} | {c.skip} | {fmt.mult(c.capacity)} | "
             f"{cmp.config_gate(c.label)} | {_esc(verdict)} |"
         )
     return lines + [""]

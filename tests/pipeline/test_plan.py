@@ -183,6 +183,8 @@ def test_eval_takes_a_plan_file(tiny_llama_dir: Path, tmp_path: Path, invoke: In
     assert code == 0, err
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert recorded["kv_format"] == "fp4_e2m1" and str(recorded["skip_layers"]) == "0"
+    assert recorded["plan"] == {"label": "plan", "budget": None, "path": str(good.resolve()),
+                                "sha256": __import__("hashlib").sha256(good.read_bytes()).hexdigest()}  # fmt: skip
     mixed = save_plan(tmp_path / "q.json", plan_record("m", binding, kv, ["bf16", "fp4_e2m1", "nvfp4"]))
     code, _, err = invoke(
         ["eval", str(tiny_llama_dir), "-f", str(mixed), "--tasks", "kl", "-o", str(tmp_path / "r2")]

@@ -81,3 +81,72 @@ def test_capacity_refuses_a_plan_of_another_checkpoint(
     assert code == 2 and err.splitlines() == [
         "Error: --skip-layers does not apply to a plan file (its 16-bit layers are the plan's); drop one"
     ]
+
+
+def test_sweep_runs_a_plan_file_as_a_configuration_and_compare_shows_it(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke
+) -> None:
+    import yaml
+
+    plan_file = tmp_path / "p.plan.json"
+    solved = _solve(invoke, tiny_llama_dir, plan_file, "--capacity", "1.5x")
+    quantized = sorted(set(solved["layers"]) - {"bf16"})
+    assert quantized == ["nvfp4"]
+    conf = {"model": str(tiny_llama_dir), "tasks": ["kl"], "formats": ["nvfp4"], "plans": [str(plan_file)],
+            "scales": ["uncalibrated"], "limit": 2, "kl_seq_len": 16, "impl": "torch"}  # fmt: skip
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(conf))
+    runs = tmp_path / "runs"
+    code, stdout, err = invoke(["sweep", str(tmp_path / "sweep.yaml"), "-o", str(runs), "--dry-run", "--json"])
+    assert code == 0, err
+    [cell] = [c for c in json.loads(stdout)["cells"] if c["plan"]]
+    name = f"{tiny_llama_dir.name}__plan-1.5x-nvfp4__none"
+    assert cell["name"] == name and cell["plan"] == str(plan_file) and cell["kv_format"] == "nvfp4"
+    code, _, err = invoke(["sweep", str(tmp_path / "sweep.yaml"), "-o", str(runs)])
+    assert code == 0, err
+    recorded = yaml.safe_load((runs / "kl" / name / "config.yaml").read_text())
+    skipped = [i for i, f in enumerate(solved["layers"]) if f == "bf16"]
+    assert recorded["kv_format"] == "nvfp4" and recorded["skip_layer_indices"] == skipped
+    assert recorded["plan"]["label"] == "plan@1.5x" and recorded["plan"]["path"] == str(plan_file.resolve())
+    assert recorded["plan"]["budget"] == solved["budget"]
+
+    code, stdout, err = invoke(["compare", str(runs), "--json"])
+    assert code in (0, 1), err
+    configs = {c["label"]: c for c in json.loads(stdout)["configurations"]}
+    short = tiny_llama_dir.name
+    assert set(configs) == {f"{short}__bf16__none__skip-none", f"{short}__nvfp4__none__skip-none", name}
+    assert configs[name]["plan"]["label"] == "plan@1.5x"
+    assert configs[name]["capacity_vs_bf16"] == solved["capacity"]["multiplier_vs_bf16"]
+    code, stdout, _ = invoke(["compare", str(runs)])
+    assert "plan@1.5x (nvfp4)" in stdout  # the summary's kv format column
+
+
+def test_sweep_refuses_a_plan_of_another_checkpoint(tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> None:
+    import yaml
+
+    plan_file = tmp_path / "p.plan.json"
+    _solve(invoke, tiny_llama_dir, plan_file, "--capacity", "1.5x")
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["kvcal_note"] = "edited"
+    (other / "config.json").write_text(json.dumps(config))
+    conf = {"model": str(other), "tasks": ["kl"], "plans": [str(plan_file)], "limit": 2, "kl_seq_len": 16}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(conf))
+    code, _, err = invoke(["sweep", str(tmp_path / "sweep.yaml"), "-o", str(tmp_path / "runs"), "--dry-run"])
+    assert code == 1
+    [line] = err.splitlines()
+    assert line.startswith("Error: plan file") and "config.json changed" in line
+    from kvcal.models.geometry import kv_spec
+    from kvcal.models.loading import load_model
+    from kvcal.planfile import plan_record, save_plan
+    from kvcal.scales import compute_binding
+
+    kv = kv_spec(load_model(str(tiny_llama_dir)).model.config)
+    binding = compute_binding(str(tiny_llama_dir), tiny_llama_dir, kv)
+    mixed = save_plan(tmp_path / "mixed.json", plan_record("m", binding, kv, ["bf16", "fp8_e4m3", "nvfp4"]))
+    conf.update(model=str(tiny_llama_dir), plans=[str(mixed)])
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(conf))
+    code, _, err = invoke(["sweep", str(tmp_path / "sweep.yaml"), "-o", str(tmp_path / "runs"), "--dry-run"])
+    assert code == 2
+    [line] = err.splitlines()
+    assert line.startswith("Error: sweep config: plans: plan file") and "2 quantized formats" in line
