@@ -70,6 +70,8 @@ def _render(r: dict[str, Any], output: Path) -> None:
     _line(f"recalibrated: {'yes' if r['recalibrated'] else 'no'} ({r['reason']})")
     if r["drift"] is not None:
         _line(f"drift: {r['drift']['verdict']} on {r['drift']['traffic']}")
+    for p in r.get("plans", []):
+        _line(f"plan: {p['label']} ({p['kv_format']}) {'solved' if p['solved'] else 'reused'}: {p['plan_file']}")
     _line(f"gate: {r['gate']}")
     for c in r["configurations"]:
         if c["role"] != "baseline":
@@ -82,10 +84,11 @@ def _render(r: dict[str, Any], output: Path) -> None:
 
     print_engine_dicts(r.get("engine_commands", {}))
     if w["reused_everything"]:
-        done = "everything reused (nothing calibrated, drift-checked, evaluated or exported)"
+        done = "everything reused (nothing calibrated, drift-checked, planned, evaluated or exported)"
     else:
         done = (
             f"{w['calibrations_run']} calibration(s), {w['drift_checks_run']} drift check(s), "
             f"{w['evaluations_run']} evaluation(s) run"
+            + (f", {w['plans_solved']} plan(s) solved" if w.get("plans_solved") else "")
         )
     _line(f"{done}; record: {output / 'release.json'}, report: {output / 'release.md'}")

@@ -44,7 +44,7 @@ from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
 from kvcal.models.real import resolve_real_name
-from kvcal.pipeline.plan_cost import Budget, integer_costs, parse_budget, plan_capacity
+from kvcal.pipeline.plan_cost import Budget, check_reachable, integer_costs, parse_budget, plan_capacity
 from kvcal.pipeline.plan_export import SIXTEEN_BIT, canonical_layers, engine_commands
 from kvcal.pipeline.plan_solve import solve
 from kvcal.pipeline.sensitivity import MINMAX, layer_scales
@@ -314,7 +314,7 @@ def plan(
     if not isinstance(model, LoadedModel):
         check_device(device)  # the budget needs the config only: refused before the load
         pre = kv_spec(load_config(resolve_real_name(model)))
-        _check_reachable(pre, cands, *integer_costs(pre, cands, budget)[:2], budget)
+        check_reachable(pre, cands, budget)
     lm = (
         model
         if isinstance(model, LoadedModel)
@@ -322,14 +322,14 @@ def plan(
     )
     kv = kv_spec(lm.model.config)
     costs, limit, _unit = integer_costs(kv, cands, budget)
-    _check_reachable(kv, cands, costs, limit, budget)
+    check_reachable(kv, cands, budget)
     binding = compute_binding(lm.ref, lm.model_dir, kv)
     data = opts.samples(lm, opts.texts())
     scale_sets, scale_record = _scales(lm, kv, cands, scale_files, data.samples, progress, opts)
     damage = measure_damage(lm.model, data.samples, kv, cands, scale_sets, opts.batch_size, progress)
     solver_damage, ties = damage.tie_broken(costs)
     layers = choose(solver_damage, costs, limit, cands)
-    assert layers is not None  # _check_reachable
+    assert layers is not None  # check_reachable
     windows, source, warnings = load_heldout(lm, data_dir, heldout_windows, heldout_seq_len)
     warnings = list(data.warnings) + warnings
 
@@ -426,28 +426,6 @@ def _scales(
         out[name] = (k, v)
         record[name] = {"path": files[name], "sha256": file_sha256(files[name])} if name in files else source
     return out, record
-
-
-def _check_reachable(
-    kv: KVSpec, cands: list[str], costs: list[list[int]], limit: int, budget: Budget
-) -> None:
-    cheapest = [min(range(len(cands)), key=lambda k: row[k]) for row in costs]
-    if sum(row[k] for row, k in zip(costs, cheapest, strict=True)) <= limit:
-        return
-    layers = [cands[k] for k in cheapest]
-    cap = plan_capacity(kv, layers, budget.context)
-    names = ", ".join(sorted(set(layers)))
-    if budget.kind == "capacity":
-        at = f" at context {budget.context}" if budget.context else ""
-        raise UsageError(
-            f"--capacity {budget.value:g}x is out of reach: the cheapest candidates ({names} on every layer) give "
-            f"{math.floor(cap['multiplier_vs_bf16'] * 100) / 100:.2f}x{at}; ask for at most that or add a cheaper "
-            "candidate"
-        )
-    raise UsageError(
-        f"--effective-bits {budget.value:g} is out of reach: the cheapest candidates ({names}) take "
-        f"{cap['bits_per_element']:.3g} bits per element; ask for at least that or add a cheaper candidate"
-    )
 
 
 def _refine(

@@ -100,6 +100,28 @@ def integer_costs(kv: KVSpec, candidates: list[str], budget: Budget) -> tuple[li
     return costs, math.floor(limit * denom), unit
 
 
+def check_reachable(kv: KVSpec, cands: list[str], budget: Budget) -> None:
+    """UsageError naming the largest reachable capacity (or least bits) when no plan of `cands` meets `budget`."""
+    costs, limit, _unit = integer_costs(kv, cands, budget)
+    cheapest = [min(range(len(cands)), key=lambda k: row[k]) for row in costs]
+    if sum(row[k] for row, k in zip(costs, cheapest, strict=True)) <= limit:
+        return
+    layers = [cands[k] for k in cheapest]
+    cap = plan_capacity(kv, layers, budget.context)
+    names = ", ".join(sorted(set(layers)))
+    if budget.kind == "capacity":
+        at = f" at context {budget.context}" if budget.context else ""
+        raise UsageError(
+            f"--capacity {budget.value:g}x is out of reach: the cheapest candidates ({names} on every layer) give "
+            f"{math.floor(cap['multiplier_vs_bf16'] * 100) / 100:.2f}x{at}; ask for at most that or add a cheaper "
+            "candidate"
+        )
+    raise UsageError(
+        f"--effective-bits {budget.value:g} is out of reach: the cheapest candidates ({names}) take "
+        f"{cap['bits_per_element']:.3g} bits per element; ask for at least that or add a cheaper candidate"
+    )
+
+
 def plan_capacity(kv: KVSpec, layer_formats: list[str], context: int | None) -> dict[str, float]:
     """kvcal capacity's numbers of a plan: bytes per token at `context`, x BF16 there, mean bits per element."""
     b = plan_bytes_per_token(kv, layer_formats, context)

@@ -14,7 +14,11 @@ Steps, each reusing what OUT already holds (so a rerun with nothing changed runs
    contents, settings) and reused. Policy: `on_drift: recalibrate` (default) calibrates again on the TRAFFIC sample
    (calibration's observer, sample count and length; its own dataset and text field) and ships those scales;
    `on_drift: fail` stops: decision fail, exit 1, nothing evaluated or exported.
-3. evaluate — BF16, the shipped configuration and every `evaluate.candidates` entry on every task, one run
+3. plans — each `evaluate.candidates` entry `{plan: {capacity: 3.0x, ...}}`: `kvcal plan` (kvcal.pipeline.plan) with
+   candidates bf16 and its format, on the release's scale file when the candidate is calibrated, written to
+   OUT/plans/<model>__plan-<budget>-<format>__<key>.plan.json (key: checkpoint, recipe, scale file, settings); a
+   file of that name bound to the checkpoint is reused, never re-solved. `{plan: FILE}` is checked and used as is.
+   evaluate — BF16, the shipped configuration and every `evaluate.candidates` entry on every task, one run
    directory per (configuration, task) through the sweep's cells and kvcal eval's run store under
    OUT/runs/<checkpoint>-<settings>/ (calibrated cells under scales-<scale file>/): complete cells are skipped,
    interrupted ones resume.
@@ -48,7 +52,7 @@ from kvcal.formats import get_format
 from kvcal.io import atomic_write_json, atomic_write_text
 from kvcal.models.geometry import KVSpec, parse_skip_layers
 from kvcal.pipeline import sweep
-from kvcal.pipeline.release_config import ReleaseConfig, sweep_config
+from kvcal.pipeline.release_config import PlanCandidate, ReleaseConfig, sweep_config
 
 RELEASE_JSON = "release.json"
 RELEASE_MD = "release.md"
@@ -68,11 +72,14 @@ class Work:
     evaluations_reused: int = 0
     exports_written: int = 0
     exports_reused: int = 0
+    plans_solved: int = 0
+    plans_reused: int = 0
 
     @property
     def reused_everything(self) -> bool:
         return not (
             self.calibrations_run or self.drift_checks_run or self.evaluations_run or self.exports_written
+            or self.plans_solved
         )
 
 
@@ -172,6 +179,7 @@ def _check_model_fit(cfg: ReleaseConfig, kv: KVSpec) -> None:
     for key, n in lengths.items():
         if limit and n > limit:
             raise UsageError(f"{key} {n} is longer than the model's {limit} positions; use {limit} or less")
+    _check_plan_budgets(cfg, kv)
     for key, spec in [("ship.skip_layers", cfg.ship.skip_layers)] + [
         (f"evaluate.candidates[{i + 1}].skip_layers", c.skip_layers)
         for i, c in enumerate(cfg.evaluate.candidates)
@@ -180,6 +188,19 @@ def _check_model_fit(cfg: ReleaseConfig, kv: KVSpec) -> None:
             parse_skip_layers(spec, kv)
         except UsageError as exc:
             raise UsageError(f"{key}: {exc}") from None
+
+
+def _check_plan_budgets(cfg: ReleaseConfig, kv: KVSpec) -> None:
+    """A plan recipe's budget that bf16 and its format cannot reach on this model, before any work."""
+    from kvcal.pipeline.plan_cost import check_reachable, parse_budget
+
+    for i, c in enumerate(cfg.evaluate.candidates):
+        if isinstance(c, PlanCandidate) and c.recipe is not None:
+            r = c.recipe
+            try:
+                check_reachable(kv, ["bf16", c.kv_format], parse_budget(r.capacity, r.effective_bits, r.context))
+            except UsageError as exc:
+                raise UsageError(f"evaluate.candidates[{i + 1}].plan: {str(exc).replace('--', '')}") from None
 
 
 def model_sha256(binding: dict[str, Any]) -> str:
@@ -341,31 +362,48 @@ class Configuration:
     label: str  # sweep scales label: none | calib-<granularity> | uncalibrated | dynamic
     skip: str
     calibrated: bool
+    plan: str | None = None  # a plan candidate's file (its 16-bit layers are `skip`)
 
 
-def configurations(cfg: ReleaseConfig) -> list[Configuration]:
-    """BF16, the shipped configuration, then each candidate (duplicates dropped)."""
+def _calibrated(cfg: ReleaseConfig, fmt: str, scales: str | None) -> bool:
+    """A candidate takes the release's scale file when it stores the shipped format and is not `uncalibrated`."""
+    return fmt == cfg.ship.kv_format and scales != "uncalibrated"
+
+
+def configurations(cfg: ReleaseConfig, plans: dict[int, Path] | None = None) -> list[Configuration]:
+    """BF16, the shipped configuration, then each candidate (duplicates dropped); `plans`: the plan file of each
+    plan candidate, by its index in evaluate.candidates (step 3)."""
+    from kvcal.planfile import load_plan, one_format_plus_16_bit
+
     ship = cfg.ship
     out = [
         Configuration("baseline", "bf16", "none", "none", False),
         Configuration("ship", ship.kv_format, f"calib-{ship.granularity}", ship.skip_layers, True),
     ]
-    for c in cfg.evaluate.candidates:
-        fmt = get_format(c.kv_format)
-        calibrated = c.kv_format == ship.kv_format and c.scales != "uncalibrated"
+    for i, c in enumerate(cfg.evaluate.candidates):
+        plan = None if plans is None or not isinstance(c, PlanCandidate) else plans[i]
+        if isinstance(c, PlanCandidate) and plan is None:
+            continue  # not solved yet
+        fmt, skip = get_format(c.kv_format), c.skip_layers
+        if plan is not None:
+            skip = one_format_plus_16_bit(load_plan(plan))[1] or "none"
+        calibrated = _calibrated(cfg, c.kv_format, c.scales)
         if fmt.name in ("auto", "bf16"):
             label = "none"
         elif calibrated:
             label = f"calib-{ship.granularity}"
         else:
             label = "uncalibrated" if fmt.calibratable else "dynamic"
-        conf = Configuration("candidate", fmt.name, label, c.skip_layers, calibrated)
-        if all((x.kv_format, x.label, x.skip) != (conf.kv_format, conf.label, conf.skip) for x in out):
+        conf = Configuration("candidate", fmt.name, label, skip, calibrated, None if plan is None else str(plan))
+        if all((x.kv_format, x.label, x.skip, x.plan) != (conf.kv_format, conf.label, conf.skip, conf.plan)
+               for x in out):  # fmt: skip
             out.append(conf)
     return out
 
 
-def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str, str]]:
+def plan_cells(
+    ctx: Context, scales: Scales, plans: dict[int, Path] | None = None
+) -> tuple[sweep.SweepPlan, dict[str, str]]:
     """The sweep plan of every (configuration, task) cell with its status on disk, and run-dir name -> role.
     Runs are keyed by checkpoint and evaluation settings; calibrated ones also by the scale file."""
     e = ctx.cfg.evaluate
@@ -375,13 +413,96 @@ def plan_cells(ctx: Context, scales: Scales) -> tuple[sweep.SweepPlan, dict[str,
     cal = sweep.Calibration(ctx.cfg.calibration, ship.kv_format, ship.granularity, scales.path, "done")
     cells: list[sweep.Cell] = []
     roles: dict[str, str] = {}
-    for conf in configurations(ctx.cfg):
+    for conf in configurations(ctx.cfg, plans):
         base = root / f"scales-{scales.sha256[:12]}" if conf.calibrated else root
         mine = sweep.task_cells(ctx.scfg, base, conf.kv_format, conf.label, conf.skip,
-                                cal if conf.calibrated else None, conf.role == "baseline")  # fmt: skip
+                                cal if conf.calibrated else None, conf.role == "baseline", conf.plan)  # fmt: skip
         roles.update({c.name: conf.role for c in mine})
         cells += mine
     return sweep.SweepPlan(root, cells, [cal]), roles
+
+
+# ---- 3. plans --------------------------------------------------------------------------------------------------
+
+
+def _plan_path(ctx: Context, c: PlanCandidate, scales: Scales | None) -> Path:
+    """OUT/plans/<model>__plan-<budget>-<format>__<key>.plan.json: key over checkpoint, recipe, scale file and
+    the evaluation settings the plan is measured in."""
+    from kvcal.evaluate.spec import model_short, slug
+    from kvcal.pipeline.plan_cost import parse_budget
+    from kvcal.planfile import plan_label
+
+    r, e = c.recipe, ctx.cfg.evaluate
+    assert r is not None and r.format is not None
+    key = _key(ctx.model_sha256, dataclasses.asdict(r), scales.sha256 if scales else None, e.dtype, e.device,
+               e.data_dir, _content_sha(Path(r.dataset)) if r.dataset and Path(r.dataset).exists() else None)  # fmt: skip
+    label = plan_label({"budget": parse_budget(r.capacity, r.effective_bits, r.context).to_dict()})
+    fmt = slug(r.format) if "=" in r.format else r.format
+    return ctx.out / "plans" / f"{model_short(ctx.model)}__{slug(label)}-{fmt}__{key}.plan.json"
+
+
+def _bound_plan(ctx: Context, path: Path) -> bool:
+    from kvcal.planfile import load_plan_for_model
+
+    try:
+        load_plan_for_model(path, ctx.model, ctx.model_dir, ctx.kv)
+    except KvcalError:
+        return False
+    return True
+
+
+def solve_plan(ctx: Context, c: PlanCandidate, scales: Scales) -> tuple[Path, bool]:
+    """(the plan file of a plan candidate, whether this run solved it): a bound file of its name is reused."""
+    from kvcal.pipeline.plan import plan as kvcal_plan
+
+    if c.file is not None:
+        from kvcal.planfile import load_plan_for_model
+
+        load_plan_for_model(c.file, ctx.model, ctx.model_dir, ctx.kv)  # refused on another checkpoint
+        return Path(c.file), False
+    r, e = c.recipe, ctx.cfg.evaluate
+    assert r is not None and r.format is not None
+    calibrated = _calibrated(ctx.cfg, r.format, c.scales)
+    path = _plan_path(ctx, c, scales if calibrated else None)
+    if path.is_file() and _bound_plan(ctx, path):
+        ctx.work.plans_reused += 1
+        ctx.say(f"plan: {path.name} already solved on this checkpoint, reused")
+        return path, False
+    ctx.say(f"plan: solving {path.name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = kvcal_plan(
+        ctx.model, ["bf16", r.format], capacity=r.capacity, effective_bits=r.effective_bits, context=r.context,
+        scales=[str(scales.path)] if calibrated else [], dataset=r.dataset, num_samples=r.num_samples,
+        seq_len=r.seq_len, seed=r.seed, heldout_windows=r.heldout_windows, heldout_seq_len=r.heldout_seq_len,
+        data_dir=e.data_dir, output=str(path), text_field=r.text_field, dtype=e.dtype, device=e.device,
+        batch_size=r.batch_size,
+    )  # fmt: skip
+    for w in report["warnings"]:
+        ctx.warn(f"plan: {w}")
+    ctx.work.plans_solved += 1
+    return path, True
+
+
+def solve_plans(ctx: Context, scales: Scales) -> tuple[dict[int, Path], list[dict[str, Any]]]:
+    """Step 3: the plan file of every plan candidate (by index in evaluate.candidates) and release.json's
+    record of each (label, file, format, layers, capacity, estimated and measured KL, whether solved now)."""
+    from kvcal.planfile import load_plan
+
+    files: dict[int, Path] = {}
+    records: list[dict[str, Any]] = []
+    for i, c in enumerate(ctx.cfg.evaluate.candidates):
+        if not isinstance(c, PlanCandidate):
+            continue
+        path, solved = solve_plan(ctx, c, scales)
+        files[i] = path
+        p = load_plan(path)
+        records.append({
+            "candidate": i + 1, "label": p.label, "plan_file": str(path), "sha256": sha256_file(path),
+            "kv_format": c.kv_format, "layers": p.layers, "budget": p.record.get("budget"),
+            "capacity": p.record.get("capacity"), "estimated_kl": p.record.get("estimated_kl"),
+            "measured_kl": (p.record.get("measured") or {}).get("kl"), "solved": solved,
+        })  # fmt: skip
+    return files, records
 
 
 def check_tasks(ctx: Context) -> None:
@@ -396,9 +517,11 @@ def check_tasks(ctx: Context) -> None:
         eval_spec(options).task_plan()
 
 
-def evaluate(ctx: Context, scales: Scales) -> tuple[list[sweep.Cell], dict[str, str]]:
+def evaluate(
+    ctx: Context, scales: Scales, plans: dict[int, Path] | None = None
+) -> tuple[list[sweep.Cell], dict[str, str]]:
     """Step 3: run every cell that is not complete (interrupted ones resume); KvcalError when one fails."""
-    plan, roles = plan_cells(ctx, scales)
+    plan, roles = plan_cells(ctx, scales, plans)
     if plan.stale:
         raise KvcalError(f"{plan.stale[0].detail}")
     ctx.work.evaluations_reused += plan.n_done
@@ -437,7 +560,7 @@ def configuration_records(cmp: Any, roles: dict[str, str]) -> list[dict[str, Any
             "label": c.label, "role": roles.get(c.label, "candidate"), "kv_format": c.kv_format,
             "scales": c.scales, "skip_layers": c.skip, "gate": cmp.config_gate(c.label),
             "verdict": "baseline" if c.label == cmp.baseline else cmp.config_verdict(c.label),
-            "capacity_vs_bf16": c.capacity,
+            "capacity_vs_bf16": c.capacity, "plan": c.runs[0].config.plan,
         })  # fmt: skip
     return out
 
@@ -562,7 +685,10 @@ def run_release(
                       failed_because="drift: the traffic drifted and drift.on_drift is fail")  # fmt: skip
         return _finish(ctx, record, None, timings, t0)
     t = time.perf_counter()
-    cells, roles = evaluate(ctx, scales)
+    plans, record["plans"] = solve_plans(ctx, scales)
+    timings["plans_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cells, roles = evaluate(ctx, scales, plans)
     timings["evaluate_s"] = time.perf_counter() - t
     record["engine_commands"] = sweep.engine_commands_of(cells)  # every configuration's, kvcal.engines
     t = time.perf_counter()
@@ -622,6 +748,7 @@ def _record(ctx: Context, scales: Scales, drift: dict[str, Any] | None) -> dict[
         "serve_flags": {},
         "serve_commands": {},
         "engine_commands": {},
+        "plans": [],
         "runs": [],
     }
 

@@ -26,7 +26,10 @@ ship and how to decide. Sections (every key optional unless marked; unknown keys
     evaluate:                           # against BF16, through the run store (interrupted runs resume)
       tasks: [kl]                       #   kl and/or any lm-eval task
       candidates: []                    #   further configurations gated with the shipped one:
-                                        #   {kv_format, scales: calibrated | uncalibrated, skip_layers}
+                                        #   {kv_format, scales: calibrated | uncalibrated, skip_layers}, or
+                                        #   {plan: {capacity: 3.0x, format: nvfp4, ...}, scales}: the best plan
+                                        #   of `format` (default ship.kv_format) and 16-bit layers at that budget,
+                                        #   solved by `kvcal plan` into OUT/plans/ (or plan: a plan file)
       limit: null                       #   samples per task (a mapping task: n gives each its own)
       kl_seq_len: null                  #   + prefill_chunk, kl_subsample, passkey_lengths, passkey_depths, num_fewshot,
       dtype: float32                    #     data_dir, include_path, max_gen_toks, dtype, device, impl,
@@ -210,21 +213,98 @@ class Drift:
     on_drift: str = yaml_field(_choice(ON_DRIFT), "recalibrate")
 
 
-def _candidates(value: Any, key: str, base: Path | None) -> list[Candidate]:
+def _budget(value: Any, key: str, base: Path | None) -> str:
+    return str(value).strip()
+
+
+@dataclass(frozen=True)
+class PlanRecipe:
+    """`evaluate.candidates[i].plan` as a mapping: what `kvcal plan` solves (candidates: bf16 and `format`)."""
+
+    capacity: str | None = yaml_field(_budget, None)  # e.g. 3.0x
+    effective_bits: float | None = yaml_field(_float, None)
+    format: str | None = yaml_field(_any_format, None)  # None: ship.kv_format
+    context: int | None = yaml_field(read_tokens, None)
+    dataset: str | None = yaml_field(read_path, None)  # calibration text of the damage; None: kvcal's corpus
+    text_field: str | None = yaml_field(read_raw, None)
+    num_samples: int = yaml_field(read_int, 16)
+    seq_len: int = yaml_field(read_int, 512)
+    seed: int = yaml_field(read_int, 0)
+    heldout_windows: int = yaml_field(read_int, 16)
+    heldout_seq_len: int = yaml_field(read_int, 512)
+    batch_size: int = yaml_field(read_int, 1)
+
+
+@dataclass(frozen=True)
+class PlanCandidate:
+    """A plan as a candidate: `recipe` solved by the release, or `file` (a `kvcal plan -o` file) used as is."""
+
+    recipe: PlanRecipe | None
+    file: str | None
+    scales: str | None = None  # None: calibrated when its format is the shipped one
+
+    @property
+    def kv_format(self) -> str:
+        """Its one quantized format (the other layers are 16-bit)."""
+        if self.file is not None:
+            from kvcal.planfile import load_plan, one_format_plus_16_bit
+
+            return one_format_plus_16_bit(load_plan(self.file))[0]
+        assert self.recipe is not None and self.recipe.format is not None  # parse_release_config resolves it
+        return self.recipe.format
+
+    @property
+    def skip_layers(self) -> str:
+        return "none"  # the plan decides its 16-bit layers
+
+
+def _plan_candidate(raw: dict[str, Any], base: Path | None, name: str) -> PlanCandidate:
+    """{plan: mapping | plan file, scales}: checked now (budget, one quantized format, the file's shape)."""
+    unknown = sorted(set(raw) - {"plan", "scales"})
+    if unknown:
+        raise UsageError(f"unknown key '{name}.{unknown[0]}'; a plan candidate takes plan, scales")
+    scales = None if raw.get("scales") is None else _choice(CANDIDATE_SCALES)(raw["scales"], "scales", base)
+    value = raw["plan"]
+    if isinstance(value, str):
+        from kvcal.planfile import load_plan, one_format_plus_16_bit
+
+        path = read_path(value, f"{name}.plan", base)
+        assert path is not None
+        with _release_errors(f"{name}.plan"):
+            one_format_plus_16_bit(load_plan(path))
+        return PlanCandidate(None, path, scales)
+    if not isinstance(value, dict):
+        raise UsageError(f"'{name}.plan' must be a mapping such as {{capacity: 3.0x}} or a plan file")
+    recipe = _section(PlanRecipe, value, base, f"{name}.plan")
+    from kvcal.pipeline.plan_cost import parse_budget
+
+    try:
+        parse_budget(recipe.capacity, recipe.effective_bits, recipe.context)
+    except UsageError as exc:
+        raise UsageError(f"{name}.plan: {str(exc).replace('--', '')}") from None
+    if recipe.format in ("auto", "bf16"):
+        raise UsageError(f"{name}.plan.format must be a quantized format (the other candidate is bf16)")
+    return PlanCandidate(recipe, None, scales)
+
+
+def _candidates(value: Any, key: str, base: Path | None) -> list[Candidate | PlanCandidate]:
     if not isinstance(value, list):
-        raise UsageError("'evaluate.candidates' must be a list of {kv_format, scales, skip_layers} mappings")
-    out = []
+        raise UsageError(
+            "'evaluate.candidates' must be a list of {kv_format, scales, skip_layers} or {plan, scales} mappings"
+        )
+    out: list[Candidate | PlanCandidate] = []
     for i, raw in enumerate(value):
         if not isinstance(raw, dict):
-            raise UsageError(f"evaluate.candidates item {i + 1} must be a mapping with kv_format")
-        out.append(_section(Candidate, raw, base, f"evaluate.candidates[{i + 1}]"))
+            raise UsageError(f"evaluate.candidates item {i + 1} must be a mapping with kv_format or plan")
+        name = f"evaluate.candidates[{i + 1}]"
+        out.append(_plan_candidate(raw, base, name) if "plan" in raw else _section(Candidate, raw, base, name))
     return out
 
 
 @dataclass
 class Evaluate(EvalSettings):
     tasks: list[str] = yaml_field(read_tasks, factory=lambda: ["kl"])
-    candidates: list[Candidate] = yaml_field(_candidates, factory=list)
+    candidates: list[Candidate | PlanCandidate] = yaml_field(_candidates, factory=list)
 
 
 @dataclass
@@ -342,7 +422,16 @@ def _check_engines(cfg: ReleaseConfig) -> None:
         raise UsageError(f"export.tp_size must be at least 1, got {export.tp_size}")
 
 
+def _resolve_plan_formats(cfg: ReleaseConfig) -> None:
+    """A plan recipe without `format` plans the shipped format."""
+    for i, c in enumerate(cfg.evaluate.candidates):
+        if isinstance(c, PlanCandidate) and c.recipe is not None and c.recipe.format is None:
+            recipe = dataclasses.replace(c.recipe, format=cfg.ship.kv_format)
+            cfg.evaluate.candidates[i] = dataclasses.replace(c, recipe=recipe)
+
+
 def _check_candidates(cfg: ReleaseConfig) -> None:
+    _resolve_plan_formats(cfg)
     for i, c in enumerate(cfg.evaluate.candidates):
         if c.scales == "calibrated" and c.kv_format != cfg.ship.kv_format:
             raise UsageError(
@@ -419,6 +508,8 @@ def sweep_config(model: str, cfg: ReleaseConfig) -> sweep.SweepConfig:
 __all__ = [
     "Candidate",
     "Drift",
+    "PlanCandidate",
+    "PlanRecipe",
     "ENGINES",
     "Evaluate",
     "Export",

@@ -35,7 +35,25 @@ def _header(r: dict[str, Any]) -> list[str]:
         f"{w.get('evaluations_run', 0)} evaluation(s) run; {w.get('evaluations_reused', 0)} evaluation(s), "
         f"{w.get('calibrations_reused', 0)} scale file(s), {w.get('drift_checks_reused', 0)} drift check(s), "
         f"{w.get('exports_reused', 0)} export(s) reused"
+        + (f"; {w.get('plans_solved', 0)} plan(s) solved, {w.get('plans_reused', 0)} reused" if r.get("plans") else "")
     )
+    return lines + [""]
+
+
+def _plans(r: dict[str, Any]) -> list[str]:
+    """Each plan candidate: its file, layers and capacity (kvcal plan's numbers; the gate's are below)."""
+    if not r.get("plans"):
+        return []
+    lines = ["## Plans", "", "| plan | file | layers | xBF16 | estimated KL | solved now |", "|---|---|---|---|---|---|"]
+    for p in r["plans"]:
+        skipped = [str(i) for i, f in enumerate(p["layers"]) if f == "bf16"]
+        layers = f"{p['kv_format']}, 16-bit: {','.join(skipped) or 'none'}"
+        cap = (p.get("capacity") or {}).get("multiplier_vs_bf16")
+        est = p.get("estimated_kl")
+        lines.append(
+            f"| {_md(p['label'])} | `{p['plan_file']}` | {_md(layers)} | {'n/a' if cap is None else f'{cap:.3f}'} | "
+            f"{'n/a' if est is None else f'{est:.4g}'} | {'yes' if p['solved'] else 'no'} |"
+        )
     return lines + [""]
 
 
@@ -70,7 +88,7 @@ def _engines(r: dict[str, Any]) -> list[str]:
 def render_release(record: dict[str, Any], cmp: Any) -> str:
     """The Markdown of a release record; `cmp` (a kvcal.report.compare.Comparison, or None when nothing was
     evaluated) adds kvcal compare's full report below."""
-    lines = _header(record) + _configurations(record) + _serve(record) + _engines(record)
+    lines = _header(record) + _plans(record) + _configurations(record) + _serve(record) + _engines(record)
     if cmp is not None:
         from kvcal.report.markdown import render_markdown
 

@@ -150,3 +150,80 @@ def test_sweep_refuses_a_plan_of_another_checkpoint(tiny_llama_dir: Path, tmp_pa
     assert code == 2
     [line] = err.splitlines()
     assert line.startswith("Error: sweep config: plans: plan file") and "2 quantized formats" in line
+
+
+RELEASE = {
+    "ship": {"kv_format": "fp8_e4m3", "granularity": "tensor"},
+    "calibration": {"num_samples": 4, "seq_len": 32},
+    "evaluate": {"tasks": ["kl"], "limit": 12, "kl_seq_len": 32, "dtype": "float32", "impl": "torch",
+                 "candidates": [{"plan": {"capacity": "1.5x", "num_samples": 2, "seq_len": 16,
+                                          "heldout_windows": 1, "heldout_seq_len": 16}}]},
+    "gate": {"min_samples": 5, "bootstrap": 400, "allow_unjudged": True},
+}  # fmt: skip
+
+
+def test_release_solves_writes_and_gates_a_plan_candidate(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke
+) -> None:
+    import yaml
+
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_llama_dir, model)
+    cfg = tmp_path / "release.yaml"
+    cfg.write_text(yaml.safe_dump(RELEASE))
+    out = tmp_path / "out"
+    code, stdout, err = invoke(["release", str(model), "--config", str(cfg), "-o", str(out)])
+    assert code in (0, 1), err
+    record = json.loads((out / "release.json").read_text())
+    [plan] = record["plans"]
+    assert plan["label"] == "plan@1.5x" and plan["kv_format"] == "fp8_e4m3" and plan["solved"] is True
+    plan_file = Path(plan["plan_file"])
+    assert plan_file.parent == out / "plans" and plan_file.name.startswith("tiny-llama__plan-1.5x-fp8_e4m3__")
+    solved = json.loads(plan_file.read_text())
+    assert solved["capacity"]["multiplier_vs_bf16"] >= 1.5
+    # the plan's damage was measured on the release's own scale file (the candidate is calibrated: ship's format)
+    assert solved["scales"]["fp8_e4m3"] == {"path": record["scales_path"], "sha256": record["scales_sha256"]}
+    assert [c["role"] for c in record["configurations"]] == ["baseline", "ship", "candidate"]
+    candidate = record["configurations"][2]
+    assert candidate["label"] == "tiny-llama__plan-1.5x-fp8_e4m3__calib-tensor"
+    assert candidate["plan"]["label"] == "plan@1.5x" and candidate["plan"]["path"] == str(plan_file.resolve())
+    assert candidate["capacity_vs_bf16"] == pytest.approx(solved["capacity"]["multiplier_vs_bf16"])
+    assert candidate["verdict"] and candidate["gate"] in ("pass", "FAIL", "insufficient data")
+    assert record["work"]["plans_solved"] == 1 and record["work"]["evaluations_run"] == 3
+    assert "## Plans" in (out / "release.md").read_text() and "plan: plan@1.5x (fp8_e4m3) solved" in stdout
+
+    # Rerun, nothing changed: the plan file is reused, not re-solved; nothing is evaluated again.
+    code, stdout, err = invoke(["release", str(model), "--config", str(cfg), "-o", str(out)])
+    assert code in (0, 1), err
+    again = json.loads((out / "release.json").read_text())
+    assert again["work"]["reused_everything"] is True and again["work"]["plans_reused"] == 1
+    assert again["plans"][0]["solved"] is False and again["plans"][0]["sha256"] == plan["sha256"]
+    assert again["decision"] == record["decision"]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({"capacity": "3.0x", "effective_bits": 4}, "Error: release config: evaluate.candidates[1].plan: give "
+         "exactly one budget"),
+        ({"capacity": "3.0x"}, "Error: evaluate.candidates[1].plan: capacity 3x is out of reach: the cheapest "
+         "candidates (fp8_e4m3 on every layer) give 2.00x"),
+        ({"capacity": "2x", "format": "bf16"}, "Error: release config: evaluate.candidates[1].plan.format must be "
+         "a quantized format"),
+        ({"capacity": "2x", "frontier": True}, "Error: release config: unknown key 'evaluate.candidates[1].plan."
+         "frontier'"),
+    ],
+)  # fmt: skip
+def test_bad_plan_candidates_are_one_error_line(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke, plan: dict, message: str
+) -> None:
+    import yaml
+
+    raw = json.loads(json.dumps(RELEASE))
+    raw["evaluate"]["candidates"] = [{"plan": plan}]
+    cfg = tmp_path / "release.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    code, _, err = invoke(["release", str(tiny_llama_dir), "--config", str(cfg), "-o", str(tmp_path / "out")])
+    assert code == 2
+    [line] = err.splitlines()
+    assert line.startswith(message), line
