@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from kvcal.formats import get_format
+from kvcal.formats import TQ_BOUNDARY_LAYERS, get_format, is_tq_preset
 from kvcal.rundir import CONFIG, RunConfig
 
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -95,6 +95,7 @@ class EngineSetup:
     repeats: int | None = None  # --repeats: generations per document
     include_path: str | None = None
     label: str = ""  # names the lm-eval output folder
+    tq_boundary_layers: int | None = None  # a TurboQuant preset's --tq-boundary-layers (vLLM's is always 2)
 
     @classmethod
     def from_run_config(cls, rc: RunConfig, label: str = "") -> EngineSetup:
@@ -116,6 +117,7 @@ class EngineSetup:
             repeats=rc.repeats,
             include_path=rc.include_path,
             label=label,
+            tq_boundary_layers=rc.tq_boundary_layers,
         )
 
     def merged_tasks(self, other: EngineSetup) -> EngineSetup:
@@ -234,6 +236,8 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
         )
     if s.nvfp4_global == "per_sequence":
         return "a per-sequence NVFP4 global scale (--nvfp4-global per_sequence) is no engine's behaviour"
+    if is_tq_preset(s.kv_format):
+        return _tq_refusal(s, engine)
     fmt = get_format(s.kv_format)
     name = fmt.engine_names.get(engine)
     if name is None and not (engine == "trtllm" and fmt.name in ("auto", "bf16")):
@@ -245,8 +249,23 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
     return None
 
 
+def _tq_refusal(s: EngineSetup, engine: str) -> str | None:
+    """TurboQuant presets are vLLM's own names; vLLM always adds its boundary layers (no flag turns them off)."""
+    if engine != "vllm":
+        return f"{_ENGINE_NAMES[engine]} has no TurboQuant KV cache ({s.kv_format} is vLLM's preset)"
+    if s.tq_boundary_layers not in (None, TQ_BOUNDARY_LAYERS):
+        return (
+            f"vLLM always keeps the first and last {TQ_BOUNDARY_LAYERS} layers of a dense model out of TurboQuant "
+            f"(TurboQuantConfig.get_boundary_skip_layers, no flag); this run used --tq-boundary-layers "
+            f"{s.tq_boundary_layers}"
+        )
+    return None
+
+
 def _engine_dtype(fmt_name: str, engine: str) -> str:
     """The engine's KV cache dtype for a kvcal format (TensorRT-LLM: lower case; bf16/auto -> auto)."""
+    if is_tq_preset(fmt_name):
+        return fmt_name
     name = get_format(fmt_name).engine_names.get(engine)
     if engine == "trtllm":
         return "auto" if fmt_name in ("auto", "bf16") else str(name).lower()
@@ -373,6 +392,11 @@ def _vllm(s: EngineSetup) -> EngineCommand:
         )
     elif quantized and dtype.startswith("fp8"):
         backend = "TRITON_ATTN"  # attention in the model dtype, as this run computed it (no FP8 Q)
+    if is_tq_preset(dtype):
+        notes.append(
+            "vLLM's TurboQuant backend attends a prompt's first chunk on its unquantized K/V (flash_attn) and reads "
+            "the TurboQuant cache from decode on; kvcal reads the cache at every position (what its decode computes)"
+        )
     if backend:
         flags += ["--attention-backend", backend]
     serve = ("vllm", "serve", model, *flags)

@@ -124,8 +124,10 @@ Rounding and scales per format
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
@@ -220,6 +222,7 @@ class KVFormat:
     scales_dtype: torch.dtype | None = None  # QTensor.block_scales (None: none)
     triton_kernel: int | None = None  # kvcal.kernels.triton_attention's FMT family of this layout
     c_kernel: int | None = None  # kvcal/kernels/cpu_write.c's format id; None = not written by it
+    bits: int = 0  # a TurboQuant side's code width (3 or 4; 8 for its FP8 keys); 0 = not a TurboQuant side
 
     def __post_init__(self) -> None:
         if not self.layout:
@@ -241,6 +244,10 @@ class KVFormat:
             return 8.0 + 32.0 / head_dim  # one fp32 scale per (token, head)
         if self.element == "int4_rht":
             return 4.0 + 32.0 / head_dim  # two codes per byte + one fp32 scale (zero point inside) per (token, head)
+        if self.element == "tq_fp8":
+            return 8.0
+        if self.element in ("tq_mse", "tq_uniform"):  # packed codes + fp16 norm (K) or fp16 scale and zero (V)
+            return 8.0 * (math.ceil(head_dim * self.bits / 8) + tq_side_extra_bytes(self)) / head_dim
         # FP4: 4-bit codes + one 8-bit block scale (E4M3 or E8M0) per block
         return 4.0 + 8.0 / self.block_size
 
@@ -255,6 +262,10 @@ class KVFormat:
             return head_dim // 2, head_dim // self.block_size
         if self.element == "int4_rht":
             return head_dim // 2, 1
+        if self.element in ("tq_mse", "tq_uniform"):
+            return math.ceil(head_dim * self.bits / 8), tq_side_extra_bytes(self) // 2
+        if self.element == "tq_fp8":
+            return head_dim, None
         if self.element in ("int8", "e4m3_token"):
             return head_dim, 1
         return head_dim, None
@@ -324,11 +335,6 @@ NOT_EMULATED: dict[str, str] = {
     # vLLM maps the name to float8_e4m3fn storage and nothing else (vllm/utils/torch_utils.py
     # STR_DTYPE_TO_TORCH_DTYPE); what is stored is computed on Intel Gaudi by Intel Neural Compressor in the
     # out-of-tree HPU plugin, from INC's measured scales, so vLLM's source does not show the arithmetic
-    **{
-        preset: f"vLLM's TurboQuant preset {preset} (random rotation + Lloyd-Max scalar codebooks); not emulated by "
-        "kvcal yet; the nearest emulated rotated 4-bit cache is int4_per_token_head"
-        for preset in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-    },
     "fp8_inc": "Intel Gaudi's FP8 KV cache through Intel Neural Compressor: vLLM only maps the name to E4M3 "
     "storage, the quantization runs in the out-of-tree HPU plugin with INC's measured scales, which vLLM's source "
     "does not show; for the same E4M3 storage with a calibrated scale use fp8_e4m3 --scales",
@@ -337,6 +343,58 @@ _LOOKUP: dict[str, KVFormat] = {}
 for _f in FORMATS.values():
     for _n in (_f.name, *_f.aliases):
         _LOOKUP[_n.lower()] = _f
+
+# TurboQuant (vLLM `--kv-cache-dtype turboquant_*`, see the module docstring): K and V are stored in two different
+# ways, so each preset is a named K/V pair of the side formats below. A side is no engine's cache dtype on its own:
+# it is reachable only through its preset (`kv_pair`), never by name in -f or in `k=...,v=...`.
+# name, element, bits, description (vLLM vllm/model_executor/layers/quantization/turboquant/config.py TQ_PRESETS)
+# fmt: off
+_TQ_SIDE_ROWS: tuple[tuple[str, str, int, str], ...] = (
+    ("tq_fp8", "tq_fp8", 8, "TurboQuant FP8 keys: E4M3FN of K itself, no scale, no rotation"),
+    ("tq_mse4_nc", "tq_mse", 4, "TurboQuant keys: Hadamard rotation of K / |K|, 4-bit Lloyd-Max codes, fp16 norm, "
+     "unit-norm corrected centroids"),
+    ("tq_mse3_nc", "tq_mse", 3, "TurboQuant keys: Hadamard rotation of K / |K|, 3-bit Lloyd-Max codes, fp16 norm, "
+     "unit-norm corrected centroids"),
+    ("tq_uniform4", "tq_uniform", 4, "TurboQuant values: asymmetric 4-bit [min, max] per (token, head), fp16 "
+     "scale and zero"),
+    ("tq_uniform3", "tq_uniform", 3, "TurboQuant values: asymmetric 3-bit [min, max] per (token, head), fp16 "
+     "scale and zero"),
+)
+# fmt: on
+_TQ_STORAGE = {"tq_fp8": (_E4M3, None), "tq_mse": (_U8, torch.float16), "tq_uniform": (_U8, torch.float16)}
+TQ_SIDES: dict[str, KVFormat] = {
+    name: KVFormat(
+        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], None, None, bits
+    )
+    for name, element, bits, desc in _TQ_SIDE_ROWS
+}
+# preset -> (K side, V side): key_quant_bits 8 = FP8 keys, else MSE keys with norm_correction (the _nc presets)
+TQ_PRESETS: dict[str, tuple[KVFormat, KVFormat]] = {
+    "turboquant_k8v4": (TQ_SIDES["tq_fp8"], TQ_SIDES["tq_uniform4"]),
+    "turboquant_4bit_nc": (TQ_SIDES["tq_mse4_nc"], TQ_SIDES["tq_uniform4"]),
+    "turboquant_k3v4_nc": (TQ_SIDES["tq_mse3_nc"], TQ_SIDES["tq_uniform4"]),
+    "turboquant_3bit_nc": (TQ_SIDES["tq_mse3_nc"], TQ_SIDES["tq_uniform3"]),
+}
+TQ_PRESET_DESCRIPTIONS: dict[str, str] = {
+    "turboquant_k8v4": "FP8 E4M3 keys (no scale) + 4-bit uniform values (fp16 scale/zero)",
+    "turboquant_4bit_nc": "Hadamard-rotated 4-bit Lloyd-Max keys (fp16 norm, norm-corrected) + 4-bit uniform values",
+    "turboquant_k3v4_nc": "Hadamard-rotated 3-bit Lloyd-Max keys (fp16 norm, norm-corrected) + 4-bit uniform values",
+    "turboquant_3bit_nc": "Hadamard-rotated 3-bit Lloyd-Max keys (fp16 norm, norm-corrected) + 3-bit uniform values",
+}
+
+
+def is_tq_preset(name: object) -> bool:
+    return isinstance(name, str) and name.strip().lower() in TQ_PRESETS
+
+
+def pair_name(k: KVFormat, v: KVFormat) -> str:
+    """The canonical name of a (K, V) format pair: one format's name, a TurboQuant preset's, or `k=<K>,v=<V>`."""
+    if k is v:
+        return k.name
+    for preset, sides in TQ_PRESETS.items():
+        if sides == (k, v):
+            return preset
+    return f"k={k.name},v={v.name}"
 
 
 def format_names() -> str:
@@ -347,7 +405,7 @@ def format_names() -> str:
             parts.append(f"{f.name} ({'alias' if len(f.aliases) == 1 else 'aliases'} {', '.join(f.aliases)})")
         else:
             parts.append(f.name)
-    return ", ".join(parts)
+    return ", ".join(parts + list(TQ_PRESETS))
 
 
 def get_format(name: str | KVFormat) -> KVFormat:
@@ -356,6 +414,13 @@ def get_format(name: str | KVFormat) -> KVFormat:
         return name
     key = str(name).strip().lower()
     fmt = _LOOKUP.get(key)
+    if fmt is None and key in TQ_SIDES:
+        return TQ_SIDES[key]
+    if fmt is None and key in TQ_PRESETS:
+        raise UsageError(
+            f"KV format '{name}' is vLLM's TurboQuant preset, a K/V pair ({TQ_PRESETS[key][0].name} keys, "
+            f"{TQ_PRESETS[key][1].name} values): this use takes one format for K and V alike"
+        )
     if fmt is None and key in NOT_EMULATED:
         raise UsageError(f"KV format '{name}' is {NOT_EMULATED[key]}; valid formats: {format_names()}")
     if fmt is None:
@@ -370,15 +435,19 @@ def parse_kv_format(name: str | None) -> str:
     canonical name when both sides are the same format (`k=fp8,v=fp8_e4m3` is `fp8_e4m3`)."""
     if name is None or str(name).strip().lower() in ("", "auto"):
         return "auto"
+    if is_tq_preset(name):
+        return str(name).strip().lower()
     if "=" not in str(name):
         return get_format(str(name)).name
     k, v = kv_pair(str(name))
-    return k.name if k is v else f"k={k.name},v={v.name}"
+    return pair_name(k, v)
 
 
 def kv_pair(name: str | KVFormat) -> tuple[KVFormat, KVFormat]:
     """(K's format, V's format) of a format name or a `k=FMT,v=FMT` pair; UsageError for anything else. Neither
     side may be 'auto' (the model's own dtype is not a storage format one side can take alone)."""
+    if is_tq_preset(name):  # type: ignore[arg-type]
+        return TQ_PRESETS[str(name).strip().lower()]
     if isinstance(name, KVFormat) or "=" not in str(name):
         f = get_format(name)
         return f, f
@@ -391,6 +460,11 @@ def kv_pair(name: str | KVFormat) -> tuple[KVFormat, KVFormat]:
                 f"K/V format pair '{name}' is malformed; write it as k=FORMAT,v=FORMAT, e.g. k=fp8_e4m3,v=nvfp4"
             )
         sides[key] = get_format(value)
+        if sides[key].name in TQ_SIDES:
+            raise UsageError(
+                f"K/V format pair '{name}': {sides[key].name} is one side of a TurboQuant preset, no engine's cache "
+                f"dtype on its own; use the preset ({', '.join(TQ_PRESETS)})"
+            )
     if set(sides) != {"k", "v"}:
         raise UsageError(f"K/V format pair '{name}' needs both sides, e.g. k=fp8_e4m3,v=nvfp4")
     if any(f.element == "auto" for f in sides.values()):
@@ -851,6 +925,259 @@ def _dequantize_int4_rht(q: QTensor) -> torch.Tensor:
     return rht(y, inverse=True) / float(codes.shape[-1])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# TurboQuant (vLLM `--kv-cache-dtype turboquant_*`), transcribed from vllm-project/vllm:
+#   vllm/model_executor/layers/quantization/turboquant/config.py @ 1471680b24719d9d3b2fe1235878196142af89cc
+#     (TQ_PRESETS, key_packed_size / value_packed_size / slot_size_aligned, get_boundary_skip_layers)
+#   .../turboquant/centroids.py @ 06d0369d75e060e83dffac3e0190ceff8fc37e12 (solve_lloyd_max, get_centroids)
+#   .../turboquant/quantizer.py @ 52768069832's version with generate_wht_signs (torch.randint signs) and
+#   vllm/model_executor/layers/attention/attention.py (_init_turboquant_buffers: seed 42 + layer * 1337)
+#   vllm/v1/attention/backends/turboquant_attn.py @ bcbe0bc87502ab0f12208c359954c8940fe0aec8 (_build_hadamard,
+#     _ensure_on_device: PiT = signs[:, None] * H / sqrt(D), midpoints of the sorted centroids)
+#   vllm/v1/attention/ops/triton_turboquant_store.py @ 0135d081c30fa476130ae77a152539ce317ab8b1 (launcher: norm,
+#     x / (norm + 1e-8), @ PiT; _tq_fused_store_mse / _fp8 / _store_quantized_value)
+#   vllm/v1/attention/ops/triton_turboquant_decode.py @ 055e47c28003156421365af985d676fc921cb075 (_tq_decode_stage1,
+#     _tq_full_dequant_kv: NORM_CORRECTION, value = idx * scale + zero)
+TQ_SEED = 42  # TurboQuantConfig.seed
+TQ_LAYER_SEED_STRIDE = 1337  # _init_turboquant_buffers: seed = 42 + layer_idx * 1337
+TQ_BOUNDARY_LAYERS = 2  # get_boundary_skip_layers(model_config, n=2): first and last 2 layers stay 'auto'
+TQ_NORM_EPS = 1e-8  # x / (norm + 1e-8)
+TQ_SCALE_MIN = 1e-8  # values: tl.where(v_scale > 1e-8, v_scale, 1e-8)
+TQ_NC_EPS = 1e-16  # norm correction: 1 / sqrt(sum(c * c) + 1e-16)
+_LLOYD_MAX_ITER, _LLOYD_MAX_TOL, _TRAPZ_N = 200, 1e-10, 200
+
+
+def tq_side_extra_bytes(f: KVFormat) -> int:
+    """Bytes a TurboQuant side stores per (token, head) beside its codes: the fp16 norm of a key (2), the fp16 scale
+    and zero of a value (4), nothing for FP8 keys."""
+    return {"tq_mse": 2, "tq_uniform": 4}.get(f.element, 0)
+
+
+def tq_slot_bytes(preset: str, head_dim: int) -> int:
+    """vLLM's TurboQuantConfig.slot_size_aligned: bytes per (token, KV head) of a TurboQuant layer, K and V together
+    ([key_packed | value_packed], rounded up to an even count)."""
+    k, v = TQ_PRESETS[preset]
+    kps = head_dim if k.element == "tq_fp8" else math.ceil(head_dim * k.bits / 8) + 2
+    vps = math.ceil(head_dim * v.bits / 8) + 4
+    s = kps + vps
+    return s + s % 2
+
+
+def tq_boundary_layers(num_layers: int, n: int = TQ_BOUNDARY_LAYERS) -> frozenset[int]:
+    """vLLM's get_boundary_skip_layers for a dense model: the first n and last n layers, n capped at half."""
+    if n <= 0 or num_layers <= 0:
+        return frozenset()
+    n = min(n, num_layers // 2)
+    return frozenset(range(n)) | frozenset(range(num_layers - n, num_layers))
+
+
+def check_tq_head_dim(name: str, d: int) -> None:
+    """UsageError unless vLLM builds this preset's cache for head_dim d."""
+    if d < 2 or d & (d - 1):
+        raise UsageError(
+            f"{name} needs a power-of-two head_dim (vLLM builds a head_dim-point Sylvester Hadamard matrix for every "
+            f"TurboQuant layer, turboquant_k8v4 included), got {d}"
+        )
+    k, v = TQ_PRESETS[name] if name in TQ_PRESETS else (TQ_SIDES[name], TQ_SIDES[name])
+    if d < 8 and 3 in (k.bits, v.bits):
+        raise UsageError(f"{name} packs 3-bit codes in groups of 8 elements: head_dim must be at least 8, got {d}")
+
+
+def tq_signs(d: int, layer: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The +-1 signs float32 [d] of layer `layer`'s rotation (vLLM's generate_wht_signs): torch.randint(0, 2) from a
+    CPU generator seeded 42 + layer * 1337, times 2 minus 1."""
+    key = (f"tq_signs:{d}:{layer}", torch.device(device))
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(TQ_SEED + layer * TQ_LAYER_SEED_STRIDE)
+        bits = torch.randint(0, 2, (d,), generator=gen, device="cpu")
+        t = _CONST_CACHE[key] = (bits.float() * 2 - 1).to(device)
+    return t
+
+
+@cache
+def tq_hadamard_entry(d: int) -> float:
+    """|entry| of vLLM's orthonormal Hadamard matrix, the float32 `1 / sqrt(d)` its `H / math.sqrt(d)` stores (every
+    entry of the d x d float32 division on CPU, where vLLM builds it)."""
+    h = torch.ones(d, d) / math.sqrt(d)
+    if not bool((h == h[0, 0]).all()):  # one value, whatever path torch's division takes
+        raise RuntimeError(f"Hadamard entries of size {d} differ")
+    return float(h[0, 0])
+
+
+def tq_rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x float32 [..., D] times vLLM's rotation: forward `x @ PiT` with PiT = diag(signs) H / sqrt(D), inverse
+    `x @ Pi` (Pi = PiT^T). Each output is h * (a sum of +-x_i), h = `tq_hadamard_entry`: kvcal sums in float64 (the
+    butterfly `hadamard`, exact but in the rarest cases) and rounds h * sum to float32 once, so the result never
+    depends on a BLAS or on the tensor's shape; vLLM's cuBLAS GEMM rounds each product and sums in its own order
+    (the same value to an ulp or two)."""
+    xd = x.double()
+    s = signs.to(device=x.device, dtype=torch.float64)
+    if not inverse:
+        xd = xd * s
+    y = hadamard(xd) * tq_hadamard_entry(x.shape[-1])
+    if inverse:
+        y = y * s
+    return y.float()
+
+
+def _lloyd_max(d: int, bits: int) -> list[float]:
+    """vLLM's solve_lloyd_max(d, bits) centroids in float64, the same float operations in the same order: N(0, 1/d)
+    density, trapezoid integrals of 200 steps, start uniform on +-3.5 sigma, outer edges at 3x that, stop (keeping
+    the previous centroids) once no centroid moves by 1e-10."""
+    n_levels = 2**bits
+    sigma2 = 1.0 / d
+    sigma = math.sqrt(sigma2)
+    coef = 1.0 / math.sqrt(2 * math.pi * sigma2)
+
+    def pdf(x: float) -> float:
+        return coef * math.exp(-x * x / (2 * sigma2))
+
+    def trapz(f: Callable[[float], float], a: float, b: float) -> float:
+        h = (b - a) / _TRAPZ_N
+        acc = 0.5 * (f(a) + f(b))
+        for i in range(1, _TRAPZ_N):
+            acc += f(a + i * h)
+        return acc * h
+
+    lo, hi = -3.5 * sigma, 3.5 * sigma
+    cents = [lo + (hi - lo) * (i + 0.5) / n_levels for i in range(n_levels)]
+    for _ in range(_LLOYD_MAX_ITER):
+        mids = [(cents[i] + cents[i + 1]) / 2.0 for i in range(n_levels - 1)]
+        edges = [lo * 3, *mids, hi * 3]
+        new = []
+        for i in range(n_levels):
+            a, b = edges[i], edges[i + 1]
+            num = trapz(lambda x: x * pdf(x), a, b)
+            den = trapz(pdf, a, b)
+            new.append(num / den if den > 1e-15 else cents[i])
+        if max(abs(new[i] - cents[i]) for i in range(n_levels)) < _LLOYD_MAX_TOL:
+            break
+        cents = new
+    return cents
+
+
+def tq_centroids(d: int, bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """vLLM's get_centroids(d, bits): the Lloyd-Max levels of N(0, 1/d), float32 [2**bits], ascending."""
+    key = (f"tq_centroids:{d}:{bits}", torch.device(device))
+    t = _CONST_CACHE.get(key)
+    if t is None:
+        t = _CONST_CACHE[key] = torch.tensor(_lloyd_max(d, bits), dtype=torch.float32).to(device)
+    return t
+
+
+def tq_midpoints(d: int, bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The store kernel's decision boundaries float32 [2**bits - 1]: (c[i] + c[i+1]) / 2 of the sorted float32
+    centroids, in float32 (_ensure_on_device)."""
+    c = tq_centroids(d, bits, device).sort().values
+    return (c[:-1] + c[1:]) / 2
+
+
+def tq_pack(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., D] (uint8, < 2**bits) -> uint8 [..., ceil(D * bits / 8)], vLLM's packing: 4 bits: element 2i in
+    the low nibble of byte i; 3 bits: each 8 elements form a 24-bit little-endian word, element j at bit 3j."""
+    if bits == 4:
+        return _pack(idx)
+    g = idx.unflatten(-1, (-1, 8)).to(torch.int32)  # [..., D/8, 8]
+    word = (g << torch.arange(0, 24, 3, dtype=torch.int32, device=idx.device)).sum(-1)  # disjoint bits: | = +
+    out = torch.stack([(word >> sh) & 0xFF for sh in (0, 8, 16)], dim=-1)  # [..., D/8, 3]
+    return out.flatten(-2).to(torch.uint8)
+
+
+def tq_unpack(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """Inverse of tq_pack: int64 codes [..., d] (what the read kernels' byte / bit arithmetic extracts)."""
+    if bits == 4:
+        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)[..., :d].long()
+    b = packed.unflatten(-1, (-1, 3)).long()  # [..., D/8, 3]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    shifts = torch.arange(0, 24, 3, device=packed.device)
+    return ((word.unsqueeze(-1) >> shifts) & 7).flatten(-2)
+
+
+def _nan_rows(bad: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """fill (float16 [..., n]) with NaN in the rows where bad ([..., 1])."""
+    return torch.where(bad, torch.tensor(float("nan"), dtype=fill.dtype, device=fill.device), fill)
+
+
+def _quantize_tq_fp8(xf: torch.Tensor) -> QTensor:
+    # _tq_fused_store_fp8: k.to(float8e4nv) in the kernel (Hopper's cvt.rn.satfinite): RNE, +-448 saturated, no scale
+    return QTensor(codes=xf.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
+
+
+def _quantize_tq_mse(xf: torch.Tensor, f: KVFormat, signs: torch.Tensor) -> QTensor:
+    """Keys xf float32 [..., D]: codes of the rotated unit vector, fp16 norm. signs: the layer's [D]."""
+    d = xf.shape[-1]
+    check_tq_head_dim(f.name, d)
+    bad = ~torch.isfinite(xf).all(dim=-1, keepdim=True)  # [..., 1]
+    xz = torch.where(bad, 0.0, xf)
+    # k_flat.norm(dim=1) in float32: kvcal takes the float64 norm rounded once (no reduction order to depend on)
+    norm = xz.double().square().sum(dim=-1, keepdim=True).sqrt().float()  # [..., 1]
+    y = tq_rotate(xz / (norm + TQ_NORM_EPS), signs)  # x_hat @ PiT, [..., D]
+    # the kernel's binary search: code = number of midpoints <= y
+    idx = torch.bucketize(y, tq_midpoints(d, f.bits, xf.device), right=True).to(torch.uint8)
+    idx = torch.where(bad, 0, idx)
+    # NaN marker: a non-finite row is stored with a NaN norm (vLLM's NaN / Inf norm makes the row NaN / +-Inf too)
+    norm16 = _nan_rows(bad, norm.to(torch.float16))  # beyond 65504 the fp16 norm is Inf, as the engine's
+    return QTensor(codes=tq_pack(idx, f.bits), block_scales=norm16, scale=signs)
+
+
+def _quantize_tq_uniform(xf: torch.Tensor, f: KVFormat) -> QTensor:
+    """Values xf float32 [..., D]: _store_quantized_value (scale in float32 for the codes, stored as fp16)."""
+    levels = float(2**f.bits - 1)
+    bad = ~torch.isfinite(xf).all(dim=-1, keepdim=True)  # [..., 1]
+    xz = torch.where(bad, 0.0, xf)
+    vmin, vmax = xz.amin(dim=-1, keepdim=True), xz.amax(dim=-1, keepdim=True)
+    s = (vmax - vmin) / levels
+    s = torch.where(s > TQ_SCALE_MIN, s, TQ_SCALE_MIN)
+    # ((v - min) / scale + 0.5).to(int32): truncation, of a value >= 0.5 (v >= min)
+    q = torch.trunc((xz - vmin) / s + 0.5).clamp_(0.0, levels).to(torch.uint8)
+    q = torch.where(bad, 0, q)
+    words = _nan_rows(bad, torch.cat([s.to(torch.float16), vmin.to(torch.float16)], dim=-1))  # [..., 2]
+    return QTensor(codes=tq_pack(q, f.bits), block_scales=words)
+
+
+def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
+    """Unrotated float32 keys: norm * centroid (unit-norm corrected) rotated back by Pi. vLLM's decode instead
+    rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits to float32 rounding."""
+    c = tq_centroids(d, f.bits, q.codes.device)[tq_unpack(q.codes, f.bits, d)]  # [..., D]
+    # NORM_CORRECTION: c * (1 / sqrt(sum(c * c) + 1e-16)); the kernel's tl.sum / tl.sqrt / 1.0 / x are the
+    # GPU's (approximate) ones, kvcal's the float64 sum rounded once, IEEE sqrt and division
+    nsq = c.double().square().sum(dim=-1, keepdim=True).float()
+    c = c * (1.0 / torch.sqrt(nsq + TQ_NC_EPS))
+    k_rot = q.block_scales.float() * c  # vec_norm (fp16 -> fp32) * centroid
+    signs = q.scale if q.scale is not None else tq_signs(d, 0, q.codes.device)
+    return tq_rotate(k_rot, signs, inverse=True)
+
+
+def _dequantize_tq_uniform(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
+    idx = tq_unpack(q.codes, f.bits, d).float()
+    w = q.block_scales.float()  # [..., 2]: fp16 scale, fp16 zero
+    # idx * scale + zero: the product is exact (4 + 11 bits), so this rounds once, as the kernel's FMA
+    return idx * w[..., :1] + w[..., 1:]
+
+
+def _tq_head_dim(q: QTensor, f: KVFormat) -> int:
+    """head_dim of a TurboQuant side's storage (codes are packed bytes)."""
+    n = q.codes.shape[-1]
+    return n if f.element == "tq_fp8" else n * 8 // f.bits
+
+
+def _quantize_tq(x: torch.Tensor, f: KVFormat, scale: torch.Tensor | float | None) -> QTensor:
+    """A TurboQuant side; `scale` of a key side (tq_mse) is the layer's rotation signs [D] (`tq_signs`; default
+    layer 0's), ignored by the others (TurboQuant applies no k_scale / v_scale)."""
+    xf = as_f32(x)
+    if f.element == "tq_fp8":
+        return _quantize_tq_fp8(xf)
+    if f.element == "tq_uniform":
+        return _quantize_tq_uniform(xf, f)
+    if isinstance(scale, torch.Tensor) and scale.dim() == 1 and scale.numel() == x.shape[-1]:
+        signs = scale
+    else:
+        signs = tq_signs(x.shape[-1], 0, x.device)
+    return _quantize_tq_mse(xf, f, signs)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | KVFormat,
@@ -869,6 +1196,8 @@ def quantize(
         return QTensor(codes=x)
     if f.element == "int4_rht":
         return _quantize_int4_rht(x)  # rounds its rotation to x's own dtype, as vLLM does
+    if f.element.startswith("tq_"):
+        return _quantize_tq(x, f, scale)
     if f.element == "bf16" and x.dtype == torch.bfloat16:
         # the float32 detour changes nothing for bf16 input (the bounds are bf16 values): one op instead of three
         return QTensor(codes=x.clamp(-BF16_MAX, BF16_MAX))
@@ -891,6 +1220,8 @@ def quantize_f32(
         return _quantize_fp8_token(xf)
     if f.element == "int4_rht":
         return _quantize_int4_rht(xf)
+    if f.element.startswith("tq_"):
+        return _quantize_tq(xf, f, s)
     if f.element in ("e4m3", "e5m2"):
         return _quantize_fp8(xf, f, s)  # type: ignore[arg-type]
     if f.element == "int8s":
@@ -922,6 +1253,12 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
         return _to(c.float() * _bcast(s.float(), c.dim()), dtype)
     if f.element == "int4_rht":
         return _to(_dequantize_int4_rht(q), dtype)
+    if f.element == "tq_fp8":
+        return _to(c.float(), dtype)
+    if f.element == "tq_mse":
+        return _to(_dequantize_tq_mse(q, f, _tq_head_dim(q, f)), dtype)
+    if f.element == "tq_uniform":
+        return _to(_dequantize_tq_uniform(q, f, _tq_head_dim(q, f)), dtype)
     if f.element in ("e4m3", "e5m2"):
         s = q.scale if q.scale is not None else torch.tensor(1.0, device=c.device)
         return _to(c.float() * _bcast(s.float(), c.dim()), dtype)

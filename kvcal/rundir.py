@@ -101,6 +101,9 @@ class RunConfig:
     # "sha256"}; kv_format and skip_layers hold its layers. Its label and budget are identity, its path and
     # sha256 (which file, which version) are not. Written only when set, so every other run keeps its hash.
     plan: dict[str, Any] | None = None
+    # a TurboQuant preset's boundary layers kept in BF16 (`--tq-boundary-layers`, vLLM's default 2); None for every
+    # other format. Written only when set, so every other run keeps its identity hash.
+    tq_boundary_layers: int | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -112,7 +115,7 @@ class RunConfig:
             del d["nvfp4_global"]
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
-            "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan",
+            "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan", "tq_boundary_layers",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]

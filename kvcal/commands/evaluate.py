@@ -147,6 +147,14 @@ PromptsOpt = Annotated[
         "requests) instead of gsm8k's; the answer compared is then the whole output.",
     ),
 ]
+TqBoundaryOpt = Annotated[
+    int,
+    typer.Option(
+        "--tq-boundary-layers",
+        help="TurboQuant presets: the first and last N layers stay BF16, vLLM's default boundary protection "
+        "(N = 2, which vLLM offers no flag to change); 0 quantizes every layer (kvcal only).",
+    ),
+]
 Nvfp4GlobalOpt = Annotated[
     str,
     typer.Option(
@@ -225,6 +233,7 @@ def eval_cmd(
     repeats: RepeatsOpt = _DEFAULT["repeats"],
     gen_kwargs: GenKwargsOpt = _DEFAULT["gen_kwargs"],
     prompts: PromptsOpt = _DEFAULT["prompts"],
+    tq_boundary_layers: TqBoundaryOpt = _DEFAULT["tq_boundary_layers"],
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:

@@ -19,6 +19,7 @@ from kvcal import __version__
 from kvcal.errors import UsageError
 from kvcal.evaluate.spec import EvalSpec
 from kvcal.evaluate.tasks import TaskPlan
+from kvcal.formats import is_tq_preset, tq_boundary_layers
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.config import folder_config
 from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
@@ -62,6 +63,8 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
         hf_config = folder_config(model_dir, spec.trust_remote_code, spec.model)
     kv = kv_spec(hf_config)
     skip = parse_skip_layers(spec.skip_layers, kv)
+    if is_tq_preset(spec.kv_format):  # vLLM adds its boundary layers to kv_cache_dtype_skip_layers
+        skip |= tq_boundary_layers(kv.num_layers, spec.tq_boundary_layers)
     # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
     dtype = resolve_dtype(spec.dtype, model_dir, hf_config) if plan is not None else spec.dtype
     if spec.plan_file is not None:  # a plan is refused on another checkpoint, like a scale file

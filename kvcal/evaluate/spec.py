@@ -27,7 +27,7 @@ from kvcal.errors import UsageError
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, DEFAULT_SEQ_LEN, check_kl_subsample
 from kvcal.evaluate.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, parse_depths, parse_lengths
 from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, parse_task_list, resolve_tasks
-from kvcal.formats import DEFAULT_KV_INPUT_DTYPE
+from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, TQ_BOUNDARY_LAYERS, is_tq_preset
 from kvcal.kernels.plan import CachePlan, parse_cache_plan
 from kvcal.models.loading import DTYPES, check_device, resolve_dtype
 from kvcal.placement import Placement
@@ -94,6 +94,9 @@ class EvalConfig:
     gen_kwargs: str | None = None
     # a divergence task's prompts from this JSONL ({"prompt": ...} per line) instead of its lm-eval task
     prompts: str | None = None
+    # a TurboQuant preset: vLLM's default boundary protection keeps the first and last N layers in BF16
+    # (TurboQuantConfig.get_boundary_skip_layers, n = 2, no engine flag); 0 = every layer quantized (kvcal only)
+    tq_boundary_layers: int = TQ_BOUNDARY_LAYERS
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class EvalSpec:
     gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs parsed (parse_gen_kwargs), in the user's order
     prompts: PromptFile | None = None  # --prompts: the divergence task's own prompts (checked, hashed)
     plan: dict[str, Any] | None = None  # config.yaml's `plan` of that file (kvcal.planfile.PlanFile.run_record)
+    tq_boundary_layers: int = TQ_BOUNDARY_LAYERS  # EvalConfig's; used only with a TurboQuant preset
 
     # ---- derived -----------------------------------------------------------------------------------------------
 
@@ -314,6 +318,7 @@ class EvalSpec:
             "gen_kwargs": dict(self.gen_kwargs) or None,
             "prompts": self.prompts.record() if self.prompts else None,
             "plan": self.plan,
+            "tq_boundary_layers": self.tq_boundary_layers if is_tq_preset(self.kv_format) else None,
         }
 
     @property
@@ -419,6 +424,8 @@ def base_dir_name(spec: EvalSpec) -> str:
     if spec.any_nvfp4 and spec.scales.kind == "none" and spec.nvfp4_global != "one":
         tag = f"global-{slug(spec.nvfp4_global)}"
     fmt_tag = slug(spec.kv_format) if "=" in spec.kv_format else spec.kv_format
+    if is_tq_preset(spec.kv_format) and spec.tq_boundary_layers != TQ_BOUNDARY_LAYERS:
+        fmt_tag += f"-boundary{spec.tq_boundary_layers}"
     if spec.plan is not None:
         return f"{model_short(spec.model)}__{slug(str(spec.plan['label']))}-{fmt_tag}__{tag}"
     return f"{model_short(spec.model)}__{fmt_tag}__{tag}__skip-{skip_tag(spec.skip_layers)}"
@@ -575,6 +582,8 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
             f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {cache.kv_format} has "
             "none (its scales are computed at write time); use fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
         )
+    if config.tq_boundary_layers < 0:
+        raise UsageError(f"--tq-boundary-layers must be 0 or more, got {config.tq_boundary_layers}")
     tasks = tuple(parse_task_list(config.tasks)) if own_tasks else ()
     lengths: tuple[int, ...] = ()
     depths: tuple[float, ...] = ()
@@ -613,6 +622,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         prompts=_prompt_file(config.prompts, tasks),
         output=config.output,
         gpqa_password=config.gpqa_password,
+        tq_boundary_layers=config.tq_boundary_layers,
     )
 
 

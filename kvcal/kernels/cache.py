@@ -128,7 +128,9 @@ class LayerPlan:
     index: int
     fmt: KVFormat
     window: int | None = None  # tokens kept by a sliding layer; None = keep all
-    k_scale: torch.Tensor | None = None  # static scale (fp8) or global scale (nvfp4); 0-d or [H_kv]
+    # static scale (fp8) or global scale (nvfp4); 0-d or [H_kv]; a TurboQuant key side: the layer's rotation
+    # signs [D] (`formats.tq_signs`)
+    k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     skipped: bool = False  # kept in BF16 because of --skip-layers
     nvfp4_global: str = "one"  # nvfp4 without k_scale/v_scale: a key of NVFP4_GLOBALS
@@ -484,7 +486,7 @@ class QuantizedLayer(CacheLayerMixin):
         it (a first batch's first write, nvfp4's per_sequence global)."""
         fmt, s = self.plan.side_format(which), self._scales[which]
         if not fmt.calibratable:
-            return None
+            return s  # None, or a TurboQuant key side's rotation signs (the layer's, `formats.tq_signs`)
         fb = self.plan.first_batch
         if fb is not None:
             return fb.scales.get((self.plan.index, which), False)

@@ -201,7 +201,7 @@ def _dequantize(q: QTensor, f: KVFormat, memo: ScaleMemo | None = None) -> torch
         if y is not None:
             return y
         return (_fp8_values(c) * _bcast_scale(q.scale.float(), c.dim())).clamp_(_F32.min, _F32.max)
-    if f.element in ("fp16", "e4m3_token", "int4_rht", "int8s"):
+    if f.element in ("fp16", "e4m3_token", "int4_rht", "int8s", "tq_fp8", "tq_mse", "tq_uniform"):
         return formats.dequantize(q, f)  # few ops already (int4: its inverse rotation is the cost)
     if f.element == "int8":
         y = c.float() * q.block_scales
@@ -357,7 +357,7 @@ def quantize(
 ) -> QTensor:
     """formats.quantize (same arguments, same bits), with the small-tensor E2M1 rounding."""
     f = formats.get_format(fmt)
-    if f.element in ("auto", "bf16", "fp16", "int4_rht") or x.numel() > SMALL:
+    if f.element in ("auto", "bf16", "fp16", "int4_rht") or f.element.startswith("tq_") or x.numel() > SMALL:
         return formats.quantize(x, f, scale, scale_checked=scale_checked)
     xf = formats.as_f32(x)
     default = 1.0 if f.layout != "nvfp4" else None

@@ -46,7 +46,7 @@ class CachePlan:
     @property
     def kv_format(self) -> str:
         """The canonical name (formats.parse_kv_format's): one format, or `k=<K>,v=<V>`."""
-        return self.k_fmt.name if self.k_fmt is self.v_fmt else f"k={self.k_fmt.name},v={self.v_fmt.name}"
+        return formats.pair_name(self.k_fmt, self.v_fmt)
 
     @property
     def quantized(self) -> bool:

@@ -42,7 +42,7 @@ from kvcal.kernels.cache import (
     QuantizedKVCache,
 )
 from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
-from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
+from kvcal.models.geometry import KVSpec, LayerSpec, kv_spec, parse_skip_layers
 from kvcal.models.loading import input_device
 from kvcal.scales import query_scales
 
@@ -78,6 +78,19 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         if not triton_available():
             raise UsageError("--impl triton needs the triton package (Linux only); use --impl torch")
     return impl
+
+
+def _tq_impl(impl: str, kv_format: str) -> str | None:
+    """'torch' for a TurboQuant preset under --impl auto; UsageError for --impl triton (kvcal's Triton kernels do
+    not read TurboQuant's packed Lloyd-Max keys / uniform values yet); None for every other format."""
+    if not formats.is_tq_preset(kv_format):
+        return None
+    if impl == "triton":
+        raise UsageError(
+            f"--impl triton does not read {kv_format} yet (kvcal's Triton attention has no TurboQuant path: packed "
+            "3/4-bit Lloyd-Max keys with fp16 norms, uniform values with fp16 scale and zero); use --impl torch"
+        )
+    return "torch"
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -159,11 +172,20 @@ def _as_scale(s: Any) -> torch.Tensor:
     return torch.as_tensor(s, dtype=torch.float32)
 
 
+def _tq_signs(fmt: formats.KVFormat, layer: LayerSpec, skipped: bool) -> torch.Tensor | None:
+    """A TurboQuant key side's rotation signs of this layer (vLLM seeds each layer's own); None otherwise."""
+    if skipped or fmt.element != "tq_mse":
+        return None
+    return formats.tq_signs(layer.head_dim, layer.index)
+
+
 def check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
     """UsageError unless every layer's head_dim is a whole number of `fmt`'s blocks (FP4 formats)."""
     for layer in kv.layers:
         if fmt.element == "int4_rht":
             formats.check_int4_head_dim(layer.head_dim)
+        if fmt.element.startswith("tq_"):
+            formats.check_tq_head_dim(fmt.name, layer.head_dim)
         bs = fmt.block_size
         if bs and layer.head_dim % bs:
             raise UsageError(
@@ -336,7 +358,7 @@ class KVRuntime:
         if scales is not None:
             _check_scales(scales, self.fmt, self.kv, v_fmt=self.v_fmt)
         self.q_scales = query_scales(self.attention, scales, self.kv.num_layers)
-        self.impl = resolve_impl(impl, _model_device(model))
+        self.impl = _tq_impl(impl, self.kv_format) or resolve_impl(impl, _model_device(model))
         self.plans = self._layer_plans()
         self._install(mods)
 
@@ -351,7 +373,7 @@ class KVRuntime:
                     index=layer.index,
                     fmt=bf16 if skipped else self.fmt,
                     window=layer.window,
-                    k_scale=_as_scale(self.scales.k_scales[layer.index]) if use_scales else None,
+                    k_scale=_as_scale(self.scales.k_scales[layer.index]) if use_scales else _tq_signs(self.fmt, layer, skipped),
                     v_scale=_as_scale(self.scales.v_scales[layer.index]) if use_scales else None,
                     skipped=skipped,
                     nvfp4_global=self.nvfp4_global,
@@ -428,7 +450,7 @@ class KVRuntime:
                     "type": layer.type,
                     "window": layer.window,
                     "format": (
-                        plan.fmt.name if plan.v_fmt is None else f"k={plan.fmt.name},v={plan.v_fmt.name}"
+                        formats.pair_name(plan.fmt, plan.side_format("v"))
                     )
                     if plan
                     else "auto",
