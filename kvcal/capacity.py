@@ -23,7 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import UsageError
-from kvcal.formats import FORMATS, KVFormat, check_int4_head_dim, kv_pair, parse_kv_format
+from kvcal.formats import (
+    FORMATS,
+    TQ_BOUNDARY_LAYERS,
+    TQ_PRESETS,
+    KVFormat,
+    check_int4_head_dim,
+    check_tq_head_dim,
+    check_tq_sliding,
+    is_tq_preset,
+    kv_pair,
+    parse_kv_format,
+    tq_boundary_layers,
+    tq_slot_bytes,
+)
 from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.gguf import is_gguf
@@ -39,6 +52,7 @@ def kv_bytes_per_token(
     skip_layers: frozenset[int] = frozenset(),
     context: int | None = None,
     auto_bits: int = 16,
+    tq_boundary: int = TQ_BOUNDARY_LAYERS,
 ) -> float:
     """Cache bytes per token over all layers (see the module docstring).
 
@@ -49,10 +63,18 @@ def kv_bytes_per_token(
     fk, fv = kv_pair(fmt)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens, got {context}")
+    preset = _format_name(fmt) if is_tq_preset(_format_name(fmt)) else None
+    if preset is not None:  # vLLM adds its boundary layers to kv_cache_dtype_skip_layers
+        skip_layers = skip_layers | tq_boundary_layers(kv.num_layers, tq_boundary)
+        check_tq_sliding(preset, [x.index for x in kv.layers if x.type == SLIDING and x.index not in skip_layers])
     total = 0.0
     for layer in kv.layers:
         if layer.index in skip_layers:
             bits = 2 * 16.0  # K and V
+        elif preset is not None:
+            # TQFullAttentionSpec: page = block_size x kv_heads x slot_size_aligned (K and V in one slot)
+            check_tq_head_dim(preset, layer.head_dim)
+            bits = 8.0 * tq_slot_bytes(preset, layer.head_dim) / layer.head_dim
         else:
             for f in (fk, fv):
                 if f.element == "int4_rht":  # the engine cannot build this cache: say why rather than count it
@@ -103,7 +125,7 @@ def layers_bytes_per_token(kv: KVSpec, layer_formats: list[str], context: int | 
     if len(layer_formats) != kv.num_layers:
         raise UsageError(f"a plan of {len(layer_formats)} layers does not fit a model of {kv.num_layers} layers")
     return sum(
-        kv_bytes_per_token(replace(kv, layers=(layer,)), f, context=context)
+        kv_bytes_per_token(replace(kv, layers=(layer,)), f, context=context, tq_boundary=0)  # the plan says which are 16-bit
         for layer, f in zip(kv.layers, layer_formats, strict=True)
     )
 
@@ -151,6 +173,7 @@ def capacity_table(
     gpu_mem_bytes: float | None = None,
     weights_bytes: float | None = None,
     plans: list[tuple[str, list[str]]] | None = None,
+    tq_boundary: int = TQ_BOUNDARY_LAYERS,
 ) -> dict[str, Any]:
     """Per-format bytes per token, multiplier vs BF16 (and vs FP8) and, given GPU memory, the tokens that fit;
     then one row per plan (label, its format per layer: layers_bytes_per_token, skip_layers not applied).
@@ -164,10 +187,13 @@ def capacity_table(
     else:  # every format this model's engine could build (int4_per_token_head needs a power-of-two head_dim)
         pow2 = all(layer.head_dim & (layer.head_dim - 1) == 0 for layer in kv.layers)
         fmts = [n for n, f in FORMATS.items() if pow2 or f.element != "int4_rht"]
+        if pow2 and not any(layer.type == SLIDING for layer in kv.layers):
+            fmts += list(TQ_PRESETS)
     fmts = list(dict.fromkeys(fmts))  # drop repeats, keep order
     free = _free_bytes(gpu_mem_bytes, weights_bytes)
     rows = [
-        _row(f, kv_bytes_per_token(kv, f, skip_layers, context), kv_bytes_per_token(kv, f, skip_layers), kv,
+        _row(f, kv_bytes_per_token(kv, f, skip_layers, context, tq_boundary=tq_boundary),
+             kv_bytes_per_token(kv, f, skip_layers, tq_boundary=tq_boundary), kv,
              skip_layers, context, free)
         for f in fmts
     ]  # fmt: skip
@@ -181,6 +207,7 @@ def capacity_table(
         "head_dim": sorted({layer.head_dim for layer in kv.layers}),
         "sliding_layers": [layer.index for layer in kv.layers if layer.type == SLIDING],
         "skip_layers": sorted(skip_layers),
+        "tq_boundary_layers": tq_boundary if any(is_tq_preset(f) for f in fmts) else None,
         "context": context,
         "gpu_mem_bytes": gpu_mem_bytes,
         "weights_bytes": weights_bytes,
@@ -189,11 +216,12 @@ def capacity_table(
 
 
 def run_capacity(
-    kv: KVSpec, fmt: str | KVFormat, skip_layers: frozenset[int] = frozenset()
+    kv: KVSpec, fmt: str | KVFormat, skip_layers: frozenset[int] = frozenset(), tq_boundary: int = 0
 ) -> dict[str, Any]:
     """What a run's metrics.json records about its cache: `kvcal capacity`'s numbers for one format without
-    --context (no sliding-window discount: the longest-context view)."""
-    row = capacity_table(kv, [fmt], skip_layers)["formats"][0]
+    --context (no sliding-window discount: the longest-context view). `skip_layers`: every layer the run kept in
+    BF16 (a TurboQuant run's boundary layers included, so `tq_boundary` adds none by default)."""
+    row = capacity_table(kv, [fmt], skip_layers, tq_boundary=tq_boundary)["formats"][0]
     return {
         "bytes_per_token": row["bytes_per_token"],
         "bf16_bytes_per_token": kv_bytes_per_token(kv, "bf16"),
@@ -210,6 +238,7 @@ def model_capacity(
     gpu_mem_gib: float | None = None,
     weights_gib: float | None = None,
     plans: list[tuple[str, list[str]]] | None = None,
+    tq_boundary: int = TQ_BOUNDARY_LAYERS,
 ) -> dict[str, Any]:
     """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only.
     `plans`: (label, format per layer) rows after the formats' (kvcal.pipeline.plan_cost reads plan files)."""
@@ -235,6 +264,7 @@ def model_capacity(
         None if gpu_mem_gib is None else gpu_mem_gib * GIB,
         wbytes,
         plans,
+        tq_boundary,
     )
     table["model"] = ref
     table["weights_source"] = source

@@ -971,6 +971,18 @@ def tq_boundary_layers(num_layers: int, n: int = TQ_BOUNDARY_LAYERS) -> frozense
     return frozenset(range(n)) | frozenset(range(num_layers - n, num_layers))
 
 
+def check_tq_sliding(name: str, sliding: list[int]) -> None:
+    """UsageError when a TurboQuant preset would hold sliding-window layers (their indices, the skipped ones left
+    out): vLLM's TurboQuantAttentionImpl takes no sliding window (its decode kernel and prefill attend every cached
+    token) and a sliding layer's KV spec is no TurboQuant page, so what vLLM computes there is not established."""
+    if sliding:
+        raise UsageError(
+            f"{name} on sliding-window layers ({', '.join(map(str, sliding[:6]))}{'...' if len(sliding) > 6 else ''}) "
+            "is not emulated: vLLM's TurboQuant attention takes no sliding window; keep them in BF16 with "
+            "--skip-layers sliding_window (vLLM: --kv-cache-dtype-skip-layers sliding_window)"
+        )
+
+
 def check_tq_head_dim(name: str, d: int) -> None:
     """UsageError unless vLLM builds this preset's cache for head_dim d."""
     if d < 2 or d & (d - 1):
@@ -1108,7 +1120,6 @@ def _quantize_tq_fp8(xf: torch.Tensor) -> QTensor:
 def _quantize_tq_mse(xf: torch.Tensor, f: KVFormat, signs: torch.Tensor) -> QTensor:
     """Keys xf float32 [..., D]: codes of the rotated unit vector, fp16 norm. signs: the layer's [D]."""
     d = xf.shape[-1]
-    check_tq_head_dim(f.name, d)
     bad = ~torch.isfinite(xf).all(dim=-1, keepdim=True)  # [..., 1]
     xz = torch.where(bad, 0.0, xf)
     # k_flat.norm(dim=1) in float32: kvcal takes the float64 norm rounded once (no reduction order to depend on)
@@ -1166,6 +1177,7 @@ def _tq_head_dim(q: QTensor, f: KVFormat) -> int:
 def _quantize_tq(x: torch.Tensor, f: KVFormat, scale: torch.Tensor | float | None) -> QTensor:
     """A TurboQuant side; `scale` of a key side (tq_mse) is the layer's rotation signs [D] (`tq_signs`; default
     layer 0's), ignored by the others (TurboQuant applies no k_scale / v_scale)."""
+    check_tq_head_dim(f.name, x.shape[-1])
     xf = as_f32(x)
     if f.element == "tq_fp8":
         return _quantize_tq_fp8(xf)
@@ -1255,10 +1267,10 @@ def dequantize(q: QTensor, fmt: str | KVFormat, dtype: torch.dtype = torch.float
         return _to(_dequantize_int4_rht(q), dtype)
     if f.element == "tq_fp8":
         return _to(c.float(), dtype)
-    if f.element == "tq_mse":
-        return _to(_dequantize_tq_mse(q, f, _tq_head_dim(q, f)), dtype)
+    if f.element == "tq_mse":  # an fp16 norm / scale beyond 65504 is Inf: the engine reads +-Inf, so does kvcal
+        return _to_keep_inf(_dequantize_tq_mse(q, f, _tq_head_dim(q, f)), dtype)
     if f.element == "tq_uniform":
-        return _to(_dequantize_tq_uniform(q, f, _tq_head_dim(q, f)), dtype)
+        return _to_keep_inf(_dequantize_tq_uniform(q, f, _tq_head_dim(q, f)), dtype)
     if f.element in ("e4m3", "e5m2"):
         s = q.scale if q.scale is not None else torch.tensor(1.0, device=c.device)
         return _to(c.float() * _bcast(s.float(), c.dim()), dtype)
@@ -1280,6 +1292,12 @@ def _to(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         fi = torch.finfo(dtype) if dtype.itemsize <= 4 else torch.finfo(torch.float32)
         y = y.clamp(fi.min, fi.max)
     return y.to(dtype)
+
+
+def _to_keep_inf(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_to` for values whose +-Inf the engine itself produced (TurboQuant's float16 norms and scales): finite
+    values saturate, +-Inf and NaN stay."""
+    return torch.where(torch.isinf(y), y, _to(y, torch.float32)).to(dtype) if dtype.is_floating_point else _to(y, dtype)
 
 
 def fake_quantize(

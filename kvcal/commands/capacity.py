@@ -45,6 +45,13 @@ def capacity_cmd(
             "--weights-gib", help="Weights on the GPU (GiB); default: size of the checkpoint files."
         ),
     ] = None,
+    tq_boundary_layers: Annotated[
+        int,
+        typer.Option(
+            "--tq-boundary-layers",
+            help="TurboQuant presets: first and last N layers counted in BF16 (vLLM's default 2; 0 = none).",
+        ),
+    ] = 2,
     json_out: JsonOpt = False,
 ) -> None:
     """Bytes per token (codes + scales, all layers), multiplier vs BF16 and tokens that fit, per KV format
@@ -52,7 +59,9 @@ def capacity_cmd(
     from kvcal.pipeline.plan_cost import capacity_with_plans
 
     formats = [f for item in (kv_format or []) for f in split_formats(item)] or None
-    table = capacity_with_plans(model, formats, skip_layers, context, gpu_mem_gib, weights_gib)
+    table = capacity_with_plans(
+        model, formats, skip_layers, context, gpu_mem_gib, weights_gib, tq_boundary=tq_boundary_layers
+    )
     if json_out:
         print_json(table)
         return

@@ -353,6 +353,9 @@ class KVRuntime:
             self._uninstall()
             return
         mods = check_architecture(model, self.kv)
+        if formats.is_tq_preset(self.kv_format):
+            sliding = [x.index for x in self.kv.layers if x.window and x.index not in self.skip_layers]
+            formats.check_tq_sliding(self.kv_format, sliding)
         check_block_fits(self.fmt, self.kv)
         check_block_fits(self.v_fmt, self.kv)
         if scales is not None:

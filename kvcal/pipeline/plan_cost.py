@@ -22,7 +22,7 @@ from typing import Any
 
 from kvcal.capacity import kv_bytes_per_token, layers_bytes_per_token, model_capacity
 from kvcal.errors import UsageError
-from kvcal.formats import kv_pair
+from kvcal.formats import TQ_BOUNDARY_LAYERS, kv_pair
 from kvcal.models.geometry import SLIDING, KVSpec
 
 
@@ -151,6 +151,7 @@ def capacity_with_plans(
     context: int | None = None,
     gpu_mem_gib: float | None = None,
     weights_gib: float | None = None,
+    tq_boundary: int = TQ_BOUNDARY_LAYERS,
 ) -> dict[str, Any]:
     """`kvcal capacity`: kvcal.capacity.model_capacity, where a `formats` item ending in .json is a `kvcal plan`
     file (refused unless solved on this checkpoint): one row of its formats per layer, labelled by its budget
@@ -161,7 +162,7 @@ def capacity_with_plans(
     paths = [f for f in formats or [] if is_plan_path(f)]
     names = [f for f in formats or [] if not is_plan_path(f)]
     if not paths:
-        return model_capacity(model, formats, skip_layers, context, gpu_mem_gib, weights_gib)
+        return model_capacity(model, formats, skip_layers, context, gpu_mem_gib, weights_gib, tq_boundary=tq_boundary)
     if skip_layers:
         raise UsageError("--skip-layers does not apply to a plan file (its 16-bit layers are the plan's); drop one")
     from kvcal.scales import resolve_model_and_spec
@@ -170,7 +171,9 @@ def capacity_with_plans(
     model_dir, kv = resolve_model_and_spec(ref)
     plans = [load_plan_for_model(p, ref, model_dir, kv) for p in paths]
     rows = [(p.label, p.layers) for p in plans]
-    table = model_capacity(model, names, None, _plans_context(plans, context), gpu_mem_gib, weights_gib, rows)
+    table = model_capacity(
+        model, names, None, _plans_context(plans, context), gpu_mem_gib, weights_gib, rows, tq_boundary
+    )
     for row, p in zip(table["formats"][-len(plans) :], plans, strict=True):
         row.update(plan_file=str(p.path), layers=p.layers)
     return table
