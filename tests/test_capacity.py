@@ -95,6 +95,10 @@ def test_sglang_published_multipliers_head_dim_128() -> None:
         "nvfp4_4over6",
         "fp4_e2m1",
         "mxfp4",
+        "turboquant_k8v4",  # vLLM's TurboQuant presets: a power-of-two head_dim, no sliding layers
+        "turboquant_4bit_nc",
+        "turboquant_k3v4_nc",
+        "turboquant_3bit_nc",
     ]
     for name in ("nvfp4", "nvfp4_4over6", "fp4_e2m1"):
         assert round(rows[name]["multiplier_vs_bf16"], 2) == 3.56

@@ -110,10 +110,12 @@ def _truthy(v: Any) -> bool:
 def engine_kv_format(backend: str, name: Any) -> str:
     """kvcal's format for an engine's kv_cache_dtype ('fp8' on vLLM -> fp8_e4m3); UsageError naming it when
     kvcal does not emulate it."""
-    from kvcal.formats import FORMATS, get_format
+    from kvcal.formats import FORMATS, get_format, is_tq_preset
 
     text = "auto" if name in (None, "") else str(name).strip()
     engine = _ENGINE_BACKENDS.get(backend)
+    if engine == "vllm" and is_tq_preset(text):
+        return text.lower()  # vLLM's TurboQuant presets are kvcal's names too (K/V pairs)
     if engine:
         for f in FORMATS.values():
             if f.engine_names.get(engine) == text:

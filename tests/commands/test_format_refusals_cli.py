@@ -53,7 +53,6 @@ def test_int4_on_a_non_power_of_two_head_dim_is_one_error_line(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("fmt", "fragment"),
     [
-        ("turboquant_k8v4", "TurboQuant preset"),
         ("fp8_inc", "Intel Neural Compressor"),
         ("fp8_ds_mla", "DeepSeek MLA"),
     ],
@@ -73,3 +72,18 @@ def test_new_formats_count_their_scale_bytes(tmp_path: Path) -> None:
         result = runner.invoke(app, ["capacity", str(model), "-f", fmt])
         assert result.exit_code == 0, result.output
         assert f" {want} " in result.output, result.output
+
+
+def test_turboquant_capacity_and_its_refusals(tmp_path: Path) -> None:
+    """`kvcal capacity -f turboquant_*`: vLLM's TurboQuant slot per KV head (head_dim 64, 2 KV heads, 2 layers,
+    both boundary layers by vLLM's default: BF16, 1,024 bytes; --tq-boundary-layers 0: 2 x 2 x 70 = 280); a
+    head_dim vLLM cannot rotate is one Error line naming the constraint (on a layer TurboQuant holds)."""
+    model = _config_dir(tmp_path, 64)
+    for extra, want in (([], "1,024"), (["--tq-boundary-layers", "0"], "280")):
+        result = runner.invoke(app, ["capacity", str(model), "-f", "turboquant_4bit_nc", *extra])
+        assert result.exit_code == 0, result.output
+        assert f" {want} " in result.output, result.output
+    result = runner.invoke(app, ["capacity", str(_config_dir(tmp_path, 96)), "-f", "turboquant_k8v4", "--tq-boundary-layers", "0"])
+    assert isinstance(result.exception, UsageError), result.output
+    msg = str(result.exception)
+    assert "power-of-two head_dim" in msg and "\n" not in msg

@@ -75,8 +75,9 @@ def test_engine_cache_dtypes(backend: str, name: str | None, fmt: str) -> None:
 def test_engine_cache_dtype_kvcal_does_not_emulate_is_named() -> None:
     with pytest.raises(UsageError, match="vllm kv_cache_dtype=fp8_ds_mla"):
         engine_kv_format("vllm", "fp8_ds_mla")
-    with pytest.raises(UsageError, match="kv_cache_dtype=turboquant_k8v4: .*not emulated by kvcal yet"):
-        engine_kv_format("vllm", "turboquant_k8v4")
+    assert engine_kv_format("vllm", "turboquant_k8v4") == "turboquant_k8v4"  # a K/V pair of kvcal's
+    with pytest.raises(UsageError, match="kv_cache_dtype=fp8_inc: .*Intel Neural Compressor"):
+        engine_kv_format("vllm", "fp8_inc")
 
 
 def test_date_id_suffix() -> None:
