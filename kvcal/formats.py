@@ -25,6 +25,9 @@ Storage layout (kernels read these; do not change without changing them)
 | int8_per_tensor | int8 [..., D] (NaN stored as 0) | None | fp32 0-d, [H_kv] or [B, 1, 1, 1] |
 | fp8_per_token_head | float8_e4m3fn [..., D] | fp32 [..., 1] (max(amax/448, 1e-6)) | None |
 | int4_per_token_head | uint8 [..., D//2] (rotated basis) | fp32 [..., 1] word: scale, zero point in bits 0-3 | None |
+| tq_fp8 (k8v4 keys) | float8_e4m3fn [..., D] | None | None |
+| tq_mse4_nc / tq_mse3_nc (keys) | uint8 [..., D*b/8] codes of the rotated unit vector | float16 [..., 1] norm | fp32 [D] the layer's signs |
+| tq_uniform4 / tq_uniform3 (values) | uint8 [..., D*b/8] | float16 [..., 2]: scale, min | None |
 | nvfp4, nvfp4_4over6 | uint8 [..., D//2] | float8_e4m3fn [..., D//16] | fp32 0-d, [H_kv] or [B, 1, 1, 1] global |
 | fp4_e2m1 | uint8 [..., D//2] | uint8 E8M0 [..., D//16] | None |
 | mxfp4 | uint8 [..., D//2] | uint8 E8M0 [..., D//32] | None |
@@ -84,6 +87,42 @@ Rounding and scales per format
   NaN or Inf anywhere is stored as NaN (scale word NaN, codes 0): the rotation mixes every element into every code.
   So is a finite row whose rotation overflows (|x| near float32's max / D, or bf16's max / D for bf16 K/V): the
   one exception to "finite in, finite out", as on the engine, whose rotation overflows the same way.
+- turboquant_k8v4 / turboquant_4bit_nc / turboquant_k3v4_nc / turboquant_3bit_nc: vLLM's TurboQuant presets
+  (`--kv-cache-dtype turboquant_*`; files and commits at the TurboQuant section below). Each is a K/V pair of side
+  formats (`TQ_PRESETS`; a side is never a format on its own): keys `tq_fp8` (k8v4) or `tq_mse4_nc` / `tq_mse3_nc`,
+  values `tq_uniform4` / `tq_uniform3`. TurboQuant applies no k_scale / v_scale (a scale file is refused).
+  Keys, MSE (3/4 bits, norm correction): norm = |k| (kvcal: the float64 norm rounded once to float32; vLLM a float32
+  GPU reduction), x_hat = k / (norm + 1e-8) in float32, y = x_hat @ PiT with PiT = diag(s) H / sqrt(D): H the
+  Sylvester Hadamard matrix, s the +-1 signs of the LAYER (`tq_signs`: torch.randint(0, 2) from a CPU generator
+  seeded 42 + 1337 * layer_index, times 2 minus 1), 1 / sqrt(D) the float32 value vLLM's `H / math.sqrt(D)` stores
+  (`tq_hadamard_entry`). kvcal forms each y as that entry times the float64 butterfly sum, rounded once to float32
+  (`tq_rotate`; vLLM's cuBLAS GEMM rounds in its own order: the same y to an ulp or two). Code = the number of
+  midpoints <= y (the store kernel's binary search), midpoints (c[i] + c[i+1]) / 2 in float32 of the float32
+  Lloyd-Max centroids of N(0, 1/D) (`tq_centroids`: vLLM's solve_lloyd_max, float64 trapezoid integrals of 200
+  steps, 200 iterations or until no centroid moves by 1e-10). The norm is stored as float16 (RNE; >= 65520 is Inf,
+  as the engine's). Dequantized: c = centroid[code], norm correction c * (1 / sqrt(sum(c * c) + 1e-16)) (kvcal: the
+  float64 sum rounded once, IEEE sqrt and division; the Triton kernel's tl.sum / tl.sqrt / 1.0 / x are the GPU's),
+  k_rot = float32(norm16) * c, then rotated back, k = k_rot @ Pi (`tq_rotate(., inverse=True)`). vLLM's decode
+  instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits up to float32 rounding; kvcal
+  reads the un-rotated K. Keys, FP8 (k8v4): `e4m3(clamp(k, +-448))`, no scale, no rotation (Hopper's
+  cvt.rn.satfinite; vLLM on Ampere/Ada stores float8e4b15 instead, not emulated).
+  Values (3/4 bits, L = 2**bits - 1): per (token, head) min, max in float32, scale = (max - min) / L floored at
+  1e-8, codes `trunc((v - min) / scale + 0.5)` clamped to 0..L (vLLM's Triton `/` is the GPU's approximate division,
+  kvcal's correctly rounded: a value at a rounding boundary may take the other code), stored with float16 scale and
+  float16 min; dequantized `code * scale16 + min16` (exact product, one rounding: the kernel's FMA).
+  Packing: 4 bits element 2i in the low nibble of byte i; 3 bits each 8 elements a 24-bit little-endian word,
+  element j at bit 3j. Non-finite rows: a (token, head) row holding NaN or Inf is stored with a NaN norm / scale
+  (codes 0) and reads back all NaN (vLLM's key row turns NaN / +-Inf too; its value row would store NaN as the
+  row minimum). A finite row whose float16 norm / scale / min overflows reads back +-Inf or NaN, as on the engine.
+  head_dim must be a power of two (vLLM builds a D-point Sylvester matrix for every TurboQuant layer, k8v4
+  included), at least 8 with a 3-bit side. Boundary layers: vLLM's create_engine_config adds
+  get_boundary_skip_layers (the first and last 2 layers of a dense model, n capped at half) to
+  kv_cache_dtype_skip_layers, which keeps them 'auto' (BF16 for a bf16 model); no vLLM flag turns it off (kvcal:
+  `--tq-boundary-layers 0`). Sliding-window layers are refused (vLLM's TurboQuantAttentionImpl takes no window):
+  keep them in BF16 (`--skip-layers sliding_window`). Bytes per (token, KV head) of a TurboQuant layer:
+  `tq_slot_bytes` = slot_size_aligned = key (D for FP8, ceil(D b / 8) + 2) + value (ceil(D b / 8) + 4), rounded up
+  to even. vLLM's first prefill chunk attends the raw K/V (flash_attn); every later read, decode included, goes
+  through the cache, which is what kvcal reads at every position.
 - nvfp4: global scale g (fp32, multiplicative: x ~ e2m1 * block_scale * g), default dynamic
   `amax / (448 * 6)` (`nvfp4_dynamic_global`): per sequence (dim 0) for a 4-D [B, H_kv, T, D] tensor, over the
   whole tensor otherwise, so a sequence's codes never depend on the other sequences of its batch. Block scale =
