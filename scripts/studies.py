@@ -182,6 +182,7 @@ _RECORDED = {
     "--limit": ("limit", int),
     "--kl-seq-len": ("kl_seq_len", int),
     "--skip-layers": ("skip_layers", str),
+    "--tq-boundary-layers": ("tq_boundary_layers", int),
 }
 
 

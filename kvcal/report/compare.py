@@ -317,8 +317,8 @@ def _capacity_of(run: Run, context: int | None = None) -> float | None:
         from kvcal.capacity import capacity_table
 
         try:
-            skip = frozenset(run.config.skip_layer_indices)
-            table = capacity_table(kv, [run.kv_format], skip, context)
+            skip = frozenset(run.config.skip_layer_indices)  # a TurboQuant run's boundary layers included
+            table = capacity_table(kv, [run.kv_format], skip, context, tq_boundary=0)
             return float(table["formats"][0]["multiplier_vs_bf16"])
         except (KvcalError, ValueError):
             pass
