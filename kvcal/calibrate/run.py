@@ -38,7 +38,7 @@ from kvcal.calibrate.observers import (
     sqnr_db,
 )
 from kvcal.errors import KvcalError, UsageError
-from kvcal.formats import KVFormat, kv_pair, parse_kv_format
+from kvcal.formats import KVFormat, is_tq_preset, kv_pair, parse_kv_format
 from kvcal.models.geometry import KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, load_model
 from kvcal.placement import Placement
@@ -280,6 +280,11 @@ def calibrate(
 
     t0 = time.perf_counter()
     fmt, v_fmt = kv_pair(kv_format)
+    if is_tq_preset(kv_format):
+        raise UsageError(
+            f"{kv_format} has nothing to calibrate: vLLM's TurboQuant computes its norms and value scales at write "
+            "time and applies no k_scale / v_scale; evaluate it without --scales"
+        )
     opts = ObserveOptions.parse(
         dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
         kv_input_dtype=kv_input_dtype, batch_size=batch_size,

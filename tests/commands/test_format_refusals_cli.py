@@ -87,3 +87,11 @@ def test_turboquant_capacity_and_its_refusals(tmp_path: Path) -> None:
     assert isinstance(result.exception, UsageError), result.output
     msg = str(result.exception)
     assert "power-of-two head_dim" in msg and "\n" not in msg
+
+
+def test_turboquant_has_nothing_to_calibrate(tmp_path: Path) -> None:
+    result = runner.invoke(
+        app, ["calibrate", str(_config_dir(tmp_path, 64)), "-f", "turboquant_k3v4_nc", "-o", str(tmp_path / "s")]
+    )
+    assert isinstance(result.exception, UsageError), result.output
+    assert "nothing to calibrate" in str(result.exception) and "\n" not in str(result.exception)
