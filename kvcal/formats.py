@@ -1193,8 +1193,11 @@ def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
     c = tq_centroids(d, f.bits, q.codes.device)[tq_unpack(q.codes, f.bits, d)]  # [..., D]
     # NORM_CORRECTION: c * (1 / sqrt(sum(c * c) + 1e-16)); the kernel's tl.sum / tl.sqrt / 1.0 / x are the
     # GPU's (approximate) ones, kvcal's the float64 sum rounded once, IEEE sqrt and division
-    nsq = c.double().square().sum(dim=-1, keepdim=True).float()
-    c = c * (1.0 / torch.sqrt(nsq + TQ_NC_EPS))
+    # (torch's float32 CPU sqrt is not always correctly rounded: sqrt and 1 / x are taken in float64 and rounded
+    # to float32, which is the correctly rounded float32 result for float32 operands)
+    nsq = c.double().square().sum(dim=-1, keepdim=True).float() + TQ_NC_EPS  # [..., 1] float32
+    root = nsq.double().sqrt().float()
+    c = c * (1.0 / root.double()).float()
     k_rot = q.block_scales.float() * c  # vec_norm (fp16 -> fp32) * centroid
     signs = q.scale if q.scale is not None else tq_signs(d, 0, q.codes.device)
     return tq_rotate(k_rot, signs, inverse=True)
