@@ -101,7 +101,7 @@ Rounding and scales per format
   Lloyd-Max centroids of N(0, 1/D) (`tq_centroids`: vLLM's solve_lloyd_max, float64 trapezoid integrals of 200
   steps, 200 iterations or until no centroid moves by 1e-10). The norm is stored as float16 (RNE; >= 65520 is Inf,
   as the engine's). Dequantized: c = centroid[code], norm correction c * (1 / sqrt(sum(c * c) + 1e-16)) (kvcal: the
-  float64 sum rounded once, IEEE sqrt and division; the Triton kernel's tl.sum / tl.sqrt / 1.0 / x are the GPU's),
+  float64 sum rounded once, correctly rounded sqrt and division (via float64: torch's float32 CPU sqrt is not); the Triton kernel's tl.sum / tl.sqrt / 1.0 / x are the GPU's),
   k_rot = float32(norm16) * c, then rotated back, k = k_rot @ Pi (`tq_rotate(., inverse=True)`). vLLM's decode
   instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits up to float32 rounding; kvcal
   reads the un-rotated K. Keys, FP8 (k8v4): `e4m3(clamp(k, +-448))`, no scale, no rotation (Hopper's
@@ -1192,7 +1192,7 @@ def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
     rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits to float32 rounding."""
     c = tq_centroids(d, f.bits, q.codes.device)[tq_unpack(q.codes, f.bits, d)]  # [..., D]
     # NORM_CORRECTION: c * (1 / sqrt(sum(c * c) + 1e-16)); the kernel's tl.sum / tl.sqrt / 1.0 / x are the
-    # GPU's (approximate) ones, kvcal's the float64 sum rounded once, IEEE sqrt and division
+    # GPU's (approximate) ones, kvcal's the float64 sum rounded once, correctly rounded sqrt and division
     # (torch's float32 CPU sqrt is not always correctly rounded: sqrt and 1 / x are taken in float64 and rounded
     # to float32, which is the correctly rounded float32 result for float32 operands)
     nsq = c.double().square().sum(dim=-1, keepdim=True).float() + TQ_NC_EPS  # [..., 1] float32
