@@ -21,7 +21,15 @@ import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.report import agreement, longcontext, stats
-from kvcal.report.lmeval_runs import Source, load_lm_eval_run, results_folder, split_date_id, task_settings
+from kvcal.report.lmeval_runs import (
+    Source,
+    load_lm_eval_run,
+    results_folder,
+    same_documents,
+    split_date_id,
+    task_limit,
+    task_settings,
+)
 from kvcal.report.longcontext import PasskeyGrid, PositionCurve
 from kvcal.report.metrics import MetricSpec, arrays, metric_specs
 from kvcal.report.runs import BadRunError, Record, Run, discover_run_dirs, is_lm_eval_dir, load_run
@@ -531,22 +539,29 @@ def _paired_keys(task: str, brun: Run, orun: Run, label: str, warn: Warn) -> lis
         warn(f"{task}: {label} and the baseline share no samples; {task} is not compared for it")
     elif len(docs_c) < max(len(docs_b), len(docs_o)):
         warn(
-            f"{task}: {label} has {len(docs_o)} samples, the baseline {len(docs_b)} "
-            f"(limit {orun.limit} vs {brun.limit}); paired statistics use the {len(docs_c)} in common"
+            f"{task}: {label} has {len(docs_o)} samples, the baseline {len(docs_b)} (the same --limit: different "
+            f"data or an engine that dropped samples?); paired statistics use the {len(docs_c)} in common"
         )
     return common
 
 
 def _same_task_settings(task: str, brun: Run, orun: Run, label: str, base_label: str) -> None:
-    """Runs whose task settings differ (n-shot, generation kwargs, task version, repeats) score different prompts
-    or answers: refuse to pair them, naming the difference. (A different --limit only changes which documents
-    were run: those pair on doc_id + doc_hash, see _paired_keys.)"""
+    """Runs whose task settings differ (n-shot, generation kwargs, task version, repeats, kl's window length)
+    score different prompts or answers, and runs of a different --limit different documents (a kl window or a
+    passkey cell's sample of one is not the other's): refuse to pair them, naming the difference."""
     b, o = task_settings(brun, task), task_settings(orun, task)
     diffs = [f"{k} {o[k]!r} vs {b[k]!r}" for k in b if k in o and b[k] != o[k]]
     if diffs:
         raise UsageError(
             f"{task}: {label} and the baseline {base_label} ran different task settings ({'; '.join(diffs)}, "
             f"{label} first): their samples cannot be paired; evaluate both with the same settings"
+        )
+    bl, ol = task_limit(brun, task), task_limit(orun, task)
+    if not same_documents(bl, ol):
+        raise UsageError(
+            f"{task}: {label} and the baseline {base_label} ran different --limit ({ol.describe()} vs "
+            f"{bl.describe()}, {label} first): they evaluated different documents and cannot be paired; "
+            "evaluate both with the same --limit"
         )
 
 

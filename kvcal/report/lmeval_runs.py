@@ -188,10 +188,52 @@ def task_settings(run: Run, task: str) -> dict[str, Any]:
     shots = (res.get("n-shot") or {}).get(task, cfg.get("num_fewshot"))
     if shots is not None:
         out["num_fewshot"] = shots
-    for key in ("generation_kwargs", "repeats"):
+    for key in ("generation_kwargs", "repeats", "seq_len"):  # seq_len: kvcal's kl windows (--kl-seq-len)
         if key in cfg:
             out[key] = cfg[key]
     return out
+
+
+@dataclass(frozen=True)
+class TaskLimit:
+    """How many of a task's documents a run evaluated: `--limit` as recorded (lm-eval's `config.limit`: a count,
+    or a fraction below 1; None: no limit) and lm-eval's `n-samples` (effective / original), None where not
+    recorded."""
+
+    limit: int | float | None
+    effective: int | None
+    original: int | None
+
+    @property
+    def whole(self) -> bool:
+        """Every document of the task was evaluated (no limit, or one at least the task's size)."""
+        return self.effective is not None and self.effective == self.original
+
+    def describe(self) -> str:
+        docs = "" if self.effective is None else f"{self.effective} documents"
+        if self.limit is None:
+            return "none" + (f" ({docs})" if docs else "")
+        return f"{self.limit:g}" + (f" ({docs})" if docs else "")
+
+
+def _count(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def task_limit(run: Run, task: str) -> TaskLimit:
+    """A run's `--limit` for one task: the results record's `config.limit` (lm-eval's own, or kvcal's copy of its
+    config.yaml), else config.yaml's; with `n-samples` of the task."""
+    cfg = run.results.get("config")
+    raw = cfg["limit"] if isinstance(cfg, dict) and "limit" in cfg else run.config.limit
+    limit = raw if isinstance(raw, (int, float)) and not isinstance(raw, bool) else None
+    n = (run.results.get("n-samples") or {}).get(task) or {}
+    n = n if isinstance(n, dict) else {}
+    return TaskLimit(limit, _count(n.get("effective")), _count(n.get("original")))
+
+
+def same_documents(a: TaskLimit, b: TaskLimit) -> bool:
+    """Two runs of a task evaluated the same documents: the same --limit, or both every document of it."""
+    return a.limit == b.limit or (a.whole and b.whole and a.original == b.original)
 
 
 def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
@@ -214,11 +256,11 @@ def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
     if not tasks:
         raise BadRunError(f"{results_file} lists no tasks")
     name = label or _default_label(source.path, folder, results)
-    limit = results["config"].get("limit")
+    limit = results["config"].get("limit")  # lm-eval: below 1 a fraction of each task (kept raw: task_limit)
     model_dir = ec.model if Path(ec.model).is_dir() else ""
     config = RunConfig(
         model=ec.model, model_dir=model_dir, kv_format=ec.kv_format, tasks=tasks, scales_path=ec.scales,
-        skip_layers=ec.skip_layers, limit=int(limit) if isinstance(limit, (int, float)) else None,
+        skip_layers=ec.skip_layers, limit=int(limit) if isinstance(limit, (int, float)) and limit >= 1 else None,
         dtype=ec.dtype, scale_source=ec.scale_source, device=str(results["config"].get("device") or ""),
         kvcal_version="", extra={"lm_eval": {"backend": ec.backend, "date_id": date_id,
                                              "results": str(results_file)}},

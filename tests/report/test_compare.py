@@ -193,18 +193,37 @@ def test_gate_cli_identical_exit_0_and_html(
     assert "| `nvfp4` | nvfp4 | dynamic | sliding_window |" in report
 
 
-def test_different_limits_pair_on_common_samples(
-    tmp_path: Path, data: dict, tasks, write_run, gsm8k_records
-) -> None:  # noqa: ANN001
+def test_different_limits_are_refused(tmp_path: Path, data: dict, tasks, write_run, gsm8k_records, invoke) -> None:  # noqa: ANN001
+    """Runs of a different --limit evaluated different documents: refused naming both limits, not paired on the
+    ones in common; a limit at least the task's size (every document, lm-eval's n-samples) is no limit."""
     t = tasks(data["correct"], data["ll"], data["words"], data["kl"], data["agree"])
     write_run(tmp_path, "base", "bf16", t, limit=200)
     write_run(tmp_path, "fp8", "fp8_e4m3", {"gsm8k": gsm8k_records(data["correct"][:50])}, limit=50)
-    warnings: list[str] = []
-    c = cmpmod.compare_runs([tmp_path], n_boot=200, warn=warnings.append)
-    r = next(x for x in c.results if x.label == "exact_match,strict-match")
-    assert r.n == 50 and r.n_base_total == 200
-    assert any("50 in common" in w and "200" in w for w in warnings)
-    assert any("no wikitext run" in w for w in warnings)
+    with pytest.raises(UsageError, match=r"gsm8k: fp8 and the baseline base ran different --limit \(50 vs 200, fp8"):
+        cmpmod.compare_runs([tmp_path], n_boot=200)
+    code, _, err = invoke(["compare", str(tmp_path)])
+    assert code == 2 and err.count("Error:") == 1 and "evaluate both with the same --limit" in " ".join(err.split())
+    # no limit vs --limit 500 on a 200-document task: both evaluated all 200, so they pair
+    whole = tmp_path / "whole"
+    n = len(data["correct"])
+    for name, fmt, limit in (("base", "bf16", None), ("fp8", "fp8_e4m3", 500)):
+        d = write_run(whole, name, fmt, {"gsm8k": gsm8k_records(data["correct"])}, limit=limit)
+        res = json.loads((d / "results.json").read_text())
+        res["n-samples"] = {"gsm8k": {"original": n, "effective": n}}
+        (d / "results.json").write_text(json.dumps(res))
+    c = cmpmod.compare_runs([whole], n_boot=200)
+    assert next(x for x in c.results if x.label == "exact_match,strict-match").n == n
+
+
+def test_kl_windows_of_another_length_are_refused(tmp_path: Path, write_run, kl_records) -> None:  # noqa: ANN001
+    n = 20
+    for name, fmt, seq_len in (("base", "bf16", 128), ("fp8", "fp8_e4m3", 256)):
+        d = write_run(tmp_path, name, fmt, {"kl": kl_records(np.full(n, 0.01), np.ones(n))})
+        res = json.loads((d / "results.json").read_text())
+        res["configs"]["kl"] = {"task": "kl", "seq_len": seq_len}
+        (d / "results.json").write_text(json.dumps(res))
+    with pytest.raises(UsageError, match=r"kl: fp8 .* different task settings \(seq_len 256 vs 128"):
+        cmpmod.compare_runs([tmp_path], n_boot=200)
 
 
 def test_bad_inputs(tmp_path: Path, data: dict, write_run, gsm8k_records, invoke: Invoke) -> None:  # noqa: ANN001

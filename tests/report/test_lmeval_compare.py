@@ -2,7 +2,7 @@
 `lm_eval --model hf ... --log_samples --output_path` and `kvcal-lm-eval --model kvcal ... kv_format=fp8_e4m3`
 (both into one folder: two results files), against `kvcal eval`'s run directories of the same configurations.
 The paired differences, intervals and gate verdicts are the same either way, and mixed; a different n-shot is
-refused naming it."""
+a different --limit are refused naming them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvcal.errors import UsageError
 from kvcal.report.compare import Comparison, compare_runs
 from kvcal.report.lmeval_runs import RESULTS_PREFIX, date_id_of
 
-pytestmark = pytest.mark.slow  # five lm-eval / kvcal eval processes on a tiny model
+pytestmark = pytest.mark.slow  # six lm-eval / kvcal eval processes on a tiny model
 
 CORPUS = [
     "the cat sat on the mat and the dog sat on the log",
@@ -60,13 +60,16 @@ def outputs(
     shot = root / "one_shot"
     _run(["-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
           "--tasks", "tiny_gen", "--num_fewshot", "1", "--output_path", str(shot), *common], root)  # fmt: skip
+    six = root / "limit_six"
+    _run(["-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
+          "--tasks", TASKS, "--limit", "6", "--output_path", str(six), *common], root)  # fmt: skip
     runs = root / "runs"
     for fmt in ("auto", "fp8_e4m3"):
         _run(["-m", "kvcal.cli", "eval", str(model), "--kv-format", fmt, "--tasks", TASKS,
               "--include-path", str(tasks), "--batch-size", "2", "-o", str(runs / fmt)], root)  # fmt: skip
     (folder,) = [d for d in both.iterdir() if d.is_dir()]
     first, last = sorted(date_id_of(f) for f in folder.glob(f"{RESULTS_PREFIX}*.json"))
-    return {"both": both, "first": Path(f"{both}@{first}"), "last": Path(f"{both}@{last}"), "shot": shot,
+    return {"both": both, "first": Path(f"{both}@{first}"), "last": Path(f"{both}@{last}"), "shot": shot, "six": six,
             "auto": runs / "auto", "fp8": runs / "fp8_e4m3"}  # fmt: skip
 
 
@@ -94,3 +97,12 @@ def test_lm_eval_folders_compare_like_run_directories(outputs: dict[str, Path]) 
 def test_mismatched_n_shot_is_refused(outputs: dict[str, Path]) -> None:
     with pytest.raises(UsageError, match=r"tiny_gen: .* different task settings \(num_fewshot 1 vs 0"):
         compare_runs([outputs["first"], outputs["shot"]], baseline="lm_eval_out", n_boot=200)
+
+
+def test_mismatched_limit_is_refused(outputs: dict[str, Path]) -> None:
+    """`lm_eval --limit 6` against all 12 documents: an lm-eval folder, and a kvcal run directory, each refused."""
+    want = r"tiny_(mc|gen): limit_six and the baseline \S+ ran different --limit \(6 \(6 documents\) vs none \(12 documents\)"
+    with pytest.raises(UsageError, match=want):
+        compare_runs([outputs["first"], outputs["six"]], baseline="lm_eval_out", n_boot=200)
+    with pytest.raises(UsageError, match=want):
+        compare_runs([outputs["auto"], outputs["six"]], baseline="auto", n_boot=200)
