@@ -11,8 +11,12 @@ from kvcal.report import longcontext as lc
 from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
 from kvcal.report.markdown import (
+    CONFORMANCE_INTRO,
     agreement_table,
     by_task,
+    conformance_table,
+    conformance_verdict,
+    gate_summary,
     gated_list,
     how_to_read,
     passkey_intro,
@@ -55,10 +59,7 @@ def _md_to_html(line: str) -> str:
 
 def _head(cmp: Comparison) -> list[str]:
     gate_ok = cmp.gate_passed
-    gate_txt = fmt.gate_line(
-        len(cmp.failures), len(cmp.insufficient), len(cmp.no_common_task), cmp.settings.allow_unjudged,
-        cmp.settings.gate,
-    )
+    gate_txt = gate_summary(cmp)
     out = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvcal comparison report</title>",
         f"<style>{_CSS}</style></head><body>",
@@ -189,6 +190,22 @@ def _agreement(cmp: Comparison) -> list[str]:
     return out + _table(*agreement_table(cmp))
 
 
+def _conformance(cmp: Comparison) -> list[str]:
+    """Engine vs emulation: per pair and key metric the agreement, the paired difference with its interval, the
+    minimum detectable difference; then each pair's verdict."""
+    if not cmp.conformance:
+        return []
+    out = ["<h2>Engine vs emulation</h2>", f"<p class='note'>{e(CONFORMANCE_INTRO)}</p>"]
+    out += _table(*conformance_table(cmp)) + ["<ul>"]
+    for c in cmp.conformance:
+        cls = {True: "better", False: "fail", None: "insufficient"}[c.conforms]
+        out.append(
+            f"<li class='{cls}'><code>{e(c.engine)}</code> <b>{e(conformance_verdict(c.conforms))}</b>: "
+            f"{e(c.verdict)}</li>"
+        )
+    return out + ["</ul>"]
+
+
 def _speed(cmp: Comparison) -> list[str]:
     if cmp.speed is None:
         return []
@@ -201,9 +218,10 @@ def _speed(cmp: Comparison) -> list[str]:
 
 
 def render_html(cmp: Comparison) -> str:
-    """One self-contained HTML page: summary, plots (embedded PNG data URIs), per-task tables, long-context
-    curves and heatmaps, warnings."""
-    out = _head(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _agreement(cmp) + _long_context(cmp) + _speed(cmp)
+    """One self-contained HTML page: engine vs emulation (when checked), summary, plots (embedded PNG data URIs),
+    per-task tables, long-context curves and heatmaps, warnings."""
+    out = _head(cmp) + _conformance(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _agreement(cmp)
+    out += _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         out += ["<h2>Warnings</h2><ul>", *(f"<li>{e(w)}</li>" for w in cmp.warnings), "</ul>"]
     out += ["<h2>How to read this report</h2><ul class='note'>"]

@@ -35,11 +35,16 @@ def by_task(cmp: Comparison) -> list[tuple[str, list[tuple[str, list[MetricResul
     return out
 
 
-def _header(cmp: Comparison) -> list[str]:
-    gate = fmt.gate_line(
+def gate_summary(cmp: Comparison) -> str:
+    """The gate's one line for the report (numbers.gate_line of this comparison)."""
+    return fmt.gate_line(
         len(cmp.failures), len(cmp.insufficient), len(cmp.no_common_task), cmp.settings.allow_unjudged,
-        cmp.settings.gate,
-    )
+        cmp.settings.gate, sum(c.conforms is False for c in cmp.conformance),
+    )  # fmt: skip
+
+
+def _header(cmp: Comparison) -> list[str]:
+    gate = gate_summary(cmp)
     return [
         "# kvcal KV-cache comparison report",
         "",
@@ -98,26 +103,48 @@ def _gate_lists(cmp: Comparison) -> list[str]:
     return lines
 
 
-def _conformance(cmp: Comparison) -> list[str]:
-    """Engine vs emulation (kvcal.report.conformance): one line per pair, then its key metrics."""
-    if not cmp.conformance:
-        return []
-    lines = ["## Engine vs emulation", "",
-             "Each engine run against kvcal's emulation of the configuration it claims, over the samples both "
-             "scored (engine minus emulation; Holm over the pair's key metrics, two-sided).", "",
-             "| engine | emulation of | task | metric | agreement | difference [CI] | p | min. detectable |",
-             "|---|---|---|---|---:|---|---:|---:|"]  # fmt: skip
+CONFORMANCE_INTRO = (
+    "Each engine run against kvcal's emulation of the configuration it claims, over the samples both scored "
+    "(engine minus emulation; Holm over the pair's key metrics, two-sided). Agreement: the share of paired samples "
+    "whose per-sample score is the same in both. Minimum detectable: the difference this many samples would show "
+    "with 80% power; a smaller one can hide under 'matches'."
+)
+
+
+def conformance_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of engine vs emulation (kvcal.report.conformance): a row per pair and key metric."""
+    header = ["engine", "emulation", "configuration claimed", "task", "metric", "n paired", "agreement", "difference [CI]", "p",
+              "min. detectable", "status"]  # fmt: skip
+    rows = []
     for c in cmp.conformance:
         for r in c.results:
             agree = c.agreement.get(f"{r.task}/{r.label}")
             ci = "—" if r.ci_low is None else f"[{r.ci_low:.4g}, {r.ci_high:.4g}]"
-            lines.append(
-                f"| `{c.engine}` | {_esc(c.claimed)} (`{c.emulation}`) | {r.task} | {r.label} | "
-                f"{'—' if agree is None else f'{agree:.1%}'} | {r.diff:+.4g} {ci} | {fmt.p_column(r)} | "
-                f"{'—' if r.mdd is None else f'{r.mdd:.3g}'} |"
-            )
-    lines.append("")
-    lines += [f"- `{c.engine}`: {_esc(c.verdict)}" for c in cmp.conformance]
+            rows.append(
+                [f"`{c.engine}`", f"`{c.emulation}`", c.claimed, r.task, r.label, str(r.n),
+                 "—" if agree is None else f"{agree:.1%}", f"{r.diff:+.4g} {ci}", fmt.p_column(r),
+                 "—" if r.mdd is None else f"{r.mdd:.3g}", _conformance_status(r)]
+            )  # fmt: skip
+    return header, rows
+
+
+def _conformance_status(r: MetricResult) -> str:
+    if r.insufficient:
+        return "insufficient data"
+    return "differs" if r.significant else "no significant difference"
+
+
+def conformance_verdict(conforms: bool | None) -> str:
+    """A pair's verdict in one word: MATCH, NO MATCH, or not judged."""
+    return {True: "MATCH", False: "NO MATCH", None: "not judged"}[conforms]
+
+
+def _conformance(cmp: Comparison) -> list[str]:
+    """Engine vs emulation (kvcal.report.conformance): the table, then one verdict line per pair."""
+    if not cmp.conformance:
+        return []
+    lines = ["## Engine vs emulation", "", CONFORMANCE_INTRO, "", *_table(*conformance_table(cmp)), ""]
+    lines += [f"- `{c.engine}` ({conformance_verdict(c.conforms)}): {_esc(c.verdict)}" for c in cmp.conformance]
     return [*lines, ""]
 
 

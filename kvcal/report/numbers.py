@@ -99,12 +99,21 @@ def p_column(r: MetricResult) -> str:
 
 
 def gate_line(
-    failures: int, insufficient: int, no_common: int = 0, allow_unjudged: bool = False, mode: str = "regression"
+    failures: int,
+    insufficient: int,
+    no_common: int = 0,
+    allow_unjudged: bool = False,
+    mode: str = "regression",
+    mismatched: int = 0,
 ) -> str:
-    """The gate's one line: what failed, or what was not judged (which fails unless --allow-unjudged)."""
-    if failures:
+    """The gate's one line: what failed (results over the threshold, engine runs that do not compute what their
+    emulation does), or what was not judged (which fails unless --allow-unjudged)."""
+    if failures or mismatched:
         what = "regression(s)" if mode == "regression" else "result(s) not shown non-inferior"
-        return f"FAILED ({failures} {what})"
+        parts = ([f"{failures} {what}"] if failures else []) + (
+            [f"{mismatched} engine run(s) not matching their emulation"] if mismatched else []
+        )
+        return f"FAILED ({'; '.join(parts)})"
     unjudged = []
     if insufficient:
         unjudged.append(f"{insufficient} key result(s) had {INSUFFICIENT} and were not judged")

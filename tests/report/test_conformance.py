@@ -1,7 +1,7 @@
 """Engine vs emulation (issue 23, item 2): an engine run paired with kvcal's emulation of the configuration it
 claims. Known answers on written runs: one that computes something else (its answers flip on many samples) does
 not match; a faithful one (the same answers up to a few kernel-rounding flips) matches, with what it could miss.
-The real-model study and its command are in docs/studies/engine-conformance.md."""
+The real-model study and its commands are in docs/studies/conformance.md."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def test_scales_ignored_does_not_match_faithful_does(tmp_path: Path, write_run, 
     assert not c.gate_passed  # a run that does not match its claim fails the gate
     md = render_markdown(c)
     assert "## Engine vs emulation" in md and "`engine_bad`" in md
+    assert "**Gate (regression):** FAILED (1 engine run(s) not matching their emulation)" in md
     assert [x["conforms"] for x in c.to_dict()["conformance"]] == [False, True]
 
 
@@ -62,3 +63,40 @@ def test_cli_conformance(tmp_path: Path, write_run, kl_records, invoke: Invoke) 
     assert code == 1 and "Engine vs emulation: engine_bad: does not match" in " ".join(err.split())
     code, _, err = invoke(["compare", str(root), "--conformance", "nope=emu"])
     assert code == 2 and "write ENGINE=EMULATION" in err
+
+
+def _rows(html: str) -> dict[tuple[str, str], list[str]]:
+    """The conformance table's rows as cells, keyed by (engine, metric)."""
+    start = html.index("<h2>Engine vs emulation</h2>")
+    table = html[html.index("<table>", start) : html.index("</table>", start)]
+    rows = [[cell.split("</td>")[0] for cell in tr.split("<td>")[1:]] for tr in table.split("<tr>")[2:]]
+    return {(r[0].removeprefix("<code>").removesuffix("</code>"), r[4]): r[1:] for r in rows}
+
+
+def test_html_report_has_the_conformance_section(tmp_path: Path, write_run, kl_records, invoke: Invoke) -> None:  # noqa: ANN001
+    """`kvcal compare --conformance ... --html`: per pair the agreement, the paired difference with its
+    interval, the minimum detectable difference and the verdict, the same numbers as the JSON."""
+    root = _runs(tmp_path / "runs", write_run, kl_records)
+    page = tmp_path / "r.html"
+    code, out, err = invoke(["compare", str(root), "--conformance", "engine_bad=emu", "--conformance", "engine_ok=emu",
+                             "--html", str(page), "--json", "--max-drop", "0.05"])  # fmt: skip
+    assert code == 0, err
+    text = page.read_text()
+    assert "<h2>Engine vs emulation</h2>" in text
+    assert "FAILED (1 engine run(s) not matching their emulation)" in text
+    assert "<b>NO MATCH</b>: does not match: engine_bad" in text and "<b>MATCH</b>: matches at this sample size" in text
+    rows = _rows(text)
+    pairs = json.loads(out)["conformance"]
+    assert len(rows) == sum(len(p["results"]) for p in pairs) == 4  # two pairs x (kl, top1_agree)
+    for pair in pairs:
+        for r in pair["results"]:
+            cells = rows[(pair["engine"], r["metric"])]
+            assert cells[:3] == ["<code>emu</code>", "fp8_e4m3, scales calib-tensor, skip none", "kl"]
+            agree = pair["agreement"]["kl/" + r["metric"]]
+            assert cells[4] == str(N) and cells[5] == f"{agree:.1%}"
+            assert cells[6] == f"{r['diff']:+.4g} [{r['ci_low']:.4g}, {r['ci_high']:.4g}]"
+            assert cells[8] == ("—" if r["mdd"] is None else f"{r['mdd']:.3g}")
+    assert rows[("engine_bad", "kl")][9] == "differs" and rows[("engine_ok", "kl")][9] == "no significant difference"
+    # no conformance asked and no engine run: no section
+    assert invoke(["compare", str(root), "--html", str(page)])[0] == 0
+    assert "Engine vs emulation" not in page.read_text()
