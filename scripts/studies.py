@@ -37,7 +37,18 @@ if str(REPO) not in sys.path:  # `python scripts/studies.py` from a checkout imp
 from kvcal.errors import KvcalError, UsageError  # noqa: E402
 from kvcal.report import numbers as fmt  # noqa: E402
 from kvcal.report.compare import Comparison, compare_runs  # noqa: E402
-from kvcal.report.markdown import by_task, passkey_table, passkey_tasks, position_intro, position_table  # noqa: E402
+from kvcal.report.conformance import add_conformance  # noqa: E402
+from kvcal.report.markdown import (  # noqa: E402
+    CONFORMANCE_INTRO,
+    by_task,
+    conformance_table,
+    conformance_verdict,
+    gate_summary,
+    passkey_table,
+    passkey_tasks,
+    position_intro,
+    position_table,
+)
 from kvcal.rundir import COMPLETE, CONFIG  # noqa: E402
 
 MANIFEST = REPO / "docs" / "studies" / "manifest.yaml"
@@ -45,7 +56,9 @@ OUT_DIR = REPO / "docs" / "studies"
 ROOT = "{root}"  # placeholder in the manifest's commands: the study's folder (its `root`, or --root)
 _STUDY_KEYS = {"title", "about", "root", "setup", "runs", "compare", "notes"}
 _RUN_KEYS = {"name", "command"}
-_COMPARE_KEYS = {"baseline", "max_drop", "context", "min_samples", "alpha", "bootstrap", "seed"}
+_COMPARE_KEYS = {
+    "baseline", "max_drop", "context", "min_samples", "alpha", "bootstrap", "seed", "gate", "conformance",
+}  # fmt: skip
 
 
 class MissingRunsError(KvcalError):
@@ -284,7 +297,7 @@ def render(study: Study, cmp: Comparison, dirs: Sequence[Path], shown_root: str)
         f"Every difference, interval, p-value and gate verdict is `kvcal compare`'s: `{compare_cmd}` (the "
         f"script calls the function that command calls, with the same options; intervals "
         f"{1 - cmp.alpha:.0%}, {fmt.correction_words(cmp.multiple_testing, cmp.alpha)}; gate "
-        f"{fmt.gate_line(len(cmp.failures), len(cmp.insufficient))}).",
+        f"{'' if cmp.settings.gate == 'regression' else f'{cmp.settings.gate}: '}{gate_summary(cmp)}).",
         "",
         "## Summary",
         "",
@@ -322,9 +335,23 @@ def render(study: Study, cmp: Comparison, dirs: Sequence[Path], shown_root: str)
         header, krow = passkey_table(cmp, task)
         krow = [[r[0], ref.get(r[0].strip("`"), "?"), *r[1:]] for r in krow]
         lines += [f"## {task} by length and depth", ""] + _table([header[0], "run", *header[1:]], krow) + [""]
+    lines += _conformance(cmp, ref)
     if study.notes:
         lines += ["## What it shows", "", study.notes, ""]
     return "\n".join(lines)
+
+
+def _conformance(cmp: Comparison, ref: dict[str, str]) -> list[str]:
+    """Engine vs emulation (the manifest's `conformance:` pairs): compare's table, each row naming its two runs,
+    then each pair's verdict."""
+    if not cmp.conformance:
+        return []
+    header, rows = conformance_table(cmp)
+    rows = [[r[0], f"{ref.get(r[0].strip('`'), '?')} vs {ref.get(r[1].strip('`'), '?')}", *r[1:]] for r in rows]
+    lines = ["## Engine vs emulation", "", CONFORMANCE_INTRO, ""]
+    lines += _table([header[0], "runs", *header[1:]], rows) + [""]
+    lines += [f"- `{c.engine}` ({conformance_verdict(c.conforms)}): {_esc(c.verdict)}" for c in cmp.conformance]
+    return [*lines, ""]
 
 
 def build(study: Study, root: Path, shown_root: str) -> str:
@@ -333,8 +360,10 @@ def build(study: Study, root: Path, shown_root: str) -> str:
     cmp = compare_runs(
         dirs, baseline=opts.get("baseline", "bf16"), max_drop=opts.get("max_drop"), context=opts.get("context"),
         min_samples=opts.get("min_samples", 10), alpha=opts.get("alpha", 0.05), n_boot=opts.get("bootstrap", 2000),
-        seed=opts.get("seed", 1234),
+        seed=opts.get("seed", 1234), gate=opts.get("gate", "regression"),
     )  # fmt: skip
+    if opts.get("conformance"):  # `kvcal compare --conformance ENGINE=EMULATION`, each pair of the list
+        add_conformance(cmp, [str(p) for p in opts["conformance"]])
     return render(study, cmp, dirs, shown_root)
 
 

@@ -136,3 +136,27 @@ def test_the_repositorys_manifest_loads(studies: ModuleType):
     assert "demo" in manifest
     for study in manifest.values():  # every run directory is named after its run
         assert all(Path(studies.output_of(r.command)).name == r.name for r in study.runs)
+
+
+def test_conformance_and_gate_keys(studies: ModuleType, runs: Path, tmp_path: Path):
+    """`compare: {gate: noninferiority, conformance: [ENGINE=EMULATION]}`: the page has compare's engine-vs-
+    emulation rows (naming both runs) and verdicts, and the gate's mode; the compare command carries both."""
+    rng = np.random.default_rng(1)
+    emu = rng.uniform(0.004, 0.006, 12)
+    _kl_run(runs / "runs" / "emu", "fp8_e4m3", emu)
+    _kl_run(runs / "runs" / "engine", "fp8_e4m3", emu * 1.5)
+    extra_runs = [{"name": n, "command": CMD.format(fmt="fp8", name=n)} for n in ("emu", "engine")]
+    m = _manifest(tmp_path, runs, {"compare": {"baseline": "bf16", "gate": "noninferiority",
+                                               "conformance": ["engine=emu"]}})  # fmt: skip
+    raw = yaml.safe_load(m.read_text())
+    raw["studies"]["tiny"]["runs"] += extra_runs
+    m.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "pages"
+    assert studies.main(["tiny", "--manifest", str(m), "--out", str(out)]) == 0
+    page = (out / "tiny.md").read_text()
+    assert "--conformance engine=emu --gate noninferiority --json`" in page  # the manifest's keys, as YAML wrote them
+    assert "gate noninferiority: FAILED (" in page and "1 engine run(s) not matching their emulation" in page
+    assert "## Engine vs emulation" in page
+    row = next(line for line in page.splitlines() if line.startswith("| `engine` | R4 vs R3 | `emu` |"))
+    assert "| kl | kl | 12 | 0.0% |" in row and row.endswith("| differs |")
+    assert "- `engine` (NO MATCH): does not match" in page
