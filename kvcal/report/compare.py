@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.formats import kv_pair
 from kvcal.report import agreement, longcontext, stats
 from kvcal.report.lmeval_runs import (
     Source,
@@ -293,9 +294,14 @@ def describe_scales(cfg: RunConfig) -> str:
     if fmt in ("nvfp4", "nvfp4_4over6"):
         # run_format 1 recorded no policy: kvcal 0.1's nvfp4 took a dynamic global scale
         return {"one": "uncalibrated", "per_sequence": "per-sequence"}.get(cfg.nvfp4_global or "", "dynamic")
-    if fmt.startswith("fp8"):
-        return "uncalibrated"
-    return "none" if fmt in ("auto", "bf16") else "dynamic"
+    if fmt in ("auto", "bf16", "float16"):
+        return "none"
+    try:
+        sides = kv_pair(fmt)
+    except KvcalError:  # a name this kvcal does not know (a newer run): say nothing wrong about it
+        return "dynamic"
+    # a static-scale side without a file runs at scale 1.0 (FP8, TensorRT-LLM's INT8 per tensor)
+    return "uncalibrated" if any(f.calibratable for f in sides) else "dynamic"
 
 
 def describe_skip(cfg: RunConfig) -> str:

@@ -79,3 +79,21 @@ def test_refused_where_meaningless(
     assert code == 2, err
     assert err.strip().splitlines() == [err.strip()] and err.startswith("Error: ") and needle in err
     assert not (tmp_path / "r").exists()
+
+
+def test_describe_scales_follows_the_formats_table() -> None:
+    """A static-scale format without a scale file runs at 1.0 ('uncalibrated': FP8, TensorRT-LLM's INT8 per tensor,
+    a K/V pair with such a side); per-token / block formats are 'dynamic' (fp8_per_token_head included, whose name
+    starts like FP8's); 16-bit formats have none."""
+    from kvcal.rundir import RunConfig
+
+    def desc(fmt: str) -> str:
+        return describe_scales(RunConfig(model="m", model_dir="m", kv_format=fmt, tasks=["kl"]))
+
+    assert [desc(f) for f in ("fp8_e4m3", "int8_per_tensor", "k=fp8_e4m3,v=int8_per_token_head")] == [
+        "uncalibrated"
+    ] * 3
+    assert [desc(f) for f in ("fp8_per_token_head", "int8_per_token_head", "mxfp4", "turboquant_k8v4")] == [
+        "dynamic"
+    ] * 4
+    assert [desc(f) for f in ("auto", "bf16", "float16")] == ["none"] * 3
