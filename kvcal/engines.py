@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,11 @@ def _engine_tasks(s: EngineSetup) -> tuple[list[str], list[str]]:
     return tasks, notes
 
 
+def gen_kwargs_text(items: Iterable[tuple[str, Any]]) -> str:
+    """lm-eval's --gen_kwargs string of (key, value) pairs: 'max_gen_toks=48,temperature=0.6,do_sample=true'."""
+    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
+
+
 def _lm_eval(model: str, model_args: dict[str, Any], s: EngineSetup, engine: str) -> tuple[str, ...]:
     tasks, _ = _engine_tasks(s)
     argv = ["lm_eval", "--model", model, "--model_args", json.dumps(model_args, separators=(",", ":"))]
@@ -329,7 +335,7 @@ def _lm_eval(model: str, model_args: dict[str, Any], s: EngineSetup, engine: str
         argv += ["--limit", str(s.limit)]
     gen = ([("max_gen_toks", s.max_gen_toks)] if s.max_gen_toks is not None else []) + list(s.gen_kwargs)
     if gen:
-        argv += ["--gen_kwargs", ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in gen)]
+        argv += ["--gen_kwargs", gen_kwargs_text(gen)]
     if s.include_path:
         argv += ["--include_path", s.include_path]
     out = Path("lm-eval") / f"{engine}-{s.label or s.kv_format}"

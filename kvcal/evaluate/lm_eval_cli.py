@@ -90,10 +90,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         data, rest = split_argv(sys.argv[1:] if argv is None else argv)
-        if data.data_dir is not None and not os.path.isdir(data.data_dir):
-            raise UsageError(
-                f"--data-dir '{data.data_dir}' is not a folder; pass the folder laid out like ../shared/data"
-            )
         from lm_eval._cli import HarnessCLI
         from lm_eval.utils import setup_logging
 

@@ -75,14 +75,14 @@ def score_repeats(task: Any, instances: list[Any], records: list[dict[str, Any]]
     of its N scores."""
     by_doc = {inst.doc_id: inst for inst in instances}
     names = [f.name for f in task._filters]
-    n = max(len(_generations(r)) for r in records)
+    gens = {rec["doc_id"]: _generations(rec) for rec in records}  # a document's records share its generations
+    n = max(len(g) for g in gens.values())
     scores: dict[tuple[int, str], dict[str, list[float]]] = {}
     for r in range(n):
-        for rec in records:
-            inst = by_doc[rec["doc_id"]]
-            inst.resps, inst.filtered_resps = [_generations(rec)[r]], {}
+        for doc_id, g in gens.items():
+            by_doc[doc_id].resps, by_doc[doc_id].filtered_resps = [g[r]], {}
         task.apply_filters()
-        for doc_id in {rec["doc_id"] for rec in records}:
+        for doc_id in gens:
             inst = by_doc[doc_id]
             for f in names:
                 got = task.process_results(inst.doc, [inst.filtered_resps[f]])
@@ -126,12 +126,13 @@ def aggregate(part: dict[str, Any], task: str, records: list[dict[str, Any]], re
     res = part.get("results", {}).get(task)
     if res is None:
         return
+    by_filter: dict[str, list[dict[str, Any]]] = {}
     for rec in records:
-        f = rec.get("filter", "none")
-        for metric in rec["repeat_metrics"]:
-            key = f"{metric},{f}"
-            vals = [x[metric] for x in records if x.get("filter", "none") == f]
-            res[key] = sum(vals) / len(vals)
+        by_filter.setdefault(rec.get("filter", "none"), []).append(rec)
+    for f, recs in by_filter.items():
+        for metric in recs[0]["repeat_metrics"]:
+            vals = [x[metric] for x in recs]
+            res[f"{metric},{f}"] = sum(vals) / len(vals)
             res[f"{metric}_stderr,{f}"] = float(sem(vals)) if len(vals) > 1 else "N/A"
     cfg = part.get("configs", {}).get(task)
     if isinstance(cfg, dict):

@@ -473,6 +473,8 @@ def parse_gen_kwargs(text: str | None) -> tuple[tuple[str, Any], ...]:
     without '=' or a value out of range."""
     if not text:
         return ()
+    from lm_eval.utils import handle_arg_string  # lm-eval's own value parser of --gen_kwargs / --model_args
+
     out: dict[str, Any] = {}
     for item in (p.strip() for p in text.split(",")):
         key, sep, raw = item.partition("=")
@@ -481,7 +483,7 @@ def parse_gen_kwargs(text: str | None) -> tuple[tuple[str, Any], ...]:
         key, raw = key.strip(), raw.strip()
         if key == "until":
             raise UsageError("--gen-kwargs until=... is the task's stop sequences; set them in the task's YAML")
-        out[key] = _gen_value(raw)
+        out[key] = handle_arg_string(raw)
     for key, (lo, hi) in _GEN_FLOATS.items():
         if key in out:
             v = out[key]
@@ -490,16 +492,6 @@ def parse_gen_kwargs(text: str | None) -> tuple[tuple[str, Any], ...]:
                 raise UsageError(f"--gen-kwargs {key}={v} must be a number {bound}")
     return tuple(out.items())
 
-
-def _gen_value(raw: str) -> Any:
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw
 
 
 def _scale_source(config: EvalConfig, scales_tag: str | None) -> ScaleSource:

@@ -153,8 +153,7 @@ def run_lm_eval_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dist) 
 
 def _generated_ids(lm: Any, dist: parallel.Dist) -> dict[str, list[list[int]]]:
     """Every rank's generate_until token ids by context (kvcal.evaluate.adapter.GenerationRecorder), on rank 0."""
-    mine = lm.generations.take() if hasattr(lm, "generations") else {}
-    gathered = parallel.gather_objects(mine, dist) if dist.active else [mine]
+    gathered = parallel.gather_objects(lm.generations.take(), dist)  # [mine] in one process; None off rank 0
     merged: dict[str, list[list[int]]] = {}
     for part in gathered or []:
         for context, ids in part.items():

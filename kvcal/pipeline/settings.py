@@ -68,10 +68,11 @@ def read_int(value: Any, key: str, base: Path | None) -> int:
 def read_gen_kwargs(value: Any, key: str, base: Path | None) -> str:
     """`gen_kwargs: {temperature: 0.6, top_p: 0.95}` or lm-eval's string form; kvcal eval's --gen-kwargs text
     (checked here: kvcal.evaluate.spec.parse_gen_kwargs)."""
+    from kvcal.engines import gen_kwargs_text
     from kvcal.evaluate.spec import parse_gen_kwargs
 
     if isinstance(value, dict):
-        value = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+        value = gen_kwargs_text(value.items())
     text = str(value)
     parse_gen_kwargs(text)
     return text
