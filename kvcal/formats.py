@@ -20,7 +20,7 @@ Storage layout (kernels read these; do not change without changing them)
 | auto | x itself | None | None |
 | bf16 | bfloat16 [..., D] | None | None |
 | fp8_e4m3 / fp8_e5m2 | float8_e4m3fn / float8_e5m2 [..., D] | None | fp32 0-d, [H_kv] (dim 1) or [B, 1, 1, 1] |
-| int8_per_token_head | int8 [..., D] (-128 = NaN) | fp32 [..., 1] (amax/127) | None |
+| int8_per_token_head | int8 [..., D] (-128 = NaN) | fp32 [..., 1] (max(amax/127, 1e-6)) | None |
 | float16 | float16 [..., D] | None | None |
 | int8_per_tensor | int8 [..., D] (NaN stored as 0) | None | fp32 0-d, [H_kv] or [B, 1, 1, 1] |
 | fp8_per_token_head | float8_e4m3fn [..., D] | fp32 [..., 1] (max(amax/448, 1e-6)) | None |
@@ -52,8 +52,13 @@ Rounding and scales per format
 ------------------------------
 - fp8_*: `(x / scale).clamp(+-max).to(float8)` — torch's cast, round-to-nearest-even. `scale` is the number a scale
   file stores as k_scale/v_scale (x ~ codes * scale); default 1.0 = what vLLM/SGLang use uncalibrated.
-- int8_per_token_head: symmetric, scale = amax/127 over D per (token, KV head) in fp32, codes
-  `round_half_even(x / scale)` clamped to +-127 (vLLM `int8_per_token_head`). An all-zero row stores scale 0.
+- int8_per_token_head: vLLM's `_reshape_cache_per_token_head_kernel` with QUANT_MAX 127, QUANT_MIN -128
+  (vllm/v1/attention/ops/triton_quant_kv/int8_fp8_per_token_head.py @ f51ccb3e03634773babf356c896bb101ac5d696a,
+  the same arithmetic as the FP8 kernel below): per (token, KV head) `scale = max(amax / 127, 1e-6)` (fp32),
+  codes `trunc(clamp(x * (1 / scale), -128, 127))`: the kernel stores the float32 product into the int8 cache
+  with `tl.store`, whose float -> int conversion truncates toward zero (Triton's fptosi; PTX cvt.rzi), so a
+  code is never rounded up (its module docstring says `round`; the kernel does not). Dequantized `codes * scale`.
+  The finite codes stay within +-127 (|x * (1 / scale)| <= 127 * (1 + 2**-23)); -128 is kvcal's NaN marker.
 - int8_per_tensor: TensorRT-LLM's INT8 KV cache (`kv_cache_quant_algo` INT8): a static fp32 scale s (0-d, [H_kv]
   or [B, 1, 1, 1]; a scale file's k_scale / v_scale = amax / 127, ModelOpt's convention; default 1.0), codes
   `cvt.rni.sat.s8.f32(x * (1 / s))` (TensorRT-LLM's `cuda_cast<int8_t, float>`): round half to even, saturate to
@@ -735,11 +740,14 @@ def _quantize_fp8(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
 
 
 def _quantize_int8(xf: torch.Tensor) -> QTensor:
-    s = finite_abs(xf).amax(dim=-1, keepdim=True) / INT8_MAX  # [..., 1]
-    ok = s > 0
-    # torch.round = half to even; +-Inf -> +-127
-    codes = torch.round(xf / torch.where(ok, s, 1.0)).clamp_(-INT8_MAX, INT8_MAX)
-    codes = torch.where(ok, codes, 0.0)
+    """vLLM's int8_per_token_head write (`_reshape_cache_per_token_head_kernel`, see the per-token-head section):
+    scale = max(amax / 127, 1e-6) over the finite values [..., 1]; codes = the float32 `clamp(x * (1 / scale),
+    -128, 127)` stored through Triton's float -> int8 conversion, which truncates toward zero (fptosi), not a
+    rounding. +-Inf -> +-127 and NaN -> INT8_NAN are kvcal's non-finite policy (the engine's are undefined)."""
+    s = (finite_abs(xf).amax(dim=-1, keepdim=True) / INT8_MAX).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
+    # vLLM clamps to [-128, 127]; a finite x never goes below -127 (|x * (1 / scale)| <= 127 (1 + 2**-23)), so
+    # +-127 is the same clamp for it and keeps -Inf off the NaN marker
+    codes = torch.trunc((xf * (1.0 / s)).clamp_(-INT8_MAX, INT8_MAX))
     codes = torch.where(torch.isnan(xf), float(INT8_NAN), codes).to(torch.int8)
     return QTensor(codes=codes, block_scales=s)
 

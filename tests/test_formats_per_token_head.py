@@ -1,8 +1,9 @@
-"""fp8_per_token_head, int4_per_token_head and float16 against transcriptions of vLLM's kernels.
+"""fp8_per_token_head, int8_per_token_head, int4_per_token_head and float16 against transcriptions of vLLM's kernels.
 
 The transcriptions follow the Triton kernels line by line, one (token, head) row at a time in float32 scalars:
 vllm/v1/attention/ops/triton_quant_kv/_per_token_head_kernel.py @ 8940d7db4a47a9d9700bad90f1142130f699950c
-(`_reshape_cache_per_token_head_kernel`) and vllm/v1/attention/ops/int4_per_token_head.py @
+(`_reshape_cache_per_token_head_kernel`; INT8's launch constants 127 / -128 from
+vllm/v1/attention/ops/triton_quant_kv/int8_fp8_per_token_head.py @ f51ccb3e03634773babf356c896bb101ac5d696a) and vllm/v1/attention/ops/int4_per_token_head.py @
 055e47c28003156421365af985d676fc921cb075 (`_reshape_cache_int4_kernel`, `single_rht`, `_get_rht_signs`, the
 PyTorch butterfly of `fast_hadamard_transform`, `unified_attention_int4`). kvcal's versions are vectorised over rows.
 """
@@ -10,6 +11,7 @@ PyTorch butterfly of `fast_hadamard_transform`, `unified_attention_int4`). kvcal
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +40,24 @@ def vllm_fp8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
     # tl.store into a float8e4nv pointer: round to nearest even (torch's cast does the same)
     codes = torch.from_numpy(q).to(torch.float8_e4m3fn).float().numpy()
     return codes, k_scale
+
+
+def triton_store_to_int8(y: np.float32) -> int:
+    """`tl.store` of a float32 into an int8 pointer: Triton converts with fptosi, truncation toward zero
+    (checked against Triton's own interpreter in test_triton_store_into_int8_truncates)."""
+    return int(np.trunc(y))
+
+
+def vllm_int8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """`_reshape_cache_per_token_head_kernel` with QUANT_MAX 127, QUANT_MIN -128 for one (token, head):
+    (int8 codes, scale)."""
+    amax = F32(0.0)
+    for e in x:
+        amax = max(amax, F32(abs(e)))
+    k_scale = max(F32(amax / F32(127.0)), F32(1e-6))
+    inv = F32(F32(1.0) / k_scale)
+    q = [min(max(F32(e * inv), F32(-128.0)), F32(127.0)) for e in x]
+    return np.array([triton_store_to_int8(v) for v in q], dtype=np.int8), k_scale
 
 
 def vllm_signs(d: int) -> torch.Tensor:
@@ -143,6 +163,72 @@ def test_fp8_per_token_head_saturation_zero_rows_and_nonfinite() -> None:
     assert math.isnan(formats.dequantize(q, "fp8_per_token_head")[0, 0, 2, 0])
     # a subnormal row: floored scale 1e-6, codes 0
     assert s[3] == torch.tensor(1e-6) and torch.all(q.codes[0, 0, 3].float() == 0)
+
+
+# ---- int8_per_token_head ----
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([64, 96, 80, 130, 7]), dtype=st.sampled_from(["bf16", "f32"]))
+def test_int8_per_token_head_equals_vllm(seed: int, d: int, dtype: str) -> None:
+    """Codes and scales bit for bit against vLLM's write (truncating store), any head_dim."""
+    x = _rows(seed, d, 3, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    q = formats.quantize(x, "int8_per_token_head")
+    assert q.codes.dtype == torch.int8 and q.block_scales.shape == (1, 2, 3, 1)
+    for h in range(2):
+        for t in range(3):
+            codes, s = vllm_int8_pth_row(x[0, h, t].float().numpy())
+            assert q.block_scales[0, h, t, 0].numpy().view(np.int32) == np.array([s], F32).view(np.int32)[0]
+            assert np.array_equal(q.codes[0, h, t].numpy(), codes)
+    assert torch.equal(formats.dequantize(q, "int8_per_token_head"), q.codes.float() * q.block_scales)
+
+
+def test_int8_per_token_head_truncates_hand_computed() -> None:
+    # amax 7.9375 = 127 / 16: scale 1/16 and its reciprocal 16 exact; x * 16 = 127, -0.5, 1.5, 2.5, -3.5, 1.6, -127
+    x = torch.tensor([7.9375, -0.03125, 0.09375, 0.15625, -0.21875, 0.1, -7.9375, 0.0]).reshape(1, 1, 1, 8)
+    q = formats.quantize(x, "int8_per_token_head")
+    assert q.block_scales.item() == 0.0625
+    assert q.codes.flatten().tolist() == [127, 0, 1, 2, -3, 1, -127, 0]  # toward zero, never rounded up
+    # the row maximum itself: amax 0.5 -> scale 0.5/127 rounded to float32; 0.5 * float32(1 / scale) lands
+    # just under 127 and is stored as 126 (what the engine's cache holds)
+    y = torch.tensor([0.5, -0.5, 0.25, 0.0]).reshape(1, 1, 1, 4)
+    s = np.float32(np.float32(0.5) / np.float32(127.0))
+    top = np.float32(np.float32(0.5) * np.float32(np.float32(1.0) / s))
+    assert formats.quantize(y, "int8_per_token_head").codes.flatten().tolist()[:2] == [int(top), -int(top)]
+
+
+def test_int8_per_token_head_zero_rows_and_nonfinite() -> None:
+    x = torch.zeros(1, 1, 3, 6)
+    x[0, 0, 1] = torch.tensor([float("nan"), 2.0, -1.0, float("inf"), float("-inf"), 0.0])
+    x[0, 0, 2] = torch.tensor([-0.0, 1e-42, 0, 0, 0, 0])
+    q = formats.quantize(x, "int8_per_token_head")
+    s = q.block_scales[0, 0, :, 0]
+    assert s[0] == torch.tensor(1e-6) and s[2] == torch.tensor(1e-6)  # vLLM's floor, codes 0
+    assert q.codes[0, 0, 0].tolist() == [0] * 6 and q.codes[0, 0, 2].tolist() == [0] * 6
+    # kvcal's non-finite policy: the scale from the finite values, NaN -> the NaN marker, +-Inf -> +-127
+    assert s[1] == torch.tensor(2.0) / 127.0
+    assert q.codes[0, 0, 1].tolist() == [formats.INT8_NAN, 127, -63, 127, -127, 0]
+    y = formats.dequantize(q, "int8_per_token_head")[0, 0, 1]
+    assert math.isnan(y[0]) and torch.isfinite(y[1:]).all()
+
+
+def test_triton_store_into_int8_truncates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the transcription assumes of `tl.store` into vLLM's int8 cache, asked of Triton itself (its
+    interpreter; on a GPU the same conversion is PTX cvt.rzi.s8.f32)."""
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def store(src: Any, dst: Any, n: Any, BLOCK: tl.constexpr) -> None:
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    kern = triton.jit(store)
+    y = torch.tensor([126.99, -126.99, 0.5, -0.5, 1.5, -2.5, 127.0, -128.0, 63.7])
+    out = torch.zeros(y.numel(), dtype=torch.int8)
+    kern[(1,)](y, out, y.numel(), BLOCK=16)
+    assert out.tolist() == [126, -126, 0, 0, 1, -2, 127, -128, 63]
+    assert out.tolist() == [triton_store_to_int8(np.float32(v)) for v in y.tolist()]
 
 
 # ---- int4_per_token_head ----

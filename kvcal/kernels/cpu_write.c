@@ -204,16 +204,16 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
         break;
     }
     case F_INT8: {
+        /* vLLM: scale = max(amax / 127, 1e-6); code = (int8) clamp(x * (1 / scale)), truncated toward zero */
         float s = block_max(x, D) / 127.0f;
-        int ok = s > 0;
-        float div = ok ? s : 1.0f;
+        if (s < 1e-6f) s = 1e-6f;
+        float inv = 1.0f / s;
         for (int d = 0; d < D; d++) {
             int8_t c;
             if (isnan(x[d])) c = -128;
-            else if (!ok) c = 0;
             else {
-                float r = rintf(x[d] / div);
-                c = (int8_t)(r > 127.0f ? 127 : (r < -127.0f ? -127 : r));
+                float r = x[d] * inv;
+                c = (int8_t)truncf(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
             }
             ((int8_t *)codes)[d] = c;
             vals[d] = c == -128 ? NAN : sat((float)c * s);
