@@ -36,10 +36,12 @@ def _decode_and_prefill(model: Any, make_rt: Callable[[], KVRuntime]) -> tuple[t
 def test_decode_through_the_cache_equals_chunked_prefill_for_static_scales(
     tiny_model: Callable[[str], Any], arch: str, fmt: str
 ) -> None:
-    # float64 weights: K/V computed by a 1-token and a 16-token forward differ in the last bits only, far from
-    # any rounding boundary of a code (in float32 an int8 code or two flips, a jump of one quantum)
+    # float64 weights: K/V computed by a 1-token and a 16-token forward differ in the last bits only; rounded to
+    # bf16 first (the engines' serving dtype, kvcal eval's default) they are the same values, so every format
+    # stores the same codes. (Quantized as computed they would not all be: vLLM's int8_per_token_head truncates
+    # x * (1 / scale), and a row's maximum lands within an ulp of 127, so last-bit noise flips it to 126.)
     model = copy.deepcopy(tiny_model(arch)).double()
-    dec, pre = _decode_and_prefill(model, lambda: KVRuntime(model, fmt, impl="torch"))
+    dec, pre = _decode_and_prefill(model, lambda: KVRuntime(model, fmt, impl="torch", kv_input_dtype="bfloat16"))
     assert dec.shape == pre.shape == (len(TOKENS), model.config.vocab_size)
     # the same codes and scales either way; only the summation order differs
     torch.testing.assert_close(dec, pre, rtol=1e-5, atol=1e-5)  # kvcal attends in float32
