@@ -8,7 +8,8 @@ quantized storage, so the comparison isolates the kernel's arithmetic.
 The interpreter runs each program instance in numpy, so sizes are tiny; the cases cover every format, decode
 (split-K and not) and prefill, lengths 1/17/257, GQA ratios 1/3/4/8, head_dim 64/128/256, sliding windows (with a
 window-sized cache, k_start > 0), softcap, sinks, key padding (including empty rows) and batch > 1, without the
-full cartesian product.
+full cartesian product. vLLM's TurboQuant presets (K/V pairs of side formats, MSE keys with a non-default layer's
+rotation signs) each run decode and prefill at an odd length (37 keys) with GQA.
 
 TRITON_INTERPRET=1 is set per test (monkeypatch), not at import: `triton_attention` creates its jit kernels on first
 use for the current mode and calls none of the jit helpers that triton decorates at its own import, so it does not
@@ -119,6 +120,15 @@ CASES = [
     Case("float16", 17, 17, 3, 64, window=5),
     Case("int8_per_tensor", 17, 40, 4, 64, window=9, sinks=True),
     Case("auto", 17, 17, 4, 128, pad_left=(5,)),  # left padding: the first 5 query rows see no key -> 0
+    # ---- TurboQuant presets (K/V pairs; MSE keys read in the rotated domain, q rotated before the kernel) ----
+    Case("turboquant_k8v4", 1, 37, 2, 64, h_kv=2),
+    Case("turboquant_4bit_nc", 1, 37, 2, 64, h_kv=2, splits=2),
+    Case("turboquant_k3v4_nc", 1, 37, 2, 128, h_kv=2),
+    Case("turboquant_3bit_nc", 1, 37, 2, 64, h_kv=2, b=2, pad_left=(0, 5)),
+    Case("turboquant_k8v4", 33, 37, 2, 128, h_kv=2),  # 66 rows: the prefill path; chunked (q_start = 4)
+    Case("turboquant_4bit_nc", 33, 37, 2, 64, h_kv=2),
+    Case("turboquant_k3v4_nc", 33, 37, 2, 64, h_kv=2, b=2, pad_left=(3, 0)),
+    Case("turboquant_3bit_nc", 37, 37, 2, 64, h_kv=2),
 ]
 
 
@@ -136,8 +146,12 @@ def _run(case: Case) -> tuple[float, float, float]:
     if case.per_head_scale:
         amax = k.abs().amax(dim=(0, 2, 3))  # [H_kv]
         scale = amax / {"fp8": 448.0, "int": 127.0}.get(case.fmt[:3], 448.0 * 6.0)
-    kq = formats.quantize(k, case.fmt, scale=scale)
-    vq = formats.quantize(v, case.fmt, scale=None if scale is None else scale * 0.5)
+    kf, vf = formats.kv_pair(case.fmt)  # a TurboQuant preset: two side formats; otherwise the format twice
+    v_scale = None if scale is None else scale * 0.5
+    if kf.element == "tq_mse":  # a layer's rotation signs (not layer 0's, formats' default): the kernel reads k.scale
+        scale = formats.tq_signs(case.d, 5)
+    kq = formats.quantize(k, kf, scale=scale)
+    vq = formats.quantize(v, vf, scale=v_scale)
     q_start = case.q_start if case.q_start is not None else case.k_start + case.tk - case.tq
     key_padding = None
     if case.pad_left:
@@ -154,13 +168,14 @@ def _run(case: Case) -> tuple[float, float, float]:
         softcap=case.softcap,
         sinks=sinks,
         key_padding=key_padding,
+        v_fmt=None if vf is kf else vf,
     )
-    out = ta.attention(q, kq, vq, case.fmt, num_splits=case.splits, **kw)
+    out = ta.attention(q, kq, vq, kf, num_splits=case.splits, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     # references on float32 / float64 queries, so that a bf16 q does not round their outputs to bf16
-    r32 = quantized_attention_ref(q.float(), kq, vq, case.fmt, **kw)
-    r64 = quantized_attention_ref(q.double(), kq, vq, case.fmt, compute_dtype=torch.float64, **kw)
+    r32 = quantized_attention_ref(q.float(), kq, vq, kf, **kw)
+    r64 = quantized_attention_ref(q.double(), kq, vq, kf, compute_dtype=torch.float64, **kw)
     err = (out.double() - r64).abs().max().item()
     err32 = (r32.double() - r64).abs().max().item()
     return err, err32, r64.abs().max().item()
