@@ -312,10 +312,18 @@ _AOT_VARIANTS = {
     "fp16-auto-decode-fp16-dots": (ta.FMT_PLAIN, 64, True, (), 16, 64, 4, 2, "*fp16"),
     # FP8 attention (vLLM's FA3 path): P rounded to e4m3 in the kernel (kvcal.kernels.triton_attention._round_e4m3)
     "fp8-prefill-fp8-attention": (ta.FMT_FP8, 128, False, ("pfp8",), 64, 64, 4, 2, "*fp8e4nv"),
+    # TurboQuant: 3-bit MSE keys (centroid gather, norm correction) + 3-bit uniform values; FP8 keys + 4-bit values
+    "tq-3bit-decode-split": (ta.FMT_TQ_MSE, 128, True, (), 16, 64, 4, 2, "*u8"),
+    "tq-k8v4-prefill-padding": (ta.FMT_FP8, 128, False, ("kpad",), 64, 64, 4, 2, "*fp8e4nv"),
 }  # fmt: skip
+# a variant whose V differs from its K (TurboQuant's pairs): name -> (FMT_V, BITS, BITS_V); float32 dots
+_AOT_PAIRS = {
+    "tq-3bit-decode-split": (ta.FMT_TQ_UNIFORM, 3, 3),
+    "tq-k8v4-prefill-padding": (ta.FMT_TQ_UNIFORM, 0, 4),
+}
 
 
-_POINTERS = ("Q", "K", "V", "KBS", "VBS", "KSC", "VSC", "SINKS", "KPAD", "OUT", "PART_ML", "PART_ACC")
+_POINTERS = ("Q", "K", "V", "KBS", "VBS", "KSC", "VSC", "CENT", "SINKS", "KPAD", "OUT", "PART_ML", "PART_ACC")
 
 
 @pytest.mark.parametrize("variant", list(_AOT_VARIANTS))
@@ -334,22 +342,24 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
     kern = ta._kernels()
     fmt, d, split, flags, bm, bn, warps, stages, code_t = _AOT_VARIANTS[variant]
-    bs_t = {ta.FMT_NVFP4: "*fp8e4nv", ta.FMT_MXFP4: "*u8"}.get(fmt, "*fp32")
+    fmt_v, bits, bits_v = _AOT_PAIRS.get(variant, (fmt, 0, 0))
+    bs_types = {ta.FMT_NVFP4: "*fp8e4nv", ta.FMT_MXFP4: "*u8", ta.FMT_TQ_MSE: "*fp16", ta.FMT_TQ_UNIFORM: "*fp16"}
     consts: dict = dict(
         FMT=fmt, BLOCK_SIZE=16 if fmt == ta.FMT_NVFP4 else 2, HEAD_DIM=d, D_PAD=d, CAUSAL=True,
         HAS_WINDOW="window" in flags, HAS_SOFTCAP="softcap" in flags, HAS_SINKS="sinks" in flags,
         HAS_KPAD="kpad" in flags, SPLIT=split, DOT_PREC="tf32x3", BLOCK_M=bm, BLOCK_N=bn,
-        FMT_V=fmt, BLOCK_SIZE_V=16 if fmt == ta.FMT_NVFP4 else 2, P_FP8="pfp8" in flags,
-        DOT_KIND=ta.DOT_F16 if code_t == "*fp16" else ta.DOT_BF16,
+        FMT_V=fmt_v, BLOCK_SIZE_V=16 if fmt_v == ta.FMT_NVFP4 else 2, BITS=bits, BITS_V=bits_v, P_FP8="pfp8" in flags,
+        DOT_KIND=ta.DOT_F32 if variant in _AOT_PAIRS else ta.DOT_F16 if code_t == "*fp16" else ta.DOT_BF16,
     )  # fmt: skip
-    q_t = "*fp16" if code_t == "*fp16" else "*bf16"
+    # q: fp16 / bf16 as the model's; the float32 query TurboQuant's MSE keys are read with (rotated before the kernel)
+    q_t = "*fp16" if code_t == "*fp16" else "*fp32" if fmt == ta.FMT_TQ_MSE else "*bf16"
     ptr_types = {
         "Q": q_t,
         "OUT": q_t,
         "K": code_t,
-        "V": code_t,
-        "KBS": bs_t,
-        "VBS": bs_t,
+        "V": "*u8" if fmt_v == ta.FMT_TQ_UNIFORM else code_t,
+        "KBS": bs_types.get(fmt, "*fp32"),
+        "VBS": bs_types.get(fmt_v, "*fp32"),
         "KPAD": "*u8",
     }
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kbsd", "stride_vbsd", "stride_kpt")
