@@ -103,8 +103,8 @@ Rounding and scales per format
   as the engine's). Dequantized: c = centroid[code], norm correction c * (1 / sqrt(sum(c * c) + 1e-16)) (kvcal: the
   float64 sum rounded once, correctly rounded sqrt and division (via float64: torch's float32 CPU sqrt is not); the Triton kernel's tl.sum / tl.sqrt / 1.0 / x are the GPU's),
   k_rot = float32(norm16) * c, then rotated back, k = k_rot @ Pi (`tq_rotate(., inverse=True)`). vLLM's decode
-  instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits up to float32 rounding; kvcal
-  reads the un-rotated K. Keys, FP8 (k8v4): `e4m3(clamp(k, +-448))`, no scale, no rotation (Hopper's
+  instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits up to float32 rounding; kvcal's
+  torch path reads the un-rotated K, its Triton kernel rotates the query as vLLM does. Keys, FP8 (k8v4): `e4m3(clamp(k, +-448))`, no scale, no rotation (Hopper's
   cvt.rn.satfinite; vLLM on Ampere/Ada stores float8e4b15 instead, not emulated).
   Values (3/4 bits, L = 2**bits - 1): per (token, head) min, max in float32, scale = (max - min) / L floored at
   1e-8, codes `trunc((v - min) / scale + 0.5)` clamped to 0..L (vLLM's Triton `/` is the GPU's approximate division,
