@@ -255,6 +255,13 @@ def test_dot_operand_dtype_is_exact_for_the_inputs() -> None:
     assert kind(False, torch.float16, torch.int8, ta.FMT_INT8) == ta.DOT_F16
     assert kind(False, torch.float16, torch.uint8, ta.FMT_MXFP4) == ta.DOT_F32  # E8M0 range exceeds fp16
     assert kind(False, torch.float32, torch.float8_e5m2, ta.FMT_FP8) == ta.DOT_F32
+    # TurboQuant: Lloyd-Max centroids and code * scale + min are float32 numbers, not exact in bf16 / fp16
+    for fmt_id in (ta.FMT_TQ_MSE, ta.FMT_TQ_UNIFORM):
+        for q_dtype in (torch.bfloat16, torch.float16):
+            assert kind(False, q_dtype, torch.uint8, fmt_id) == ta.DOT_F32
+    # k8v4: FP8 keys alone would take bf16 dots, the pair takes one type for both products
+    pair = (torch.float8_e4m3fn, torch.uint8)
+    assert ta._pair_dot_kind(False, torch.bfloat16, pair, (ta.FMT_FP8, ta.FMT_TQ_UNIFORM)) == ta.DOT_F32
 
 
 def test_autotune_configs_are_valid() -> None:
@@ -282,6 +289,27 @@ def test_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UsageError, match="CUDA"):
         ta.quantized_attention_triton(q, kq, kq, "fp8_e4m3", **kw)
+
+
+def test_turboquant_bad_inputs() -> None:
+    """What the TurboQuant path refuses before any kernel runs: a head_dim vLLM builds no Hadamard matrix for, an FP8
+    query (FlashAttention-3's FP8 attention reads fp8_e4m3 caches only), rotation signs of another head_dim."""
+    kf, vf = formats.kv_pair("turboquant_4bit_nc")
+    kw = dict(scaling=0.125, q_start=7, k_start=0, v_fmt=vf)
+    k, v = torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64)
+    kq, vq = formats.quantize(k, kf, formats.tq_signs(64, 2)), formats.quantize(v, vf)
+    q = torch.randn(1, 2, 1, 64)
+    with pytest.raises(UsageError, match="power-of-two head_dim"):
+        ta.quantized_attention_triton(torch.randn(1, 2, 1, 48), kq, vq, kf, **kw)
+    with pytest.raises(UsageError, match="--attention fp8"):
+        ta.quantized_attention_triton(q, kq, vq, kf, q_scale=1.0, **kw)
+    wrong = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(32, 2))
+    with pytest.raises(UsageError, match=r"rotation signs \[64\]"):
+        ta.quantized_attention_triton(q, wrong, vq, kf, **kw)
+    # packed codes of another head_dim than q's (signs of q's)
+    other = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(128, 2))
+    with pytest.raises(UsageError, match="do not fit together"):
+        ta.quantized_attention_triton(torch.randn(1, 2, 1, 128), other, vq, kf, **kw)
 
 
 def test_bench_cpu_part_runs(tmp_path) -> None:
