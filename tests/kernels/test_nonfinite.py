@@ -112,7 +112,9 @@ def test_triton_reads_nan_markers_like_the_reference(fmt: str, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
-def test_triton_reads_turboquant_nan_rows_like_the_reference(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_reads_turboquant_nan_rows_like_the_reference(
+    preset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """TurboQuant stores a (token, head) row holding a NaN with a NaN norm (K) / scale and min (V): decode over 20
     keys of 3 sequences, sequence 1 with one NaN key element, sequence 2 with one NaN value element — their outputs
     are all NaN (a NaN logit, a NaN value row), sequence 0's finite and equal to the reference's. (The k8v4 preset's

@@ -148,7 +148,8 @@ def _run(case: Case) -> tuple[float, float, float]:
         scale = amax / {"fp8": 448.0, "int": 127.0}.get(case.fmt[:3], 448.0 * 6.0)
     kf, vf = formats.kv_pair(case.fmt)  # a TurboQuant preset: two side formats; otherwise the format twice
     v_scale = None if scale is None else scale * 0.5
-    if kf.element == "tq_mse":  # a layer's rotation signs (not layer 0's, formats' default): the kernel reads k.scale
+    # MSE keys: a layer's rotation signs (not layer 0's, formats' default), so the kernel must read k.scale
+    if kf.element == "tq_mse":
         scale = formats.tq_signs(case.d, 5)
     kq = formats.quantize(k, kf, scale=scale)
     vq = formats.quantize(v, vf, scale=v_scale)
@@ -371,7 +372,12 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     kern = ta._kernels()
     fmt, d, split, flags, bm, bn, warps, stages, code_t = _AOT_VARIANTS[variant]
     fmt_v, bits, bits_v = _AOT_PAIRS.get(variant, (fmt, 0, 0))
-    bs_types = {ta.FMT_NVFP4: "*fp8e4nv", ta.FMT_MXFP4: "*u8", ta.FMT_TQ_MSE: "*fp16", ta.FMT_TQ_UNIFORM: "*fp16"}
+    bs_types = {
+        ta.FMT_NVFP4: "*fp8e4nv",
+        ta.FMT_MXFP4: "*u8",
+        ta.FMT_TQ_MSE: "*fp16",
+        ta.FMT_TQ_UNIFORM: "*fp16",
+    }
     consts: dict = dict(
         FMT=fmt, BLOCK_SIZE=16 if fmt == ta.FMT_NVFP4 else 2, HEAD_DIM=d, D_PAD=d, CAUSAL=True,
         HAS_WINDOW="window" in flags, HAS_SOFTCAP="softcap" in flags, HAS_SINKS="sinks" in flags,
