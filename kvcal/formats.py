@@ -400,13 +400,17 @@ _TQ_SIDE_ROWS: tuple[tuple[str, str, int, str], ...] = (
      "scale and zero"),
 )
 # fmt: on
-_TQ_STORAGE = {"tq_fp8": (_E4M3, None), "tq_mse": (_U8, torch.float16), "tq_uniform": (_U8, torch.float16)}
-# Triton FMT family of each side (kvcal.kernels.triton_attention): FP8 keys are fp8_e4m3's storage at scale 1 (the
-# FP8 family); MSE keys (7) and uniform values (8) are TurboQuant's own families. No cpu_write.c kernel.
-_TQ_TRITON = {"tq_fp8": 1, "tq_mse": 7, "tq_uniform": 8}
+# element -> (codes dtype, block-scales dtype, Triton FMT family of kvcal.kernels.triton_attention): FP8 keys are
+# fp8_e4m3's storage at scale 1 (the FP8 family, 1); MSE keys (7) and uniform values (8) are TurboQuant's own
+# families. No cpu_write.c kernel.
+_TQ_STORAGE = {
+    "tq_fp8": (_E4M3, None, 1),
+    "tq_mse": (_U8, torch.float16, 7),
+    "tq_uniform": (_U8, torch.float16, 8),
+}
 TQ_SIDES: dict[str, KVFormat] = {
     name: KVFormat(
-        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], _TQ_TRITON[element], None, bits
+        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], None, bits
     )
     for name, element, bits, desc in _TQ_SIDE_ROWS
 }

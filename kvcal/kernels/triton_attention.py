@@ -86,9 +86,11 @@ FMT_MXFP4 = 4  # packed E2M1, E8M0 block scales (fp4_e2m1: 16, mxfp4: 32)
 FMT_FP8_TOKEN = 5  # fp8_per_token_head: float8 e4m3 codes, fp32 scale per (token, head)
 FMT_INT4_RHT = 6  # int4_per_token_head: packed 4-bit codes, fp32 scale word per (token, head) with the zero point
 # in its low 4 bits, values in the rotated basis (q rotated before the kernel, the output rotated back after it)
-FMT_TQ_MSE = 7  # TurboQuant MSE keys: packed 3/4-bit Lloyd-Max codes of the rotated unit vector [B, H_kv, Tk, D*b/8]
-# (uint8), fp16 norm [B, H_kv, Tk, 1]; the centroid table float32 [2**b]; q rotated before the kernel (not the output)
-FMT_TQ_UNIFORM = 8  # TurboQuant values: packed 3/4-bit codes [B, H_kv, Tk, D*b/8] (uint8), fp16 (scale, min) [.., 2]
+# TurboQuant MSE keys: packed 3/4-bit Lloyd-Max codes of the rotated unit vector, uint8 [B, H_kv, Tk, D*b/8], fp16
+# norm [B, H_kv, Tk, 1], the centroid table float32 [2**b]; q rotated before the kernel (the output is not)
+FMT_TQ_MSE = 7
+# TurboQuant values: packed 3/4-bit codes, uint8 [B, H_kv, Tk, D*b/8], fp16 (scale, min) [B, H_kv, Tk, 2]
+FMT_TQ_UNIFORM = 8
 FMT_HALF = (FMT_NVFP4, FMT_MXFP4, FMT_INT4_RHT)  # two codes per byte: half-width even / odd tiles
 FMT_TOKEN = (FMT_INT8, FMT_FP8_TOKEN, FMT_INT4_RHT)  # per-(token, head) scale on the logits / probabilities
 FMT_TQ = (FMT_TQ_MSE, FMT_TQ_UNIFORM)  # packed b-bit codes (`BITS` / `BITS_V`), full-width tiles
@@ -727,13 +729,17 @@ def _kernels() -> _Kernels:
     return _KERNELS
 
 
+# what a tuned config is kept for: the formats (and TurboQuant code widths), shape and kernel variant
+_AUTOTUNE_KEY = ["FMT", "FMT_V", "BITS", "BITS_V", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"]  # fmt: skip
+
+
 def _tuned(kern: _Kernels, kind: str, block_m: int) -> Any:
     key = (kind, block_m)
     if key not in kern.tuned:
         cfgs = decode_configs(block_m) if kind == "decode" else prefill_configs()
         kern.tuned[key] = triton.autotune(
             configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in cfgs],
-            key=["FMT", "FMT_V", "BITS", "BITS_V", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"],
+            key=_AUTOTUNE_KEY,
         )(kern.attn)
     return kern.tuned[key]
 
@@ -923,8 +929,8 @@ def attention(
     f = formats.get_format(fmt)
     fv = f if v_fmt is None else formats.get_format(v_fmt)
     d = q.shape[-1]
-    for side in (f, fv):
-        if side.name in formats.TQ_SIDES:  # power-of-two head_dim (and >= 8 with 3-bit codes), as vLLM builds it
+    for side in (f, fv):  # TurboQuant: a power-of-two head_dim (>= 8 with 3-bit codes), as vLLM builds it
+        if side.name in formats.TQ_SIDES:
             formats.check_tq_head_dim(side.name, d)
     rot_k, rot_v = FMT_CODES[f.layout] == FMT_INT4_RHT, FMT_CODES[fv.layout] == FMT_INT4_RHT
     tq_k = FMT_CODES[f.layout] == FMT_TQ_MSE
@@ -932,7 +938,9 @@ def attention(
         return _attention(q, k, v, f, fv, scaling, q_start, k_start, causal, sliding_window, softcap, sinks,
                           key_padding, q_scale, config, num_splits)  # fmt: skip
     if q_scale is not None:
-        raise UsageError(f"--attention fp8 (an FP8 query) is not emulated with {f.name if rot_k or tq_k else fv.name}")
+        raise UsageError(
+            f"--attention fp8 (an FP8 query) is not emulated with {f.name if rot_k or tq_k else fv.name}"
+        )
     if rot_k or rot_v:
         formats.check_int4_head_dim(d)
     qk, sc = q, scaling
@@ -948,7 +956,9 @@ def attention(
         # stays; the values are not rotated, so neither is the output. q_rot [B, H_q, Tq, D] float32.
         signs = k.scale if k.scale is not None else formats.tq_signs(d, 0, q.device)
         if signs.numel() != d:
-            raise UsageError(f"{f.name} K needs its layer's rotation signs [{d}] (QTensor.scale), got {tuple(signs.shape)}")
+            raise UsageError(
+                f"{f.name} K needs its layer's rotation signs [{d}] (QTensor.scale), got {tuple(signs.shape)}"
+            )
         qk = formats.tq_rotate(q.float(), signs.to(q.device).reshape(d))
     out = _attention(qk, k, v, f, fv, sc, q_start, k_start, causal, sliding_window, softcap, sinks, key_padding,
                      None, config, num_splits)  # fmt: skip
