@@ -1100,9 +1100,14 @@ def _operands(
             raise UsageError(f"{f.name} {name} needs its block scales")
     kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)
     vbs, vbs_st = _block_scale_strides(v.block_scales, dummy)
-    scaled = (FMT_FP8, FMT_NVFP4)
-    ksc, ksc_st = _scale_arg(k.scale if ids[0] in scaled else None, b, hkv, dev, "k scale")
-    vsc, vsc_st = _scale_arg(v.scale if ids[1] in scaled else None, b, hkv, dev, "v scale")
+    # the scale of the fp8 / nvfp4 families; TurboQuant's FP8 keys (`tq_fp8`, read as the fp8 family) apply none,
+    # whatever QTensor.scale holds, as formats.dequantize
+    k_s, v_s = (
+        x.scale if fid in (FMT_FP8, FMT_NVFP4) and f.calibratable else None
+        for x, fid, f in zip((k, v), ids, fs, strict=True)
+    )
+    ksc, ksc_st = _scale_arg(k_s, b, hkv, dev, "k scale")
+    vsc, vsc_st = _scale_arg(v_s, b, hkv, dev, "v scale")
     # the Lloyd-Max centroids of N(0, 1/D) the codes index (formats.tq_centroids, cached per device)
     cent = tq_centroids(q.shape[-1], fs[0].bits, dev) if ids[0] == FMT_TQ_MSE else dummy
     sinks_t = dummy

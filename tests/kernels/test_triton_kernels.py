@@ -311,6 +311,14 @@ def test_turboquant_bad_inputs() -> None:
     other = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(128, 2))
     with pytest.raises(UsageError, match="do not fit together"):
         ta.quantized_attention_triton(torch.randn(1, 2, 1, 128), other, vq, kf, **kw)
+    # FP8 keys (k8v4) are read as the fp8 family but apply no scale, whatever QTensor.scale holds (formats.dequantize)
+    kf8, vf8 = formats.kv_pair("turboquant_k8v4")
+    k8 = formats.quantize(k, kf8)
+    scaled = formats.QTensor(codes=k8.codes, scale=torch.tensor(2.0))
+    kw8 = dict(kw, v_fmt=vf8)
+    vq8 = formats.quantize(v, vf8)
+    base = ta.quantized_attention_triton(q, k8, vq8, kf8, **kw8)
+    assert torch.equal(ta.quantized_attention_triton(q, scaled, vq8, kf8, **kw8), base)
 
 
 def test_bench_cpu_part_runs(tmp_path) -> None:
@@ -425,15 +433,19 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     assert "mma" in compiled.asm["ptx"]  # the bf16 dots run on tensor cores
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4"])
+@pytest.mark.parametrize(
+    "fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4", "turboquant_3bit_nc", "turboquant_k8v4"]
+)
 def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
     """The cache hands the attention views of buffers with spare room (`kvcal.kernels.buffer`: non-contiguous
     codes and block scales); the kernel reads them by their strides: the same output, bit for bit, as from
-    contiguous copies."""
+    contiguous copies. TurboQuant: packed codes, fp16 norms / (scale, min), a layer's signs in the plan."""
     from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
 
     g = torch.Generator().manual_seed(4)
-    cache = QuantizedKVCache([LayerPlan(index=0, fmt=formats.get_format(fmt))])
+    kf, vf = formats.kv_pair(fmt)
+    signs = formats.tq_signs(64, 3) if kf.element == "tq_mse" else None
+    cache = QuantizedKVCache([LayerPlan(index=0, fmt=kf, v_fmt=None if vf is kf else vf, k_scale=signs)])
     for n in (9, 1, 1):
         kph, _ = cache.update(torch.randn(2, 2, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g), 0)
     read = kph.kvcal_read
@@ -444,6 +456,8 @@ def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
         return formats.QTensor(codes=q.codes.contiguous(), block_scales=bs, scale=q.scale)
 
     q = torch.randn(2, 4, 1, 64, generator=g)
-    kw = dict(scaling=0.125, q_start=read.q_start, k_start=read.k_start)
-    out = ta.attention(q, read.k, read.v, fmt, **kw)
-    assert torch.equal(out, ta.attention(q, copy(read.k), copy(read.v), fmt, **kw))
+    kw = dict(scaling=0.125, q_start=read.q_start, k_start=read.k_start, v_fmt=read.v_fmt)
+    if signs is not None:
+        assert torch.equal(read.k.scale, signs)
+    out = ta.attention(q, read.k, read.v, kf, **kw)
+    assert torch.equal(out, ta.attention(q, copy(read.k), copy(read.v), kf, **kw))
