@@ -9,8 +9,9 @@ then float32 attention; no workspace, so every token is dequantized) for one dec
 format, against `torch.nn.functional.scaled_dot_product_attention` on BF16 K/V (ratio = torch path time / SDPA
 time; the cost that CPU evaluation pays for seeing quantized K/V).
 
-CUDA: first a correctness sweep (every format, decode and prefill, GQA, softcap, sinks, windows, padding) of the
-Triton kernels against the reference at small sizes; then, for bf16, fp8_e4m3 and nvfp4 and batch x context from
+CUDA: first a correctness sweep (every format and vLLM's TurboQuant presets, decode and prefill, GQA, softcap, sinks,
+windows, padding) of the Triton kernels against the reference at small sizes; then, for bf16, fp8_e4m3, nvfp4 and
+the four TurboQuant presets (a K/V pair each; MSE keys with layer 0's rotation) and batch x context from
 64k to 4M total tokens (one layer of a Llama-3-8B-shaped model: 32 query heads, 8 KV heads, head_dim 128), the
 Triton decode kernel is checked against the reference on the first batch row and timed (CUDA events, median of
 repeats after autotuning). Achieved bandwidth = bytes of K/V codes + scales + q read (+ output written) / time,
@@ -50,8 +51,9 @@ from kvcal.kernels.reference import quantized_attention_ref  # noqa: E402
 # One attention layer of a Llama-3-8B-shaped model (also Mistral-7B, Qwen2.5-7B: 28/4 heads differ, same idea).
 H_Q, H_KV, HEAD_DIM = 32, 8, 128
 CPU_CONTEXTS = (4096, 16384)
-CPU_FORMATS = ("bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4")
-GPU_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
+TQ_FORMATS = tuple(formats.TQ_PRESETS)  # K/V pairs of side formats (formats.kv_pair)
+CPU_FORMATS = ("bf16", "fp8_e4m3", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4", "turboquant_4bit_nc")
+GPU_FORMATS = ("bf16", "fp8_e4m3", "nvfp4", *TQ_FORMATS)
 # (batch, context): 64k .. 4M tokens in total
 GPU_SHAPES = ((1, 65536), (4, 65536), (1, 1048576), (8, 131072), (32, 131072))
 
@@ -84,7 +86,9 @@ def _median_time_cuda(fn: Callable[[], Any], repeats: int, warmup: int = 3) -> f
     return statistics.median(times)
 
 
-def _quantize_chunked(x: torch.Tensor, fmt: str, scale: torch.Tensor | None, rows: int) -> formats.QTensor:
+def _quantize_chunked(
+    x: torch.Tensor, fmt: str | formats.KVFormat, scale: torch.Tensor | None, rows: int
+) -> formats.QTensor:
     """formats.quantize over batch chunks of about `rows` tokens (bounds the float32 temporaries of a multi-GB
     tensor); a static scale makes the chunks identical to one call."""
     b, _, t, _ = x.shape
@@ -98,6 +102,12 @@ def _quantize_chunked(x: torch.Tensor, fmt: str, scale: torch.Tensor | None, row
         block_scales=cat([p.block_scales for p in parts]),
         scale=parts[0].scale,
     )
+
+
+def _sides(fmt: str) -> tuple[formats.KVFormat, formats.KVFormat, dict[str, Any]]:
+    """(K's format, V's format, the `v_fmt` keyword the attention functions take) of a format or TurboQuant preset."""
+    kf, vf = formats.kv_pair(fmt)
+    return kf, vf, {} if vf is kf else {"v_fmt": vf}
 
 
 def _static_scale(fmt: str, x: torch.Tensor) -> torch.Tensor | None:
@@ -152,11 +162,12 @@ def bench_cpu(repeats: int, contexts: tuple[int, ...], threads: int) -> dict[str
                 )
                 sdpa_ms[name] = timer(sdpa, repeats) * 1e3
             for fmt in CPU_FORMATS:
-                kq = formats.quantize(k32, fmt, scale=_static_scale(fmt, k32))
-                vq = formats.quantize(v32, fmt, scale=_static_scale(fmt, v32))
-                kw = dict(scaling=scaling, q_start=tk - 1, k_start=0)
+                kf, vf, kw = _sides(fmt)
+                kq = formats.quantize(k32, kf, scale=_static_scale(fmt, k32))
+                vq = formats.quantize(v32, vf, scale=_static_scale(fmt, v32))
+                kw.update(scaling=scaling, q_start=tk - 1, k_start=0)
                 ref_ms = (
-                    timer(functools.partial(quantized_attention_fast, q32, kq, vq, fmt, **kw), repeats) * 1e3
+                    timer(functools.partial(quantized_attention_fast, q32, kq, vq, kf, **kw), repeats) * 1e3
                 )
                 rows.append(
                     {
@@ -229,10 +240,11 @@ DRY_SHAPES = ((1, 96), (2, 64))
 
 def check_sweep(
     device: torch.device,
-    fmts: tuple[str, ...] = tuple(formats.FORMATS),
+    fmts: tuple[str, ...] = (*formats.FORMATS, *TQ_FORMATS),
     cases: tuple[tuple[int, int, int, int, dict[str, Any]], ...] = CHECK_CASES,
 ) -> list[dict[str, Any]]:
-    """Every format, decode and prefill, at small sizes: the GPU (bf16-dot) kernels against the float32 reference."""
+    """Every format and TurboQuant preset, decode and prefill, at small sizes: the GPU kernels (bf16 dots where
+    exact, float32 dots otherwise) against the float32 reference."""
     from kvcal.kernels import triton_attention as ta
 
     # one pinned config per path: the sweep checks numerics, and autotuning ~40 kernel variants would take minutes
@@ -249,9 +261,10 @@ def check_sweep(
             v = torch.randn(b, h_kv, tk, d, device=device)
             if fmt == "auto":
                 k, v = k.bfloat16(), v.bfloat16()
-            kq = formats.quantize(k, fmt, scale=_static_scale(fmt, k))
-            vq = formats.quantize(v, fmt, scale=_static_scale(fmt, v))
-            kw: dict[str, Any] = dict(scaling=d**-0.5, q_start=tk - tq, k_start=0)
+            kf, vf, kw = _sides(fmt)
+            kq = formats.quantize(k, kf, scale=_static_scale(fmt, k))
+            vq = formats.quantize(v, vf, scale=_static_scale(fmt, v))
+            kw.update(scaling=d**-0.5, q_start=tk - tq, k_start=0)
             kw["softcap"] = extra.get("softcap")
             kw["sliding_window"] = extra.get("sliding_window")
             if extra.get("sinks"):
@@ -261,8 +274,8 @@ def check_sweep(
                 pad[1, : tk // 3] = False
                 kw["key_padding"] = pad
             cfg = cfg_decode if tq * group <= 64 else cfg_prefill
-            got = ta.attention(q, kq, vq, fmt, config=cfg, **kw)
-            ref = quantized_attention_ref(q, kq, vq, fmt, **kw)
+            got = ta.attention(q, kq, vq, kf, config=cfg, **kw)
+            ref = quantized_attention_ref(q, kq, vq, kf, **kw)
             err = _rel_err(got, ref)
             out.append(
                 {
@@ -318,11 +331,12 @@ def bench_cuda(
             _empty_cache(device)
         per_fmt: dict[str, float] = {}
         for fmt in GPU_FORMATS:
-            kq = _quantize_chunked(k, fmt, _static_scale(fmt, k), rows=1 << 18)
-            vq = _quantize_chunked(v, fmt, _static_scale(fmt, v), rows=1 << 18)
-            run = functools.partial(quantized_attention_triton, q, kq, vq, fmt, **kw)
+            kf, vf, kw_fmt = _sides(fmt)
+            kq = _quantize_chunked(k, kf, _static_scale(fmt, k), rows=1 << 18)
+            vq = _quantize_chunked(v, vf, _static_scale(fmt, v), rows=1 << 18)
+            run = functools.partial(quantized_attention_triton, q, kq, vq, kf, **kw, **kw_fmt)
             got = run()  # first call autotunes
-            ref = quantized_attention_ref(q[:1], _slice_q(kq, 1), _slice_q(vq, 1), fmt, **kw)
+            ref = quantized_attention_ref(q[:1], _slice_q(kq, 1), _slice_q(vq, 1), kf, **kw, **kw_fmt)
             err = _rel_err(got[:1], ref)
             t = timer(run, repeats)
             per_fmt[fmt] = t
@@ -367,11 +381,11 @@ def print_cuda(check: list[dict[str, Any]], res: dict[str, Any]) -> None:
     print(
         f"device copy bandwidth: {res['copy_gb_per_s']:.0f} GB/s; decode, {H_Q} q heads / {H_KV} KV heads / d {HEAD_DIM}"
     )
-    head = f"{'batch':>5} {'context':>8} {'tokens':>8} {'format':<9} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'x bf16':>7} {'x sdpa':>7} {'rel err':>8}"  # noqa: E501
+    head = f"{'batch':>5} {'context':>8} {'tokens':>8} {'format':<18} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'x bf16':>7} {'x sdpa':>7} {'rel err':>8}"  # noqa: E501
     print(head)
     for r in res["rows"]:
         print(
-            f"{r['batch']:>5} {r['context']:>8} {r['tokens']:>8} {r['format']:<9} {r['ms']:>8.3f} "
+            f"{r['batch']:>5} {r['context']:>8} {r['tokens']:>8} {r['format']:<18} {r['ms']:>8.3f} "
             f"{r['gb_per_s']:>7.0f} {100 * r['frac_copy_bw']:>5.0f}% {r['speedup_vs_kvcal_bf16']:>7.2f} "
             f"{_fmt(r['speedup_vs_sdpa_bf16'])} {r['rel_err_vs_ref']:>8.1e}{'' if r['ok'] else '  FAILED'}"
         )
@@ -419,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         dev = torch.device("cpu")
         meta.update(device="cpu (dry run under the Triton interpreter; timings meaningless)")
         payload = {"meta": meta}
-        fmts = ("bf16", "fp8_e4m3", "nvfp4")
+        fmts = ("bf16", "fp8_e4m3", "nvfp4", "turboquant_3bit_nc")
         check = [] if args.no_check else check_sweep(dev, fmts, DRY_CHECK_CASES)
         save = functools.partial(_save, args.out, payload)
         res = bench_cuda(dev, args.repeats or 1, args.max_tokens, lambda r: save(cuda=r), DRY_SHAPES, 1 << 20)

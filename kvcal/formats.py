@@ -108,8 +108,8 @@ Rounding and scales per format
   as the engine's). Dequantized: c = centroid[code], norm correction c * (1 / sqrt(sum(c * c) + 1e-16)) (kvcal: the
   float64 sum rounded once, correctly rounded sqrt and division (via float64: torch's float32 CPU sqrt is not); the Triton kernel's tl.sum / tl.sqrt / 1.0 / x are the GPU's),
   k_rot = float32(norm16) * c, then rotated back, k = k_rot @ Pi (`tq_rotate(., inverse=True)`). vLLM's decode
-  instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits up to float32 rounding; kvcal
-  reads the un-rotated K. Keys, FP8 (k8v4): `e4m3(clamp(k, +-448))`, no scale, no rotation (Hopper's
+  instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits up to float32 rounding; kvcal's
+  torch path reads the un-rotated K, its Triton kernel rotates the query as vLLM does. Keys, FP8 (k8v4): `e4m3(clamp(k, +-448))`, no scale, no rotation (Hopper's
   cvt.rn.satfinite; vLLM on Ampere/Ada stores float8e4b15 instead, not emulated).
   Values (3/4 bits, L = 2**bits - 1): per (token, head) min, max in float32, scale = (max - min) / L floored at
   1e-8, codes `trunc((v - min) / scale + 0.5)` clamped to 0..L (vLLM's Triton `/` is the GPU's approximate division,
@@ -405,10 +405,17 @@ _TQ_SIDE_ROWS: tuple[tuple[str, str, int, str], ...] = (
      "scale and zero"),
 )
 # fmt: on
-_TQ_STORAGE = {"tq_fp8": (_E4M3, None), "tq_mse": (_U8, torch.float16), "tq_uniform": (_U8, torch.float16)}
+# element -> (codes dtype, block-scales dtype, Triton FMT family of kvcal.kernels.triton_attention): FP8 keys are
+# fp8_e4m3's storage at scale 1 (the FP8 family, 1); MSE keys (7) and uniform values (8) are TurboQuant's own
+# families. No cpu_write.c kernel.
+_TQ_STORAGE = {
+    "tq_fp8": (_E4M3, None, 1),
+    "tq_mse": (_U8, torch.float16, 7),
+    "tq_uniform": (_U8, torch.float16, 8),
+}
 TQ_SIDES: dict[str, KVFormat] = {
     name: KVFormat(
-        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], None, None, bits
+        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], None, bits
     )
     for name, element, bits, desc in _TQ_SIDE_ROWS
 }

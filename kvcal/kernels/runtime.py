@@ -80,19 +80,6 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _tq_impl(impl: str, kv_format: str) -> str | None:
-    """'torch' for a TurboQuant preset under --impl auto; UsageError for --impl triton (kvcal's Triton kernels do
-    not read TurboQuant's packed Lloyd-Max keys / uniform values yet); None for every other format."""
-    if not formats.is_tq_preset(kv_format):
-        return None
-    if impl == "triton":
-        raise UsageError(
-            f"--impl triton does not read {kv_format} yet (kvcal's Triton attention has no TurboQuant path: packed "
-            "3/4-bit Lloyd-Max keys with fp16 norms, uniform values with fp16 scale and zero); use --impl torch"
-        )
-    return "torch"
-
-
 def _model_device(model: torch.nn.Module) -> torch.device:
     if hasattr(model, "get_input_embeddings"):  # under a device map: where inputs go (kvcal.models.loading.input_device)
         return input_device(model)
@@ -361,7 +348,7 @@ class KVRuntime:
         if scales is not None:
             _check_scales(scales, self.fmt, self.kv, v_fmt=self.v_fmt)
         self.q_scales = query_scales(self.attention, scales, self.kv.num_layers)
-        self.impl = _tq_impl(impl, self.kv_format) or resolve_impl(impl, _model_device(model))
+        self.impl = resolve_impl(impl, _model_device(model))
         self.plans = self._layer_plans()
         self._install(mods)
 

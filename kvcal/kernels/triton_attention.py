@@ -14,7 +14,16 @@ No dequantized copy of K or V is ever written; each K/V tile is dequantized in r
     even and odd output columns — no interleave. A code becomes an fp16 number by moving its bits (no lookup, no
     branches); the block scale (E4M3, or E8M0 = 2**(e-127)) multiplies the tile; nvfp4's global scale is folded
     like an fp8 scale. fp8 / nvfp4 scales may be per tensor, per KV head or per sequence ([B, 1, 1, 1]).
-  - NaN markers of `kvcal.formats` (int8 code -128, E2M1 code 8) decode to NaN, as in the torch reference.
+  - TurboQuant (vLLM's turboquant_* presets, a K/V pair of side formats): FP8 keys (`tq_fp8`) are fp8_e4m3 codes at
+    scale 1 (the fp8 family). MSE keys (`tq_mse4_nc` / `tq_mse3_nc`) are read in the rotated domain, as vLLM's
+    decode kernel does: the query is rotated once before the kernel (q_rot = q @ PiT, `formats.tq_rotate`; PiT is
+    orthonormal, so q_rot . k_rot = q . k and the logit scale is unchanged), each packed 3/4-bit code becomes its
+    Lloyd-Max centroid by a gather from the [2**bits] table, and the fp16 norm times the norm correction
+    1 / sqrt(sum(c * c) + 1e-16) (summed over the tile's row) multiplies the logit column. Uniform values
+    (`tq_uniform4` / `tq_uniform3`) dequantize in registers to code * scale16 + min16 (the product is exact, so one
+    rounding, as the engine's FMA) and enter P.V like any float tile; the output needs no rotation.
+  - NaN markers of `kvcal.formats` (int8 code -128, E2M1 code 8, a TurboQuant NaN norm / scale) decode to NaN, as in
+    the torch reference.
   - bf16 / auto: plain loads.
 
 One kernel serves decode and prefill. The query rows of one program are the (query token, query head) pairs of
@@ -48,7 +57,7 @@ from typing import Any
 import torch
 
 from kvcal.errors import UsageError
-from kvcal.formats import FORMATS
+from kvcal.formats import FORMATS, TQ_SIDES, tq_centroids
 
 try:  # triton is a Linux-only dependency; the module imports without it and says so when called
     import triton
@@ -77,10 +86,21 @@ FMT_MXFP4 = 4  # packed E2M1, E8M0 block scales (fp4_e2m1: 16, mxfp4: 32)
 FMT_FP8_TOKEN = 5  # fp8_per_token_head: float8 e4m3 codes, fp32 scale per (token, head)
 FMT_INT4_RHT = 6  # int4_per_token_head: packed 4-bit codes, fp32 scale word per (token, head) with the zero point
 # in its low 4 bits, values in the rotated basis (q rotated before the kernel, the output rotated back after it)
+# TurboQuant MSE keys: packed 3/4-bit Lloyd-Max codes of the rotated unit vector, uint8 [B, H_kv, Tk, D*b/8], fp16
+# norm [B, H_kv, Tk, 1], the centroid table float32 [2**b]; q rotated before the kernel (the output is not)
+FMT_TQ_MSE = 7
+# TurboQuant values: packed 3/4-bit codes, uint8 [B, H_kv, Tk, D*b/8], fp16 (scale, min) [B, H_kv, Tk, 2]
+FMT_TQ_UNIFORM = 8
 FMT_HALF = (FMT_NVFP4, FMT_MXFP4, FMT_INT4_RHT)  # two codes per byte: half-width even / odd tiles
 FMT_TOKEN = (FMT_INT8, FMT_FP8_TOKEN, FMT_INT4_RHT)  # per-(token, head) scale on the logits / probabilities
-# storage layout -> family: formats' `triton_kernel` column (a format sharing another's layout reads as that one)
-FMT_CODES: dict[str, int] = {f.name: f.triton_kernel for f in FORMATS.values() if f.layout == f.name}  # type: ignore[misc]
+FMT_TQ = (FMT_TQ_MSE, FMT_TQ_UNIFORM)  # packed b-bit codes (`BITS` / `BITS_V`), full-width tiles
+# storage layout -> family: formats' `triton_kernel` column (a format sharing another's layout reads as that one);
+# TurboQuant's side formats (reachable only through their presets) have their own rows
+FMT_CODES: dict[str, int] = {
+    f.name: f.triton_kernel  # type: ignore[misc]
+    for f in (*FORMATS.values(), *TQ_SIDES.values())
+    if f.layout == f.name
+}
 
 # Rows (Tq * G) up to which the decode path (small BLOCK_M, split-K) is used.
 _DECODE_MAX_ROWS = 64
@@ -173,6 +193,7 @@ _tanh: Any = None
 _load_fp4_tile: Any = None
 _to_dot: Any = None
 _round_e4m3: Any = None
+_load_tq_codes: Any = None
 
 # Dot operand dtypes (constexpr DOT_KIND): the narrowest type in which q and the dequantized tile values are exact.
 DOT_F32, DOT_BF16, DOT_F16 = 0, 1, 2
@@ -278,6 +299,25 @@ def _load_fp4_tile_impl(
     return lo * s, hi * s
 
 
+def _load_tq_codes_impl(base, offs_n, offs_d, mask, stride_n, stride_c, BITS: tl.constexpr):
+    # TurboQuant packed codes -> int32 codes [BLOCK_N, D_PAD] (0 where masked), vLLM's packing (formats.tq_pack):
+    # 4 bits: element d in byte d // 2, low nibble for even d; 3 bits: each 8 elements a 24-bit little-endian word
+    # of 3 bytes, element j of the group at bit 3j, so element d starts in byte 3 (d // 8) + 3j // 8 at bit 3j % 8
+    # and reaches into the next byte when that bit is 6 or 7 (j = 2 and 5; the next byte lies in the same group).
+    row = base + offs_n[:, None] * stride_n
+    if BITS == 4:
+        byte = tl.load(row + (offs_d // 2)[None, :] * stride_c, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((offs_d % 2) * 4)[None, :]) & 0xF
+    else:
+        bit = (offs_d % 8) * 3  # [D_PAD]
+        idx = (offs_d // 8) * 3 + bit // 8
+        sh = bit % 8
+        b0 = tl.load(row + idx[None, :] * stride_c, mask=mask, other=0).to(tl.int32)
+        b1 = tl.load(row + (idx + 1)[None, :] * stride_c, mask=mask & (sh > 5)[None, :], other=0).to(tl.int32)
+        code = ((b0 | (b1 << 8)) >> sh[None, :]) & 0x7
+    return code
+
+
 def _attn_fwd_impl(
     Q,
     K,
@@ -286,6 +326,7 @@ def _attn_fwd_impl(
     VBS,
     KSC,
     VSC,
+    CENT,  # TurboQuant MSE keys: the centroid table float32 [2**BITS] (a dummy otherwise)
     SINKS,
     KPAD,
     OUT,
@@ -296,7 +337,7 @@ def _attn_fwd_impl(
     stride_qh,
     stride_qt,
     stride_qd,
-    # k/v codes [B, H_kv, Tk, Dc] (Dc = D or D/2)
+    # k/v codes [B, H_kv, Tk, Dc] (Dc = D, D/2, or D*b/8 for TurboQuant's packed b-bit codes)
     stride_kb,
     stride_kh,
     stride_kt,
@@ -305,7 +346,7 @@ def _attn_fwd_impl(
     stride_vh,
     stride_vt,
     stride_vd,
-    # block scales [B, H_kv, Tk, NB] (int8: NB = 1)
+    # block scales [B, H_kv, Tk, NB] (int8: NB = 1; TurboQuant: fp16 norm NB = 1, fp16 (scale, min) NB = 2)
     stride_kbsb,
     stride_kbsh,
     stride_kbst,
@@ -339,6 +380,8 @@ def _attn_fwd_impl(
     BLOCK_SIZE: tl.constexpr,
     FMT_V: tl.constexpr,
     BLOCK_SIZE_V: tl.constexpr,
+    BITS: tl.constexpr,  # TurboQuant code width of K / V (3 or 4; 0 for other families)
+    BITS_V: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -354,7 +397,7 @@ def _attn_fwd_impl(
     BLOCK_N: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
-    # FMT / BLOCK_SIZE: K's format; FMT_V / BLOCK_SIZE_V: V's (equal unless a K/V format pair)
+    # FMT / BLOCK_SIZE / BITS: K's format; FMT_V / BLOCK_SIZE_V / BITS_V: V's (equal unless a K/V format pair)
     # K_FP4 / V_FP4: two codes per byte, read as half-width even / odd tiles (E2M1 families 3, 4 and int4 6)
     K_FP4: tl.constexpr = (FMT == 3) or (FMT == 4) or (FMT == 6)
     V_FP4: tl.constexpr = (FMT_V == 3) or (FMT_V == 4) or (FMT_V == 6)
@@ -463,6 +506,13 @@ def _attn_fwd_impl(
             )
             s = tl.dot(q_even, tl.trans(_to_dot(k_e, DOT_KIND)), input_precision=DOT_PREC)
             s += tl.dot(q_odd, tl.trans(_to_dot(k_o, DOT_KIND)), input_precision=DOT_PREC)
+        elif FMT == 7:
+            # codes -> centroids [BLOCK_N, D_PAD] by a gather from the small table (0 in masked lanes)
+            km = n_ok[:, None] & d_ok[None, :]
+            kc = _load_tq_codes(k_base, offs_n, offs_d, km, stride_kt, stride_kd, BITS)
+            kt = tl.load(CENT + kc, mask=km, other=0.0)
+            c_sq = tl.reduce(kt * kt, 1, tl.standard._sum_combine)  # [BLOCK_N] for the norm correction
+            s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
         else:
             kt = tl.load(
                 k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
@@ -473,6 +523,11 @@ def _attn_fwd_impl(
                 kt = tl.where(kt == -128, float("nan"), kt.to(tl.float32))
             s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
         s = s * qk_scale
+        if FMT == 7:
+            # TurboQuant MSE keys: s = (q_rot . c) * norm / sqrt(sum(c * c) + 1e-16) (vLLM's NORM_CORRECTION),
+            # the correction and the fp16 norm [BLOCK_N] folded into the logit column
+            ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
+            s = s * (ks * (1.0 / tl.sqrt(c_sq + 1e-16)))[None, :]
         if K_TOKEN:
             ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
             if FMT == 6:  # the scale word without its zero-point bits
@@ -529,6 +584,16 @@ def _attn_fwd_impl(
             pd = _to_dot(p, DOT_KIND)
             acc_e += tl.dot(pd, _to_dot(v_e, DOT_KIND), input_precision=DOT_PREC)
             acc_o += tl.dot(pd, _to_dot(v_o, DOT_KIND), input_precision=DOT_PREC)
+        elif FMT_V == 8:
+            # TurboQuant values: code * scale16 + min16 per (token, head) [BLOCK_N, D_PAD]; exact product, one
+            # rounding (the engine's FMA); masked lanes (keys past hi, padded columns) 0
+            vm = n_ok[:, None] & d_ok[None, :]
+            vc = _load_tq_codes(v_base, offs_n, offs_d, vm, stride_vt, stride_vd, BITS_V).to(tl.float32)
+            v_sc = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
+            v_mn = tl.load(vbs_base + offs_n * stride_vbst + stride_vbsd, mask=n_ok, other=0.0).to(tl.float32)
+            vt = tl.where(vm, vc * v_sc[:, None] + v_mn[:, None], 0.0)
+            acc = acc * alpha[:, None]
+            acc += tl.dot(_to_dot(p, DOT_KIND), _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
         else:
             vt = tl.load(
                 v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
@@ -659,8 +724,13 @@ def _kernels() -> _Kernels:
         g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
         g["_to_dot"] = triton.jit(_to_dot_impl)
         g["_round_e4m3"] = triton.jit(_round_e4m3_impl)
+        g["_load_tq_codes"] = triton.jit(_load_tq_codes_impl)
         _KERNELS = _Kernels(interp, triton.jit(_attn_fwd_impl), triton.jit(_combine_impl), {})
     return _KERNELS
+
+
+# what a tuned config is kept for: the formats (and TurboQuant code widths), shape and kernel variant
+_AUTOTUNE_KEY = ["FMT", "FMT_V", "BITS", "BITS_V", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"]  # fmt: skip
 
 
 def _tuned(kern: _Kernels, kind: str, block_m: int) -> Any:
@@ -669,7 +739,7 @@ def _tuned(kern: _Kernels, kind: str, block_m: int) -> Any:
         cfgs = decode_configs(block_m) if kind == "decode" else prefill_configs()
         kern.tuned[key] = triton.autotune(
             configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in cfgs],
-            key=["FMT", "FMT_V", "HEAD_DIM", "G", "tk_bucket", "SPLIT", "DOT_KIND", "HAS_SOFTCAP"],
+            key=_AUTOTUNE_KEY,
         )(kern.attn)
     return kern.tuned[key]
 
@@ -736,8 +806,9 @@ def _block_scale_strides(
 def _dot_kind(interpret: bool, q_dtype: torch.dtype, code_dtype: torch.dtype, fmt_id: int) -> int:
     """Dot operand dtype: bf16 / fp16 only where q and every dequantized tile value are exact in it (FP8 and int8
     codes fit both; FP4 times a block scale, and BF16 codes, need bf16's exponent range; fp16 codes need fp16's
-    mantissa); float32 otherwise, and always under the interpreter (its bf16 dot is broken)."""
-    if interpret:
+    mantissa); float32 otherwise (TurboQuant's Lloyd-Max centroids and uniform values are float32 numbers), and
+    always under the interpreter (its bf16 dot is broken)."""
+    if interpret or fmt_id in FMT_TQ:  # TurboQuant centroids and code * scale + min: float32 values
         return DOT_F32
     if q_dtype == torch.bfloat16 and (fmt_id != FMT_PLAIN or code_dtype == torch.bfloat16):
         return DOT_BF16
@@ -769,8 +840,10 @@ def _check_inputs(q: torch.Tensor, k: Any, v: Any, fk: Any, fv: Any) -> tuple[in
         )
     bk, hkv, tk, _ = kc.shape
     for f, codes in ((fk, kc), (fv, vc)):
-        dc = codes.shape[-1]
-        if bk != b or (dc * 2 if FMT_CODES[f.layout] in FMT_HALF else dc) != d:
+        # codes per (token, head): D, D/2 (two per byte) or ceil(D * b / 8) (TurboQuant's packed b-bit codes)
+        dc, fid = codes.shape[-1], FMT_CODES[f.layout]
+        want = f.storage_widths(d)[0] if fid in FMT_TQ else d
+        if bk != b or (dc * 2 if fid in FMT_HALF else dc) != want:
             raise UsageError(
                 f"q {tuple(q.shape)} and k/v codes {tuple(codes.shape)} do not fit together ({f.name})"
             )
@@ -855,20 +928,40 @@ def attention(
 
     f = formats.get_format(fmt)
     fv = f if v_fmt is None else formats.get_format(v_fmt)
+    d = q.shape[-1]
+    for side in (f, fv):  # TurboQuant: a power-of-two head_dim (>= 8 with 3-bit codes), as vLLM builds it
+        if side.name in formats.TQ_SIDES:
+            formats.check_tq_head_dim(side.name, d)
     rot_k, rot_v = FMT_CODES[f.layout] == FMT_INT4_RHT, FMT_CODES[fv.layout] == FMT_INT4_RHT
-    if not (rot_k or rot_v):
+    tq_k = FMT_CODES[f.layout] == FMT_TQ_MSE
+    if not (rot_k or rot_v or tq_k):
         return _attention(q, k, v, f, fv, scaling, q_start, k_start, causal, sliding_window, softcap, sinks,
                           key_padding, q_scale, config, num_splits)  # fmt: skip
-    # int4_per_token_head stores K/V rotated (H D1 x, norm sqrt(D) |x|): as vLLM's unified_attention_int4, the
-    # query is rotated the same way (then q_r . k_r = D q . k, so the logit scale is divided by D) and the output,
-    # a mix of rotated V rows, is rotated back and divided by D. Here q and the output stay float32.
-    d = q.shape[-1]
-    formats.check_int4_head_dim(d)
     if q_scale is not None:
-        raise UsageError("--attention fp8 (an FP8 query) is not emulated with int4_per_token_head")
-    qk = formats.rht(q.float()) if rot_k else q
-    out = _attention(qk, k, v, f, fv, float(scaling) / d if rot_k else scaling, q_start, k_start, causal,
-                     sliding_window, softcap, sinks, key_padding, None, config, num_splits)  # fmt: skip
+        raise UsageError(
+            f"--attention fp8 (an FP8 query) is not emulated with {f.name if rot_k or tq_k else fv.name}"
+        )
+    if rot_k or rot_v:
+        formats.check_int4_head_dim(d)
+    qk, sc = q, scaling
+    if rot_k:
+        # int4_per_token_head stores K/V rotated (H D1 x, norm sqrt(D) |x|): as vLLM's unified_attention_int4, the
+        # query is rotated the same way (then q_r . k_r = D q . k, so the logit scale is divided by D) and the
+        # output, a mix of rotated V rows, is rotated back and divided by D. Here q and the output stay float32.
+        qk, sc = formats.rht(q.float()), float(scaling) / d
+    elif tq_k:
+        # TurboQuant MSE keys are codes of the rotated unit vector k_rot = k @ PiT: as vLLM's TurboQuant decode, the
+        # query is rotated by the same PiT (the layer's signs, k.scale; formats' default, layer 0's, where none is
+        # stored, as formats.dequantize reads it). PiT is orthonormal, so q_rot . k_rot = q . k: the logit scale
+        # stays; the values are not rotated, so neither is the output. q_rot [B, H_q, Tq, D] float32.
+        signs = k.scale if k.scale is not None else formats.tq_signs(d, 0, q.device)
+        if signs.numel() != d:
+            raise UsageError(
+                f"{f.name} K needs its layer's rotation signs [{d}] (QTensor.scale), got {tuple(signs.shape)}"
+            )
+        qk = formats.tq_rotate(q.float(), signs.to(q.device).reshape(d))
+    out = _attention(qk, k, v, f, fv, sc, q_start, k_start, causal, sliding_window, softcap, sinks, key_padding,
+                     None, config, num_splits)  # fmt: skip
     if rot_v:
         out = formats.rht(out.float(), inverse=True) / float(d)
     return out.to(q.dtype)
@@ -922,7 +1015,7 @@ def _attention(
         num_splits,
     )
     args = (
-        q, k.codes, v.codes, ops.kbs, ops.vbs, ops.ksc, ops.vsc, ops.sinks, ops.kp, out, plan.part_ml,
+        q, k.codes, v.codes, ops.kbs, ops.vbs, ops.ksc, ops.vsc, ops.cent, ops.sinks, ops.kp, out, plan.part_ml,
         plan.part_acc, *q.stride(), *k.codes.stride(), *v.codes.stride(), *ops.kbs_st, *ops.vbs_st, *ops.ksc_st,
         *ops.vsc_st, *ops.kp_st, *out.stride(), hkv, tq, tk, hq // hkv, int(q_start), int(k_start),
         int(sliding_window or 0), float(scaling), float(softcap or 0.0), _next_pow2(tk),
@@ -932,6 +1025,8 @@ def _attention(
         BLOCK_SIZE=max(2, f.block_size),
         FMT_V=fmt_v,
         BLOCK_SIZE_V=max(2, fv.block_size),
+        BITS=f.bits if fmt_id in FMT_TQ else 0,
+        BITS_V=fv.bits if fmt_v in FMT_TQ else 0,
         HEAD_DIM=d,
         D_PAD=plan.d_pad,
         CAUSAL=bool(causal),
@@ -976,6 +1071,7 @@ class _Operands:
     ksc_st: tuple[int, int]
     vsc: torch.Tensor
     vsc_st: tuple[int, int]
+    cent: torch.Tensor  # TurboQuant MSE keys: the centroid table float32 [2**bits]; a dummy otherwise
     sinks: torch.Tensor
     kp: torch.Tensor
     kp_st: tuple[int, ...]
@@ -1004,9 +1100,16 @@ def _operands(
             raise UsageError(f"{f.name} {name} needs its block scales")
     kbs, kbs_st = _block_scale_strides(k.block_scales, dummy)
     vbs, vbs_st = _block_scale_strides(v.block_scales, dummy)
-    scaled = (FMT_FP8, FMT_NVFP4)
-    ksc, ksc_st = _scale_arg(k.scale if ids[0] in scaled else None, b, hkv, dev, "k scale")
-    vsc, vsc_st = _scale_arg(v.scale if ids[1] in scaled else None, b, hkv, dev, "v scale")
+    # the scale of the fp8 / nvfp4 families; TurboQuant's FP8 keys (`tq_fp8`, read as the fp8 family) apply none,
+    # whatever QTensor.scale holds, as formats.dequantize
+    k_s, v_s = (
+        x.scale if fid in (FMT_FP8, FMT_NVFP4) and f.calibratable else None
+        for x, fid, f in zip((k, v), ids, fs, strict=True)
+    )
+    ksc, ksc_st = _scale_arg(k_s, b, hkv, dev, "k scale")
+    vsc, vsc_st = _scale_arg(v_s, b, hkv, dev, "v scale")
+    # the Lloyd-Max centroids of N(0, 1/D) the codes index (formats.tq_centroids, cached per device)
+    cent = tq_centroids(q.shape[-1], fs[0].bits, dev) if ids[0] == FMT_TQ_MSE else dummy
     sinks_t = dummy
     if sinks is not None:
         if sinks.numel() != hq:
@@ -1020,7 +1123,7 @@ def _operands(
             raise UsageError(f"key_padding must be [B, Tk] = [{b}, {tk}], got {tuple(key_padding.shape)}")
         kp = key_padding.to(device=dev, dtype=torch.bool).view(torch.uint8)
         kp_st = tuple(kp.stride())
-    return _Operands(kbs, kbs_st, vbs, vbs_st, ksc, ksc_st, vsc, vsc_st, sinks_t, kp, kp_st)
+    return _Operands(kbs, kbs_st, vbs, vbs_st, ksc, ksc_st, vsc, vsc_st, cent, sinks_t, kp, kp_st)
 
 
 @dataclass

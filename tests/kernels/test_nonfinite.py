@@ -111,6 +111,40 @@ def test_triton_reads_nan_markers_like_the_reference(fmt: str, monkeypatch: pyte
     assert err <= 1e-5 * ref[~nan].abs().max().item()
 
 
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
+def test_triton_reads_turboquant_nan_rows_like_the_reference(
+    preset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TurboQuant stores a (token, head) row holding a NaN with a NaN norm (K) / scale and min (V): decode over 20
+    keys of 3 sequences, sequence 1 with one NaN key element, sequence 2 with one NaN value element — their outputs
+    are all NaN (a NaN logit, a NaN value row), sequence 0's finite and equal to the reference's. (The k8v4 preset's
+    FP8 NaN is the format's own, left out as fp8 is above.)"""
+    pytest.importorskip("triton")
+    from kvcal.kernels.triton_attention import attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("KVCAL_TRITON_CONFIG", raising=False)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 2, 1, 64, generator=g)
+    k = torch.randn(3, 1, 20, 64, generator=g)
+    v = torch.randn(3, 1, 20, 64, generator=g)
+    k[1, 0, 7, 5] = float("nan")
+    v[2, 0, 11, 40] = float("nan")
+    kf, vf = formats.kv_pair(preset)
+    kq, vq = formats.quantize(k, kf, formats.tq_signs(64, 1)), formats.quantize(v, vf)
+    kw = dict(scaling=0.125, q_start=19, k_start=0, v_fmt=vf)
+    out = attention(q, kq, vq, kf, **kw)
+    ref = quantized_attention_ref(q, kq, vq, kf, **kw)
+    nan = torch.zeros_like(out, dtype=torch.bool)
+    nan[1:] = True
+    assert torch.equal(torch.isnan(out), nan) and torch.equal(torch.isnan(ref), nan)
+    # the finite sequence as tests/kernels/test_triton_kernels.py holds every kernel: within 8 times the float32
+    # reference's own error against float64, plus 4 float32 ulps of the output
+    r64 = quantized_attention_ref(q.double(), kq, vq, kf, compute_dtype=torch.float64, **kw)[0]
+    err, err32 = ((x[0].double() - r64).abs().max().item() for x in (out, ref))
+    assert err <= 8 * err32 + 4 * torch.finfo(torch.float32).eps * r64.abs().max().item(), (err, err32)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_count_is_exact_when_a_finite_sum_overflows(dtype: torch.dtype) -> None:
     """The CPU fast check sums the tensor: finite elements whose sum overflows must still count 0, and a single

@@ -8,7 +8,8 @@ quantized storage, so the comparison isolates the kernel's arithmetic.
 The interpreter runs each program instance in numpy, so sizes are tiny; the cases cover every format, decode
 (split-K and not) and prefill, lengths 1/17/257, GQA ratios 1/3/4/8, head_dim 64/128/256, sliding windows (with a
 window-sized cache, k_start > 0), softcap, sinks, key padding (including empty rows) and batch > 1, without the
-full cartesian product.
+full cartesian product. vLLM's TurboQuant presets (K/V pairs of side formats, MSE keys with a non-default layer's
+rotation signs) each run decode and prefill at an odd length (37 keys) with GQA.
 
 TRITON_INTERPRET=1 is set per test (monkeypatch), not at import: `triton_attention` creates its jit kernels on first
 use for the current mode and calls none of the jit helpers that triton decorates at its own import, so it does not
@@ -119,6 +120,15 @@ CASES = [
     Case("float16", 17, 17, 3, 64, window=5),
     Case("int8_per_tensor", 17, 40, 4, 64, window=9, sinks=True),
     Case("auto", 17, 17, 4, 128, pad_left=(5,)),  # left padding: the first 5 query rows see no key -> 0
+    # ---- TurboQuant presets (K/V pairs; MSE keys read in the rotated domain, q rotated before the kernel) ----
+    Case("turboquant_k8v4", 1, 37, 2, 64, h_kv=2),
+    Case("turboquant_4bit_nc", 1, 37, 2, 64, h_kv=2, splits=2),
+    Case("turboquant_k3v4_nc", 1, 37, 2, 128, h_kv=2),
+    Case("turboquant_3bit_nc", 1, 37, 2, 64, h_kv=2, b=2, pad_left=(0, 5)),
+    Case("turboquant_k8v4", 33, 37, 2, 128, h_kv=2),  # 66 rows: the prefill path; chunked (q_start = 4)
+    Case("turboquant_4bit_nc", 33, 37, 2, 64, h_kv=2),
+    Case("turboquant_k3v4_nc", 33, 37, 2, 64, h_kv=2, b=2, pad_left=(3, 0)),
+    Case("turboquant_3bit_nc", 37, 37, 2, 64, h_kv=2),
 ]
 
 
@@ -136,8 +146,13 @@ def _run(case: Case) -> tuple[float, float, float]:
     if case.per_head_scale:
         amax = k.abs().amax(dim=(0, 2, 3))  # [H_kv]
         scale = amax / {"fp8": 448.0, "int": 127.0}.get(case.fmt[:3], 448.0 * 6.0)
-    kq = formats.quantize(k, case.fmt, scale=scale)
-    vq = formats.quantize(v, case.fmt, scale=None if scale is None else scale * 0.5)
+    kf, vf = formats.kv_pair(case.fmt)  # a TurboQuant preset: two side formats; otherwise the format twice
+    v_scale = None if scale is None else scale * 0.5
+    # MSE keys: a layer's rotation signs (not layer 0's, formats' default), so the kernel must read k.scale
+    if kf.element == "tq_mse":
+        scale = formats.tq_signs(case.d, 5)
+    kq = formats.quantize(k, kf, scale=scale)
+    vq = formats.quantize(v, vf, scale=v_scale)
     q_start = case.q_start if case.q_start is not None else case.k_start + case.tk - case.tq
     key_padding = None
     if case.pad_left:
@@ -154,13 +169,14 @@ def _run(case: Case) -> tuple[float, float, float]:
         softcap=case.softcap,
         sinks=sinks,
         key_padding=key_padding,
+        v_fmt=None if vf is kf else vf,
     )
-    out = ta.attention(q, kq, vq, case.fmt, num_splits=case.splits, **kw)
+    out = ta.attention(q, kq, vq, kf, num_splits=case.splits, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     # references on float32 / float64 queries, so that a bf16 q does not round their outputs to bf16
-    r32 = quantized_attention_ref(q.float(), kq, vq, case.fmt, **kw)
-    r64 = quantized_attention_ref(q.double(), kq, vq, case.fmt, compute_dtype=torch.float64, **kw)
+    r32 = quantized_attention_ref(q.float(), kq, vq, kf, **kw)
+    r64 = quantized_attention_ref(q.double(), kq, vq, kf, compute_dtype=torch.float64, **kw)
     err = (out.double() - r64).abs().max().item()
     err32 = (r32.double() - r64).abs().max().item()
     return err, err32, r64.abs().max().item()
@@ -240,6 +256,13 @@ def test_dot_operand_dtype_is_exact_for_the_inputs() -> None:
     assert kind(False, torch.float16, torch.int8, ta.FMT_INT8) == ta.DOT_F16
     assert kind(False, torch.float16, torch.uint8, ta.FMT_MXFP4) == ta.DOT_F32  # E8M0 range exceeds fp16
     assert kind(False, torch.float32, torch.float8_e5m2, ta.FMT_FP8) == ta.DOT_F32
+    # TurboQuant: Lloyd-Max centroids and code * scale + min are float32 numbers, not exact in bf16 / fp16
+    for fmt_id in (ta.FMT_TQ_MSE, ta.FMT_TQ_UNIFORM):
+        for q_dtype in (torch.bfloat16, torch.float16):
+            assert kind(False, q_dtype, torch.uint8, fmt_id) == ta.DOT_F32
+    # k8v4: FP8 keys alone would take bf16 dots, the pair takes one type for both products
+    pair = (torch.float8_e4m3fn, torch.uint8)
+    assert ta._pair_dot_kind(False, torch.bfloat16, pair, (ta.FMT_FP8, ta.FMT_TQ_UNIFORM)) == ta.DOT_F32
 
 
 def test_autotune_configs_are_valid() -> None:
@@ -267,6 +290,35 @@ def test_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UsageError, match="CUDA"):
         ta.quantized_attention_triton(q, kq, kq, "fp8_e4m3", **kw)
+
+
+def test_turboquant_bad_inputs() -> None:
+    """What the TurboQuant path refuses before any kernel runs: a head_dim vLLM builds no Hadamard matrix for, an FP8
+    query (FlashAttention-3's FP8 attention reads fp8_e4m3 caches only), rotation signs of another head_dim."""
+    kf, vf = formats.kv_pair("turboquant_4bit_nc")
+    kw = dict(scaling=0.125, q_start=7, k_start=0, v_fmt=vf)
+    k, v = torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64)
+    kq, vq = formats.quantize(k, kf, formats.tq_signs(64, 2)), formats.quantize(v, vf)
+    q = torch.randn(1, 2, 1, 64)
+    with pytest.raises(UsageError, match="power-of-two head_dim"):
+        ta.quantized_attention_triton(torch.randn(1, 2, 1, 48), kq, vq, kf, **kw)
+    with pytest.raises(UsageError, match="--attention fp8"):
+        ta.quantized_attention_triton(q, kq, vq, kf, q_scale=1.0, **kw)
+    wrong = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(32, 2))
+    with pytest.raises(UsageError, match=r"rotation signs \[64\]"):
+        ta.quantized_attention_triton(q, wrong, vq, kf, **kw)
+    # packed codes of another head_dim than q's (signs of q's)
+    other = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(128, 2))
+    with pytest.raises(UsageError, match="do not fit together"):
+        ta.quantized_attention_triton(torch.randn(1, 2, 1, 128), other, vq, kf, **kw)
+    # FP8 keys (k8v4) are read as the fp8 family but apply no scale, whatever QTensor.scale holds (formats.dequantize)
+    kf8, vf8 = formats.kv_pair("turboquant_k8v4")
+    k8 = formats.quantize(k, kf8)
+    scaled = formats.QTensor(codes=k8.codes, scale=torch.tensor(2.0))
+    kw8 = dict(kw, v_fmt=vf8)
+    vq8 = formats.quantize(v, vf8)
+    base = ta.quantized_attention_triton(q, k8, vq8, kf8, **kw8)
+    assert torch.equal(ta.quantized_attention_triton(q, scaled, vq8, kf8, **kw8), base)
 
 
 def test_bench_cpu_part_runs(tmp_path) -> None:
@@ -297,10 +349,18 @@ _AOT_VARIANTS = {
     "fp16-auto-decode-fp16-dots": (ta.FMT_PLAIN, 64, True, (), 16, 64, 4, 2, "*fp16"),
     # FP8 attention (vLLM's FA3 path): P rounded to e4m3 in the kernel (kvcal.kernels.triton_attention._round_e4m3)
     "fp8-prefill-fp8-attention": (ta.FMT_FP8, 128, False, ("pfp8",), 64, 64, 4, 2, "*fp8e4nv"),
+    # TurboQuant: 3-bit MSE keys (centroid gather, norm correction) + 3-bit uniform values; FP8 keys + 4-bit values
+    "tq-3bit-decode-split": (ta.FMT_TQ_MSE, 128, True, (), 16, 64, 4, 2, "*u8"),
+    "tq-k8v4-prefill-padding": (ta.FMT_FP8, 128, False, ("kpad",), 64, 64, 4, 2, "*fp8e4nv"),
 }  # fmt: skip
+# a variant whose V differs from its K (TurboQuant's pairs): name -> (FMT_V, BITS, BITS_V); float32 dots
+_AOT_PAIRS = {
+    "tq-3bit-decode-split": (ta.FMT_TQ_UNIFORM, 3, 3),
+    "tq-k8v4-prefill-padding": (ta.FMT_TQ_UNIFORM, 0, 4),
+}
 
 
-_POINTERS = ("Q", "K", "V", "KBS", "VBS", "KSC", "VSC", "SINKS", "KPAD", "OUT", "PART_ML", "PART_ACC")
+_POINTERS = ("Q", "K", "V", "KBS", "VBS", "KSC", "VSC", "CENT", "SINKS", "KPAD", "OUT", "PART_ML", "PART_ACC")
 
 
 @pytest.mark.parametrize("variant", list(_AOT_VARIANTS))
@@ -319,22 +379,29 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
     kern = ta._kernels()
     fmt, d, split, flags, bm, bn, warps, stages, code_t = _AOT_VARIANTS[variant]
-    bs_t = {ta.FMT_NVFP4: "*fp8e4nv", ta.FMT_MXFP4: "*u8"}.get(fmt, "*fp32")
+    fmt_v, bits, bits_v = _AOT_PAIRS.get(variant, (fmt, 0, 0))
+    bs_types = {
+        ta.FMT_NVFP4: "*fp8e4nv",
+        ta.FMT_MXFP4: "*u8",
+        ta.FMT_TQ_MSE: "*fp16",
+        ta.FMT_TQ_UNIFORM: "*fp16",
+    }
     consts: dict = dict(
         FMT=fmt, BLOCK_SIZE=16 if fmt == ta.FMT_NVFP4 else 2, HEAD_DIM=d, D_PAD=d, CAUSAL=True,
         HAS_WINDOW="window" in flags, HAS_SOFTCAP="softcap" in flags, HAS_SINKS="sinks" in flags,
         HAS_KPAD="kpad" in flags, SPLIT=split, DOT_PREC="tf32x3", BLOCK_M=bm, BLOCK_N=bn,
-        FMT_V=fmt, BLOCK_SIZE_V=16 if fmt == ta.FMT_NVFP4 else 2, P_FP8="pfp8" in flags,
-        DOT_KIND=ta.DOT_F16 if code_t == "*fp16" else ta.DOT_BF16,
+        FMT_V=fmt_v, BLOCK_SIZE_V=16 if fmt_v == ta.FMT_NVFP4 else 2, BITS=bits, BITS_V=bits_v, P_FP8="pfp8" in flags,
+        DOT_KIND=ta.DOT_F32 if variant in _AOT_PAIRS else ta.DOT_F16 if code_t == "*fp16" else ta.DOT_BF16,
     )  # fmt: skip
-    q_t = "*fp16" if code_t == "*fp16" else "*bf16"
+    # q: fp16 / bf16 as the model's; the float32 query TurboQuant's MSE keys are read with (rotated before the kernel)
+    q_t = "*fp16" if code_t == "*fp16" else "*fp32" if fmt == ta.FMT_TQ_MSE else "*bf16"
     ptr_types = {
         "Q": q_t,
         "OUT": q_t,
         "K": code_t,
-        "V": code_t,
-        "KBS": bs_t,
-        "VBS": bs_t,
+        "V": "*u8" if fmt_v == ta.FMT_TQ_UNIFORM else code_t,
+        "KBS": bs_types.get(fmt, "*fp32"),
+        "VBS": bs_types.get(fmt_v, "*fp32"),
         "KPAD": "*u8",
     }
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kbsd", "stride_vbsd", "stride_kpt")
@@ -366,15 +433,19 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
     assert "mma" in compiled.asm["ptx"]  # the bf16 dots run on tensor cores
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4"])
+@pytest.mark.parametrize(
+    "fmt", ["fp8_e4m3", "int8_per_token_head", "nvfp4", "turboquant_3bit_nc", "turboquant_k8v4"]
+)
 def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
     """The cache hands the attention views of buffers with spare room (`kvcal.kernels.buffer`: non-contiguous
     codes and block scales); the kernel reads them by their strides: the same output, bit for bit, as from
-    contiguous copies."""
+    contiguous copies. TurboQuant: packed codes, fp16 norms / (scale, min), a layer's signs in the plan."""
     from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
 
     g = torch.Generator().manual_seed(4)
-    cache = QuantizedKVCache([LayerPlan(index=0, fmt=formats.get_format(fmt))])
+    kf, vf = formats.kv_pair(fmt)
+    signs = formats.tq_signs(64, 3) if kf.element == "tq_mse" else None
+    cache = QuantizedKVCache([LayerPlan(index=0, fmt=kf, v_fmt=None if vf is kf else vf, k_scale=signs)])
     for n in (9, 1, 1):
         kph, _ = cache.update(torch.randn(2, 2, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g), 0)
     read = kph.kvcal_read
@@ -385,6 +456,8 @@ def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
         return formats.QTensor(codes=q.codes.contiguous(), block_scales=bs, scale=q.scale)
 
     q = torch.randn(2, 4, 1, 64, generator=g)
-    kw = dict(scaling=0.125, q_start=read.q_start, k_start=read.k_start)
-    out = ta.attention(q, read.k, read.v, fmt, **kw)
-    assert torch.equal(out, ta.attention(q, copy(read.k), copy(read.v), fmt, **kw))
+    kw = dict(scaling=0.125, q_start=read.q_start, k_start=read.k_start, v_fmt=read.v_fmt)
+    if signs is not None:
+        assert torch.equal(read.k.scale, signs)
+    out = ta.attention(q, read.k, read.v, kf, **kw)
+    assert torch.equal(out, ta.attention(q, copy(read.k), copy(read.v), kf, **kw))

@@ -1,5 +1,6 @@
-"""vLLM's TurboQuant presets through kvcal's cache and torch attention: each layer its own rotation, vLLM's boundary
-layers in BF16 by default, decode reads what prefill reads, and the refusals (Triton, sliding layers)."""
+"""vLLM's TurboQuant presets through kvcal's cache and attention: each layer its own rotation, vLLM's boundary
+layers in BF16 by default, decode reads what prefill reads, --impl triton through the model (Triton's CPU
+interpreter here) against the torch path, and the refusal of sliding-window layers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.kernels.runtime import KVRuntime
+from kvcal.kernels.runtime import KVRuntime, resolve_impl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PRESETS = list(formats.TQ_PRESETS)
@@ -90,14 +91,69 @@ def test_decode_reads_what_prefill_reads(
     assert torch.allclose(full, step, rtol=0, atol=1e-4)
 
 
-def test_triton_and_sliding_layers_are_refused(kv_model: Callable[..., torch.nn.Module]) -> None:
+@pytest.mark.parametrize("preset", ["turboquant_k8v4", "turboquant_k3v4_nc"])
+def test_triton_impl_through_the_model_matches_torch(
+    preset: str,
+    monkeypatch: pytest.MonkeyPatch,
+    kv_model: Callable[..., torch.nn.Module],
+    batch: Callable[..., Any],
+    batch_bound: Callable[[float, float, float], float],
+) -> None:
+    """--impl triton reads the TurboQuant cache (FP8 keys; MSE keys in the rotated domain with each layer's own
+    signs; uniform values): a left-padded prefill and one decode step through the model (GQA 4 / 2, head_dim 16, so
+    padded kernel tiles) give the torch path's logits up to the two attention kernels' float32 rounding as the
+    later layers' codes amplify it — held to `batch_bound`, derived from the same comparison through a BF16 cache
+    and the preset's own response to BF16 rounding of its input (tests/conftest.py). The tight check of the
+    kernel's arithmetic is tests/kernels/test_triton_kernels.py's, against the reference on the same storage."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = kv_model("llama", head_dim=16)
-    with pytest.raises(UsageError, match="--impl triton does not read turboquant_4bit_nc") as e:
-        KVRuntime(model, "turboquant_4bit_nc", impl="triton")
-    assert "\n" not in str(e.value)
-    assert KVRuntime(model, "turboquant_4bit_nc", impl="auto").impl == "torch"
+    ids, mask = batch(length=9, pad=3)
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+
+    def logits(impl: str, fmt: str, kin: str | None = None) -> torch.Tensor:
+        """The real positions' prefill logits and the decode step's: [N_real + B, V]."""
+        rt = KVRuntime(model, fmt, impl=impl, kv_input_dtype=kin)
+        assert rt.impl == ("transformers" if fmt == "auto" else impl)
+        cache = rt.new_cache()
+        with torch.no_grad():
+            pre = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits  # [B, T, V]
+            step = model(input_ids=ids[:, -1:], attention_mask=step_mask, past_key_values=cache).logits
+        return torch.cat([pre[mask.bool()], step[:, -1]])
+
+    out = {
+        (impl, fmt, kin): logits(impl, fmt, kin)
+        for impl, fmt, kin in (
+            ("torch", "auto", None),
+            ("torch", "bf16", None),
+            ("triton", "bf16", None),
+            ("torch", preset, "bfloat16"),
+            ("torch", preset, None),
+            ("triton", preset, None),
+        )
+    }
+    gap = lambda a, b: float((out[a] - out[b]).abs().max())  # noqa: E731
+    bound = batch_bound(
+        gap(("torch", preset, None), ("torch", preset, "bfloat16")),
+        gap(("triton", "bf16", None), ("torch", "bf16", None)),
+        gap(("torch", "bf16", None), ("torch", "auto", None)),
+    )
+    assert gap(("triton", preset, None), ("torch", preset, None)) <= bound, bound
+    assert gap(("torch", preset, None), ("torch", "auto", None)) > bound  # the preset's quantization is visible
+
+
+def test_auto_impl_and_sliding_layers(
+    monkeypatch: pytest.MonkeyPatch, kv_model: Callable[..., torch.nn.Module]
+) -> None:
+    """--impl auto picks what it picks for every format (torch without CUDA); sliding-window layers stay refused
+    under either implementation (vLLM's TurboQuant attention takes no window) unless kept in BF16."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # --impl triton accepted on this machine: the refusal is the window's
+    model = kv_model("llama", head_dim=16)
+    assert KVRuntime(model, "turboquant_4bit_nc", impl="auto").impl == resolve_impl("auto", torch.device("cpu"))
     gemma = kv_model("gemma3", head_dim=16)  # sliding, full, sliding
-    with pytest.raises(UsageError, match="sliding_window"):
-        KVRuntime(gemma, "turboquant_k8v4", impl="torch")
+    for impl in ("torch", "triton"):
+        with pytest.raises(UsageError, match="sliding_window"):
+            KVRuntime(gemma, "turboquant_k8v4", impl=impl)
     rt = KVRuntime(gemma, "turboquant_k8v4", impl="torch", skip_layers="sliding_window")
     assert [p.skipped for p in rt.plans] == [True, False, True]
