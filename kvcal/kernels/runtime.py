@@ -386,6 +386,9 @@ class KVRuntime:
                     first_batch=None if skipped else self.first_batch,
                     v_fmt=None if skipped or self.v_fmt is self.fmt else self.v_fmt,
                     q_scale=None if skipped or self.q_scales is None else self.q_scales[layer.index],
+                    # LMCache's storage tier stores every layer, whatever the live cache keeps in BF16
+                    prefix_serde=self.plan.prefix_serde,
+                    prefix_tokens=self.plan.prefix_tokens,
                 )
             )
         return plans
