@@ -32,12 +32,23 @@ What each serde computes, transcribed from LMCache/LMCache (read for their seman
   transcribed; a per-write scale would be another codec. Its storage bytes are reported by `kvcal capacity`.
 - `turboquant_k8v4` / `turboquant_4bit_nc` / `turboquant_k3v4_nc` / `turboquant_3bit_nc` — the `turboquant` serde
   with that `preset` (`lmcache/v1/distributed/serde/turboquant/turboquant.py` @
-  2375bc65df5d7a3c98faaea07a3c6efa901600ea): vLLM's TurboQuant presets (the same TQ_PRESETS, seed 42 + 1337 x layer,
-  Lloyd-Max solver and slot layout as kvcal's `turboquant_*` formats), run by LMCache's own Triton store kernel and
-  decoded by its `_tq_full_dequant_kv` Triton kernel to float16, keys rotated back by a float32 GEMM `k @ PiT.T` and
-  rounded to float16 again, then cast to the destination dtype; its first and last 2 layers (`skip_first_layers` /
-  `skip_last_layers`, not capped at half as vLLM's boundary) are stored raw. Not emulated yet (`NOT_EMULATED`): the
-  float16 detours of the decode path are not transcribed. Storage bytes: `kvcal capacity`.
+  2375bc65df5d7a3c98faaea07a3c6efa901600ea, its kernels `turboquant/store_kernel.py` @
+  1a7aa029f424d328012ce5f3df048ab8580096c8 and `turboquant/decode_kernel.py` @
+  06597f1c5ecf6b6236e48bf6a0e5bb66e5befc8c). The store is vLLM's TurboQuant store ported (the same TQ_PRESETS,
+  rotation signs seeded 42 + 1337 x layer index, Lloyd-Max centroids and midpoints, binary-search bucketize,
+  float16 norm; values min / max, scale floored at 1e-8, codes trunc(+0.5), float16 scale and zero; FP8 keys cast
+  saturating to e4m3 on Hopper): kvcal's `turboquant_*` transcription (`formats.quantize` of a TurboQuant side) is
+  reused. The load is LMCache's own: `_tq_full_dequant_kv` writes K and V as float16 — keys float16(norm16 x
+  corrected centroid) in the ROTATED basis (`formats.tq_mse_rotated`), FP8 keys exactly, values float16(code x
+  scale16 + zero16) — then the host rotates keys back, `(k_fp16.float() @ PiT.T).to(float16)`, and casts K and V
+  to the destination dtype: float16 roundings vLLM's own decode never makes, and for a bf16 engine a second
+  rounding to bf16. kvcal rotates with `formats.tq_rotate` (float64 sums rounded once to float32; LMCache's cuBLAS
+  GEMM rounds in its own order, to an ulp of float32 before the float16 rounding). Layers: the first and last 2
+  (`skip_first_layers` / `skip_last_layers` = 2, `_layer_ranges`: quantized = [min(2, L), max(that, L - 2)), not
+  capped at half as vLLM's boundary) are stored raw: an identity there (`serde_for_layer`). head_dim must be a
+  power of two for every preset (`_build_hadamard_cpu`), at least 8 with 3-bit codes; LMCache's `head_dim` setting
+  is taken to be the model's. Non-finite rows follow kvcal's TurboQuant policy (a row with NaN / Inf reads back
+  NaN). On Ampere / Ada LMCache stores FP8 keys as float8e4b15 instead (not emulated: Hopper's e4m3 is).
 
 Which tokens: each sequence's own first N tokens (token index < N counted over that sequence's real tokens: left
 padding of a batched generation does not count), in every layer, whatever the live format or `--skip-layers` keep
@@ -52,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.formats import TQ_PRESETS, tq_slot_bytes
 
@@ -90,7 +102,8 @@ SERDES: dict[str, Serde] = {
         p: Serde(
             p,
             "lmcache/v1/distributed/serde/turboquant/turboquant.py @ 2375bc65df5d7a3c98faaea07a3c6efa901600ea",
-            f"LMCache's TurboQuant serde, preset {p} (first and last 2 layers raw)",
+            f"LMCache's TurboQuant serde, preset {p}: vLLM's store, LMCache's float16 decode (first and last 2 layers "
+            "raw)",
         )
         for p in TQ_PRESETS
     },
@@ -102,13 +115,6 @@ NOT_EMULATED: dict[str, str] = {
         "its V scale is the amax of a whole stored object (ScaleScope.PER_TENSOR over an LMCache chunk as its "
         "storage manager groups it), an extent kvcal has not transcribed"
     ),
-    **{
-        p: (
-            "LMCache decodes it through its own Triton kernel to float16 and rotates keys back with a float32 GEMM "
-            "rounded to float16 again; those float16 detours are not transcribed yet"
-        )
-        for p in TQ_PRESETS
-    },
 }
 
 # LMCache's TurboQuant serde keeps its first and last 2 layers raw (TurboQuantSerdeConfig.skip_first_layers /
@@ -159,17 +165,66 @@ def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn).to(x.dtype)
 
 
-_ROUND_TRIPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "fp8": _fp8_round_trip,
-    "aesgcm": lambda x: x,  # decrypt(encrypt(bytes)) == bytes
+def tq_serde_layers(num_layers: int) -> range:
+    """The layers LMCache's TurboQuant serde quantizes (`_layer_ranges`); the others it stores raw."""
+    start = min(TQ_SERDE_SKIP_FIRST, num_layers)
+    return range(start, max(start, num_layers - TQ_SERDE_SKIP_LAST))
+
+
+def serde_for_layer(name: str | None, layer: int, num_layers: int) -> str | None:
+    """The serde layer `layer` of `num_layers` round-trips through: `name`, or None where it stores the layer raw
+    (a TurboQuant preset's first and last 2 layers) — an identity the cache need not run."""
+    if name in TQ_PRESETS and layer not in tq_serde_layers(num_layers):
+        return None
+    return name
+
+
+def check_serde_geometry(name: str | None, head_dims: dict[int, int]) -> None:
+    """UsageError unless LMCache's serde `name` stores layers of these head_dims ({layer index: head_dim}): a
+    TurboQuant preset needs a power-of-two head_dim (at least 8 with 3-bit codes) on the layers it quantizes."""
+    if name not in TQ_PRESETS:
+        return
+    quantized = tq_serde_layers(len(head_dims))
+    for layer, d in head_dims.items():
+        if layer in quantized:
+            _check_pow2(name, d)
+            if d < 8 and 3 in (TQ_PRESETS[name][0].bits, TQ_PRESETS[name][1].bits):
+                raise UsageError(f"LMCache's {name} serde packs 3-bit codes in groups of 8: head_dim must be >= 8, got {d}")
+
+
+def _tq_round_trip(preset: str, x: torch.Tensor, side: str, layer: int) -> torch.Tensor:
+    """LMCache's TurboQuant serde of one quantized layer's K (side 'k') or V ('v'), x [..., D] in the destination
+    dtype: vLLM's store (kvcal's transcription), then _tq_full_dequant_kv's float16 outputs, the host's inverse
+    rotation of keys rounded to float16 again, and the cast to x.dtype."""
+    k_side, v_side = TQ_PRESETS[preset]
+    f = k_side if side == "k" else v_side
+    d = x.shape[-1]
+    if f.element == "tq_mse":
+        signs = formats.tq_signs(d, layer, x.device)  # seed 42 + 1337 * layer (the absolute index)
+        q = formats.quantize(x, f, scale=signs)
+        k_rot = formats.tq_mse_rotated(q, f, d).to(torch.float16)  # the kernel's K_out store
+        # turboquant.py: torch.matmul(k_layer.to(float32), pi_t.T).to(k_out.dtype)
+        y = formats.tq_rotate(k_rot.float(), signs, inverse=True).to(torch.float16)
+    else:
+        q = formats.quantize(x, f)
+        # FP8 keys: e4m3 -> float32 -> float16, exact; values: code * scale16 + zero16 (one rounding) -> float16
+        y = formats.dequantize(q, f).to(torch.float16)
+    return y.to(x.dtype)  # dst_work[...].copy_(k_tensor.to(dst_work.dtype))
+
+
+_ROUND_TRIPS: dict[str, Callable[[torch.Tensor, str, int], torch.Tensor]] = {
+    "fp8": lambda x, side, layer: _fp8_round_trip(x),
+    "aesgcm": lambda x, side, layer: x,  # decrypt(encrypt(bytes)) == bytes
+    **{p: (lambda x, side, layer, p=p: _tq_round_trip(p, x, side, layer)) for p in TQ_PRESETS},
 }
 
 
-def round_trip(name: str, x: torch.Tensor) -> torch.Tensor:
-    """deserialize(serialize(x)) of serde `name` for K or V x [..., D] in the dtype the engine holds them (the
-    destination dtype of LMCache's deserializer): same shape and dtype. KeyError for a serde kvcal does not
+def round_trip(name: str, x: torch.Tensor, side: str = "k", layer: int = 0) -> torch.Tensor:
+    """deserialize(serialize(x)) of serde `name` for the K (side 'k') or V ('v') x [..., D] of layer `layer`, in the
+    dtype the engine holds them (the destination dtype of LMCache's deserializer): same shape and dtype. A
+    TurboQuant preset's layer must be one it quantizes (`serde_for_layer`). KeyError for a serde kvcal does not
     emulate (check_prefix_serde refuses those first)."""
-    return _ROUND_TRIPS[name](x)
+    return _ROUND_TRIPS[name](x, side, layer)
 
 
 def _check_pow2(name: str, head_dim: int) -> None:
@@ -197,8 +252,6 @@ def layer_storage_bytes(
     if name == "asym_k16_v8":
         return float(n * elem_bytes + n)  # K native + V one byte
     _check_pow2(name, head_dim)
-    start = min(TQ_SERDE_SKIP_FIRST, num_layers)
-    end = max(start, num_layers - TQ_SERDE_SKIP_LAST)
-    if start <= layer < end:  # [L, num_blocks, block_size, H, slot_size_aligned]
+    if layer in tq_serde_layers(num_layers):  # [L, num_blocks, block_size, H, slot_size_aligned]
         return float(kv_heads * tq_slot_bytes(name, head_dim))
     return 2.0 * n * elem_bytes  # a raw layer

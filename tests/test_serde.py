@@ -124,7 +124,6 @@ def test_both_options_parse() -> None:
         ("fp8", -3, ["--prefix-tokens must be at least 1", "got -3"]),
         ("zstd", 4, ["unknown --prefix-serde 'zstd'", "fp8, aesgcm"]),
         ("asym_k16_v8", 4, ["asym_k16_v8 is not emulated", "amax of a whole stored object", "kvcal capacity"]),
-        ("turboquant_k8v4", 4, ["turboquant_k8v4 is not emulated", "float16", "kvcal capacity"]),
     ],
 )
 def test_bad_options_are_one_usage_error(name: str | None, tokens: int | None, needles: list[str]) -> None:
@@ -178,3 +177,106 @@ def test_tq_serde_layers_of_a_short_model() -> None:
 def test_tq_serde_needs_a_power_of_two_head_dim() -> None:
     with pytest.raises(UsageError, match="power-of-two head_dim"):
         serde.layer_storage_bytes("turboquant_4bit_nc", 3, 30, 2, 96)
+
+
+# ---- TurboQuant: LMCache's load path, row by row from the stored bytes ---------------------------------------
+# The store is vLLM's (kvcal's `formats.quantize` of a TurboQuant side, tested against vLLM's store in
+# tests/test_formats_turboquant.py). What LMCache adds is its load: turboquant/decode_kernel.py @ 06597f1c
+# `_tq_full_dequant_kv` (bit arithmetic of the packed codes, norm correction, float16 stores) and turboquant.py @
+# 2375bc65 (keys `(k16.float() @ PiT.T).to(float16)`, then `.to(dst dtype)`), transcribed here per (token, head)
+# with numpy float32 / float16 scalars.
+
+TQ = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+
+
+def _unpack_row(packed: list[int], j: int, bits: int) -> int:
+    """The kernel's code of element j: a 16-bit little-endian window at byte (j * bits) // 8, shifted and masked."""
+    off = j * bits
+    lo, hi = packed[off // 8], packed[off // 8 + 1] if off // 8 + 1 < len(packed) else 0
+    return ((lo | (hi << 8)) >> (off % 8)) & ((1 << bits) - 1)
+
+
+def _sylvester(d: int) -> list[list[int]]:
+    h = [[1]]
+    while len(h) < d:
+        h = [r + r for r in h] + [r + [-v for v in r] for r in h]
+    return h
+
+
+def _lmcache_tq_row(preset: str, side: str, q: object, idx: tuple[int, ...], d: int, layer: int) -> list[float]:
+    """One (token, head) row of LMCache's load in float32 values of float16 results (before the dst cast)."""
+    import numpy as np
+
+    from kvcal import formats
+
+    f = formats.TQ_PRESETS[preset][0 if side == "k" else 1]
+    codes = q.codes[idx]  # type: ignore[attr-defined]
+    if f.element == "tq_fp8":  # e4m3 bits -> float32 -> float16 (exact)
+        return [float(np.float16(_e4m3_value(int(b)))) for b in codes.view(torch.uint8).tolist()]
+    packed = codes.tolist()
+    cidx = [_unpack_row(packed, j, f.bits) for j in range(d)]
+    if f.element == "tq_uniform":
+        scale16, zero16 = (float(v) for v in q.block_scales[idx].tolist())  # type: ignore[attr-defined]
+        # v_idx * v_scale + v_zero in float32 with one rounding (the FMA; the product is exact), stored float16
+        return [float(np.float16(np.float32(c * scale16 + zero16))) for c in cidx]
+    cents = formats.tq_centroids(d, f.bits).tolist()
+    c = [np.float32(cents[i]) for i in cidx]
+    # NORM_CORRECTION with kvcal's correctly rounded float32 sum / sqrt / reciprocal
+    nsq = np.float32(np.float32(sum(float(v) * float(v) for v in c)) + np.float32(1e-16))
+    inv = np.float32(1.0 / float(np.float32(math.sqrt(float(nsq)))))
+    norm16 = np.float32(float(q.block_scales[idx].item()))  # type: ignore[attr-defined]
+    k_rot16 = [np.float16(norm16 * np.float32(v * inv)) for v in c]  # K_out store
+    # host: k_rot16.float() @ PiT.T, PiT = diag(signs) H / sqrt(D); sums exact in float64, rounded once to float32
+    signs = formats.tq_signs(d, layer).tolist()
+    h = _sylvester(d)
+    entry = formats.tq_hadamard_entry(d)
+    out = []
+    for j in range(d):
+        acc = sum(h[j][i] * float(k_rot16[i]) for i in range(d))
+        out.append(float(np.float16(np.float32(acc * entry * signs[j]))))
+    return out
+
+
+@pytest.mark.parametrize("preset", TQ)
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("d", [16, 64])
+def test_turboquant_round_trip_is_lmcaches_load_row_by_row(preset: str, side: str, d: int) -> None:
+    from kvcal import formats
+
+    layer = 5
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(2, 2, 3, d, generator=g) * torch.logspace(-2, 2, d)).to(torch.bfloat16)  # [B, H, T, D]
+    x[0, 1, 2, 3] = 600.0  # FP8 keys saturate at 448
+    got = serde.round_trip(preset, x, side, layer)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    f = formats.TQ_PRESETS[preset][0 if side == "k" else 1]
+    signs = formats.tq_signs(d, layer)
+    q = formats.quantize(x, f, scale=signs) if f.element == "tq_mse" else formats.quantize(x, f)
+    for idx in [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]:
+        row16 = torch.tensor(_lmcache_tq_row(preset, side, q, idx, d, layer), dtype=torch.float16)
+        assert _bits(got[idx]) == _bits(row16.to(torch.bfloat16)), (preset, side, idx)  # float16 -> bf16 dst
+
+
+def test_turboquant_round_trip_rounds_through_float16_before_the_dst_dtype() -> None:
+    # the same values in a float32 destination keep the float16 grid: every output is a float16 value
+    x = torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(3)) * 5
+    for preset in TQ:
+        for side in "kv":
+            y = serde.round_trip(preset, x, side, 2)
+            assert y.dtype == torch.float32 and torch.equal(y, y.half().float())
+
+
+def test_turboquant_layers_and_seeds() -> None:
+    assert list(serde.tq_serde_layers(30)) == list(range(2, 28)) and list(serde.tq_serde_layers(4)) == []
+    assert [serde.serde_for_layer("turboquant_4bit_nc", i, 6) for i in range(6)] == [None, None, *["turboquant_4bit_nc"] * 2, None, None]
+    assert serde.serde_for_layer("fp8", 0, 6) == "fp8"
+    # each layer rotates with its own signs (seed 42 + 1337 * layer): the same K reloads differently
+    x = torch.randn(1, 1, 4, 64, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(serde.round_trip("turboquant_4bit_nc", x, "k", 2), serde.round_trip("turboquant_4bit_nc", x, "k", 3))
+
+
+def test_turboquant_geometry_is_checked() -> None:
+    serde.check_serde_geometry("turboquant_4bit_nc", {0: 96, 1: 96, 2: 64, 3: 64, 4: 96, 5: 96})  # raw layers: any
+    with pytest.raises(UsageError, match="power-of-two head_dim"):
+        serde.check_serde_geometry("turboquant_4bit_nc", {i: 96 for i in range(6)})
+    serde.check_serde_geometry("fp8", {i: 96 for i in range(6)})

@@ -160,7 +160,8 @@ PrefixSerdeOpt = Annotated[
     typer.Option(
         "--prefix-serde",
         help="LMCache's storage tier: the K/V of each sequence's first --prefix-tokens tokens round-trip through "
-        "this LMCache serde (fp8: a plain e4m3 cast, no scale; aesgcm: exact) before the live cache stores them, "
+        "this LMCache serde (fp8: a plain e4m3 cast, no scale; aesgcm: exact; turboquant_k8v4 / _4bit_nc / "
+        "_k3v4_nc / _3bit_nc: vLLM's TurboQuant store, LMCache's float16 load) before the live cache stores them, "
         "as a prefix reloaded from disk or a remote store. Default: off.",
     ),
 ]

@@ -376,13 +376,14 @@ class QuantizedLayer(CacheLayerMixin):
         rows = own < self.plan.prefix_tokens
         return rows if bool(rows.any()) else None
 
-    def _round_trip(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    def _round_trip(self, x: torch.Tensor, which: str, rows: torch.Tensor | None) -> torch.Tensor:
         """x [B, H_kv, T_new, D] (in the K/V input dtype, padding zeroed) with the prefix rows ([B or 1, T_new])
         replaced by the serde's round trip: what a prefix reloaded from LMCache's L2 tier hands the engine."""
         if rows is None:
             return x
         assert self.plan.prefix_serde is not None
-        return torch.where(rows.to(x.device)[:, None, :, None], serde.round_trip(self.plan.prefix_serde, x), x)
+        y = serde.round_trip(self.plan.prefix_serde, x, which, self.plan.index)
+        return torch.where(rows.to(x.device)[:, None, :, None], y, x)
 
     def _write(
         self,
@@ -393,9 +394,9 @@ class QuantizedLayer(CacheLayerMixin):
     ) -> tuple[QTensor, QTensor]:
         """Quantize the new K and V (in one call when they share a format: `fast.quantize_kv`; the bits of
         `formats.quantize`). `serde_rows`: the tokens that first round-trip through the prefix serde."""
-        k = self._round_trip(self._prepare(key_states, "k", valid), serde_rows)
+        k = self._round_trip(self._prepare(key_states, "k", valid), "k", serde_rows)
         k_scale = self._scale(k, "k", valid)
-        v = self._round_trip(self._prepare(value_states, "v", valid), serde_rows)
+        v = self._round_trip(self._prepare(value_states, "v", valid), "v", serde_rows)
         v_scale = self._scale(v, "v", valid)
         fk, fv = self.plan.side_format("k"), self.plan.side_format("v")
         if fk is fv:

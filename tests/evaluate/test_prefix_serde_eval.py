@@ -2,7 +2,8 @@
 changes exactly what it should.
 
 - `-f bf16` alone is the kl baseline itself (kl 0); with the fp8 serde its first N positions' K/V are e4m3 values,
-  so kl > 0; with aesgcm (an exact round trip) kl stays 0.
+  so kl > 0; with aesgcm (an exact round trip) kl stays 0, and with a TurboQuant serde too on this 2-layer model
+  (LMCache keeps a TurboQuant serde's first and last 2 layers raw).
 - `-f fp8_e4m3` at scale 1.0 stores e4m3 values saturated at 448, the serde's own output: the serde changes nothing
   (every window's kl equal bit for bit), while under `int8_per_token_head` it does.
 - config.yaml records the serde only when set; the two runs are different configurations (directory names, and
@@ -44,7 +45,9 @@ def test_fp8_serde_under_a_bf16_cache_moves_kl_off_zero(invoke: Invoke, model: P
     plain = _run(invoke, model, tmp_path / "bf16", "bf16")
     serde = _run(invoke, model, tmp_path / "bf16-serde", "bf16", "--prefix-serde", "fp8", "--prefix-tokens", "4")
     exact = _run(invoke, model, tmp_path / "bf16-aes", "bf16", "--prefix-serde", "aesgcm", "--prefix-tokens", "4")
-    assert plain == [0.0] * 3 and exact == [0.0] * 3
+    # LMCache's TurboQuant serde stores the first and last 2 layers raw: on this 2-layer model, every layer
+    tq = _run(invoke, model, tmp_path / "bf16-tq", "bf16", "--prefix-serde", "turboquant_k8v4", "--prefix-tokens", "4")
+    assert plain == [0.0] * 3 and exact == [0.0] * 3 and tq == [0.0] * 3
     assert all(k > 0 for k in serde), serde
     cfg = yaml.safe_load((tmp_path / "bf16-serde" / "config.yaml").read_text())
     assert (cfg["prefix_serde"], cfg["prefix_tokens"], cfg["kv_input_dtype"]) == ("fp8", 4, "bfloat16")

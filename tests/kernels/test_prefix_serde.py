@@ -151,3 +151,40 @@ def test_runtime_gives_every_layer_the_serde(kv_model: object) -> None:
     rt = KVRuntime.from_plan(model, dataclasses.replace(plan, skip_layers=frozenset({0})))
     assert [(p.prefix_serde, p.prefix_tokens) for p in rt.plans] == [("fp8", 4)] * len(rt.plans)
     assert rt.plans[0].skipped  # a BF16 (skipped) layer is still reloaded from the storage tier
+
+
+def test_turboquant_serde_in_the_cache_uses_the_layers_seed() -> None:
+    from kvcal import serde
+
+    k, v = _x(10, 6), _x(11, 6)
+    plan = LayerPlan(
+        index=3, fmt=formats.get_format("bf16"), kv_input_dtype=torch.bfloat16,
+        prefix_serde="turboquant_4bit_nc", prefix_tokens=N,
+    )  # fmt: skip
+    layer = QuantizedLayer(plan)
+    layer.update(k, v)
+    sk, sv = _stored(layer, "bf16")
+    kb, vb = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    assert torch.equal(sk[:, :, :N], serde.round_trip("turboquant_4bit_nc", kb, "k", 3)[:, :, :N].float())
+    assert torch.equal(sv[:, :, :N], serde.round_trip("turboquant_4bit_nc", vb, "v", 3)[:, :, :N].float())
+    assert torch.equal(sk[:, :, N:], kb[:, :, N:].float())
+    assert not torch.equal(sk[:, :, :N], serde.round_trip("turboquant_4bit_nc", kb, "k", 2)[:, :, :N].float())
+
+
+def test_runtime_leaves_turboquants_raw_layers_alone() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcal.kernels.runtime import KVRuntime
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    rt = KVRuntime.from_plan(model, parse_cache_plan("bf16", prefix_serde="turboquant_k8v4", prefix_tokens=4))
+    # LMCache stores layers 0, 1, 4, 5 raw (skip_first_layers / skip_last_layers = 2): no round trip there
+    assert [p.prefix_serde for p in rt.plans] == [None, None, "turboquant_k8v4", "turboquant_k8v4", None, None]
+    ids = torch.arange(1, 9)[None, :]
+    with torch.no_grad():  # and it runs: layers 2-3 reload their first 4 tokens through the serde
+        assert torch.isfinite(model(ids, past_key_values=rt.new_cache()).logits).all()
