@@ -53,6 +53,11 @@ def test_fp8_serde_under_a_bf16_cache_moves_kl_off_zero(invoke: Invoke, model: P
     assert (cfg["prefix_serde"], cfg["prefix_tokens"], cfg["kv_input_dtype"]) == ("fp8", 4, "bfloat16")
     plain_cfg = yaml.safe_load((tmp_path / "bf16" / "config.yaml").read_text())
     assert "prefix_serde" not in plain_cfg and "prefix_tokens" not in plain_cfg
+    metrics = json.loads((tmp_path / "bf16-serde" / "metrics.json").read_text())
+    plain_metrics = json.loads((tmp_path / "bf16" / "metrics.json").read_text())
+    # the storage tier's bytes beside the live cache's (fp8: half of bf16's), the live figure unchanged
+    assert metrics["storage_bytes_per_token"] * 2 == metrics["bytes_per_token"] == plain_metrics["bytes_per_token"]
+    assert "storage_bytes_per_token" not in plain_metrics
 
 
 def test_fp8_serde_is_invisible_to_an_fp8_cache_and_not_to_int8(
