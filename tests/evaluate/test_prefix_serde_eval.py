@@ -129,3 +129,18 @@ def test_lm_eval_model_args_carry_the_serde(model: Path) -> None:
     assert bind_model_args(str(model), kv_format="bf16").cache.prefix_serde is None
     with pytest.raises(UsageError, match="prefix_tokens must be a whole number"):
         bind_model_args(str(model), kv_format="bf16", prefix_serde="fp8", prefix_tokens="four")
+
+
+@pytest.mark.parametrize("baseline", ["bf16", "auto"])
+def test_a_sweeps_candidates_get_the_storage_tier_and_its_baseline_not(tmp_path: Path, baseline: str) -> None:
+    from kvcal.pipeline import sweep
+
+    cfg = sweep.parse_sweep_config({
+        "model": "/models/m", "tasks": ["kl"], "formats": ["fp8", "int8_per_token_head"], "scales": ["uncalibrated"],
+        "baseline": baseline, "prefix_serde": "fp8", "prefix_tokens": 64,
+    })  # fmt: skip
+    cells = sweep.plan_sweep(cfg, tmp_path / "runs").cells
+    assert [c.spec.prefix_serde for c in cells if c.is_baseline] == [None]
+    rest = [c for c in cells if not c.is_baseline]
+    assert len(rest) == 2 and all((c.spec.prefix_serde, c.spec.prefix_tokens) == ("fp8", 64) for c in rest)
+    assert all(c.path.name.endswith("__serde-fp8-64") for c in rest)
