@@ -98,8 +98,8 @@ class EvalConfig:
     # (TurboQuantConfig.get_boundary_skip_layers, n = 2, no engine flag); 0 = every layer quantized (kvcal only)
     tq_boundary_layers: int = TQ_BOUNDARY_LAYERS
     # LMCache's storage tier (kvcal.serde): each sequence's first `prefix_tokens` K/V round-trip through this serde
-    # ("fp8", "aesgcm") before the live cache stores them, as a prefix reloaded from disk / a remote store; both or
-    # neither
+    # ("fp8", "aesgcm", "turboquant_*") before the live cache stores them, as a prefix reloaded from disk / a remote
+    # store; both or neither
     prefix_serde: str | None = None
     prefix_tokens: int | None = None
 

@@ -302,6 +302,8 @@ class KVRuntime:
         kv_input_dtype: str | None = None,  # --kv-input-dtype; None = K/V quantized as computed
         first_batch: bool | FirstBatchScales = False,  # vLLM's calculate_kv_scales; a store to share
         attention: str = "kv",  # kvcal.kernels.attention.ATTENTION_MODES: "fp8" = vLLM's FA3 FP8 attention
+        prefix_serde: str | None = None,  # LMCache's storage tier (kvcal.serde), with prefix_tokens
+        prefix_tokens: int | None = None,
     ):
         """The keyword form (Python's edge: scripts, tests, bench): the option strings parsed once by
         kvcal.kernels.plan.parse_cache_plan, `skip_layers` text by models.parse_skip_layers; then as
@@ -314,6 +316,8 @@ class KVRuntime:
                 attention=attention,
                 nvfp4_global=nvfp4_global,
                 impl=impl,
+                prefix_serde=prefix_serde,
+                prefix_tokens=prefix_tokens,
             ),
             scales=scales,
             first_batch=first_batch,

@@ -151,6 +151,9 @@ def test_runtime_gives_every_layer_the_serde(kv_model: object) -> None:
     rt = KVRuntime.from_plan(model, dataclasses.replace(plan, skip_layers=frozenset({0})))
     assert [(p.prefix_serde, p.prefix_tokens) for p in rt.plans] == [("fp8", 4)] * len(rt.plans)
     assert rt.plans[0].skipped  # a BF16 (skipped) layer is still reloaded from the storage tier
+    # the keyword form parses the same options
+    kw = KVRuntime(model, "fp8_e4m3", prefix_serde="fp8", prefix_tokens=4)
+    assert [(p.prefix_serde, p.prefix_tokens) for p in kw.plans] == [("fp8", 4)] * len(kw.plans)
 
 
 def test_turboquant_serde_in_the_cache_uses_the_layers_seed() -> None:
