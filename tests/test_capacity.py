@@ -289,7 +289,8 @@ def test_storage_tier_bytes_per_token() -> None:
     assert storage_bytes_per_token(kv, "asym_k16_v8")["bytes_per_token"] == 6 * 128 * 3
     tq = storage_bytes_per_token(kv, "turboquant_k8v4")
     # layers 0, 1, 4, 5 raw (bf16), layers 2-3 in slots of 64 (fp8 K) + 32 + 4 (4-bit V, fp16 scale, zero) bytes
-    assert tq["bytes_per_token"] == 4 * 256 * 2 + 2 * 2 * 100 and not tq["emulated"]
+    assert tq["bytes_per_token"] == 4 * 256 * 2 + 2 * 2 * 100 and tq["emulated"]
+    assert not storage_bytes_per_token(kv, "asym_k16_v8")["emulated"]
 
 
 def test_cli_storage_tier_is_apart_from_the_live_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
