@@ -28,8 +28,9 @@ What each serde computes, transcribed from LMCache/LMCache (read for their seman
   `lmcache/v1/kv_codec/asym_k16_v8.py` (compute_v_scales / quantize_v_fp8 / dequantize_v_fp8): K kept in the
   model's dtype, V as e4m3 with a float32 scale amax / 448 (1.0 for an all-zero V) over the WHOLE V object by default
   (ScaleScope.PER_TENSOR), clamped to +-448 before the cast. Not emulated (`NOT_EMULATED`): the scale is the amax of
-  an entire stored object (LMCache's chunk of tokens, as its storage manager groups them), an extent kvcal has not
-  transcribed; a per-write scale would be another codec. Its storage bytes are reported by `kvcal capacity`.
+  an entire stored object, which holds every layer of a chunk of tokens, so layer 0's reloaded V depends on the V of
+  later layers, which a forward writing one layer at a time has not computed (a per-layer scale would be another
+  codec). Its storage bytes are reported by `kvcal capacity`.
 - `turboquant_k8v4` / `turboquant_4bit_nc` / `turboquant_k3v4_nc` / `turboquant_3bit_nc` — the `turboquant` serde
   with that `preset` (`lmcache/v1/distributed/serde/turboquant/turboquant.py` @
   2375bc65df5d7a3c98faaea07a3c6efa901600ea, its kernels `turboquant/store_kernel.py` @
@@ -112,8 +113,9 @@ SERDES: dict[str, Serde] = {
 # serde -> why kvcal does not emulate its round trip (capacity still counts its bytes)
 NOT_EMULATED: dict[str, str] = {
     "asym_k16_v8": (
-        "its V scale is the amax of a whole stored object (ScaleScope.PER_TENSOR over an LMCache chunk as its "
-        "storage manager groups it), an extent kvcal has not transcribed"
+        "its V scale is the amax of a whole stored object (ScaleScope.PER_TENSOR), and LMCache's objects hold every "
+        "layer of a chunk of tokens (turboquant.py documents them as [2, num_layers, num_tokens, hidden]): the scale "
+        "of layer 0's V depends on V of layers a forward has not computed yet when it writes layer 0"
     ),
 }
 

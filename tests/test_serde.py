@@ -123,7 +123,7 @@ def test_both_options_parse() -> None:
         ("fp8", 0, ["--prefix-tokens must be at least 1", "got 0"]),
         ("fp8", -3, ["--prefix-tokens must be at least 1", "got -3"]),
         ("zstd", 4, ["unknown --prefix-serde 'zstd'", "fp8, aesgcm"]),
-        ("asym_k16_v8", 4, ["asym_k16_v8 is not emulated", "amax of a whole stored object", "kvcal capacity"]),
+        ("asym_k16_v8", 4, ["asym_k16_v8 is not emulated", "amax of a whole stored object", "every layer", "kvcal capacity"]),
     ],
 )
 def test_bad_options_are_one_usage_error(name: str | None, tokens: int | None, needles: list[str]) -> None:
