@@ -12,6 +12,11 @@ bits (see kv_bytes_per_token). `kvcal capacity` and every run's metrics.json (`r
 
 tokens that fit = (GPU memory - weights) / bytes per token; weights from the checkpoint's files (.safetensors,
 else .bin/.pt/.pth, or the .gguf file) unless given. Nothing here loads weights.
+
+LMCache's storage tier (`--prefix-serde NAME`, kvcal.serde) is a second figure beside the live cache's, never mixed
+into it: the bytes per token its serde writes to disk / a remote store (`storage_bytes_per_token`), every layer of
+a stored prefix counted whole (LMCache stores all of a chunk's tokens, sliding layers included) at the serving
+dtype's 16 bits where the serde keeps K/V raw; per-object overheads (a frame, a scale, a header) left out.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.gguf import is_gguf
 from kvcal.models.real import resolve_real_name
+from kvcal.serde import NOT_EMULATED, SERDES, layer_storage_bytes
 
 GIB = 2**30
 _WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",))
@@ -165,6 +171,28 @@ def _row(
     }
 
 
+def storage_bytes_per_token(kv: KVSpec, serde_name: str, elem_bytes: int = 2) -> dict[str, Any]:
+    """LMCache's storage tier for serde `serde_name`: {"serde", "bytes_per_token", "bits_per_element",
+    "multiplier_vs_bf16", "source", "emulated"} — bytes per token over every layer (kvcal.serde.layer_storage_bytes),
+    K/V kept raw at `elem_bytes` (the serving dtype's 2)."""
+    name = str(serde_name).strip().lower()
+    if name not in SERDES:
+        raise UsageError(f"unknown --prefix-serde '{serde_name}'; use one of {', '.join(SERDES)}")
+    b = sum(
+        layer_storage_bytes(name, layer.index, kv.num_layers, layer.kv_heads, layer.head_dim, elem_bytes)
+        for layer in kv.layers
+    )
+    elems = sum(2 * layer.kv_heads * layer.head_dim for layer in kv.layers)
+    return {
+        "serde": name,
+        "bytes_per_token": b,
+        "bits_per_element": 8 * b / elems,
+        "multiplier_vs_bf16": kv_bytes_per_token(kv, "bf16") / b,
+        "source": f"{SERDES[name].source} (LMCache/LMCache)",
+        "emulated": name not in NOT_EMULATED,
+    }
+
+
 def capacity_table(
     kv: KVSpec,
     formats: list[str | KVFormat] | None = None,
@@ -239,10 +267,14 @@ def model_capacity(
     weights_gib: float | None = None,
     plans: list[tuple[str, list[str]]] | None = None,
     tq_boundary: int = TQ_BOUNDARY_LAYERS,
+    prefix_serde: str | None = None,
 ) -> dict[str, Any]:
     """`kvcal capacity`: capacity_table for MODEL (HF folder, hub id, .gguf, or a real-model name); config only.
-    `plans`: (label, format per layer) rows after the formats' (kvcal.pipeline.plan_cost reads plan files)."""
+    `plans`: (label, format per layer) rows after the formats' (kvcal.pipeline.plan_cost reads plan files).
+    `prefix_serde`: LMCache's storage tier, reported apart as `storage` (storage_bytes_per_token)."""
     fmts = [_format_name(f) for f in formats] if formats else None  # unknown names fail before any file is read
+    if prefix_serde is not None and str(prefix_serde).strip().lower() not in SERDES:
+        raise UsageError(f"unknown --prefix-serde '{prefix_serde}'; use one of {', '.join(SERDES)}")
     ref = resolve_real_name(model)
     kv = kv_spec(load_config(ref))
     skip = parse_skip_layers(skip_layers, kv)
@@ -268,4 +300,6 @@ def model_capacity(
     )
     table["model"] = ref
     table["weights_source"] = source
+    # LMCache's storage tier: its own figure (None without --prefix-serde), not a row of the live cache's table
+    table["storage"] = None if prefix_serde is None else storage_bytes_per_token(kv, prefix_serde)
     return table

@@ -97,6 +97,7 @@ class EngineSetup:
     include_path: str | None = None
     label: str = ""  # names the lm-eval output folder
     tq_boundary_layers: int | None = None  # a TurboQuant preset's --tq-boundary-layers (vLLM's is always 2)
+    prefix_serde: str | None = None  # LMCache's storage tier (--prefix-serde): no engine command carries it
 
     @classmethod
     def from_run_config(cls, rc: RunConfig, label: str = "") -> EngineSetup:
@@ -119,6 +120,7 @@ class EngineSetup:
             include_path=rc.include_path,
             label=label,
             tq_boundary_layers=rc.tq_boundary_layers,
+            prefix_serde=rc.prefix_serde,
         )
 
     def merged_tasks(self, other: EngineSetup) -> EngineSetup:
@@ -237,6 +239,11 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
         )
     if s.nvfp4_global == "per_sequence":
         return "a per-sequence NVFP4 global scale (--nvfp4-global per_sequence) is no engine's behaviour"
+    if s.prefix_serde is not None:
+        return (
+            f"the prefix serde '{s.prefix_serde}' is LMCache's storage tier (an LMCache connector with an L2 serde "
+            "and a prefix reloaded from it), which kvcal writes no engine configuration for"
+        )
     if is_tq_preset(s.kv_format):
         return _tq_refusal(s, engine)
     fmt = get_format(s.kv_format)

@@ -1202,9 +1202,10 @@ def _quantize_tq_uniform(xf: torch.Tensor, f: KVFormat) -> QTensor:
     return QTensor(codes=tq_pack(q, f.bits), block_scales=words)
 
 
-def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
-    """Unrotated float32 keys: norm * centroid (unit-norm corrected) rotated back by Pi. vLLM's decode instead
-    rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits to float32 rounding."""
+def tq_mse_rotated(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
+    """Keys of a tq_mse side in the ROTATED basis, float32 [..., D]: float32(norm16) * centroid[code], the centroid
+    vector norm-corrected (what the decode kernels compute before any rotation; LMCache's _tq_full_dequant_kv stores
+    it as float16)."""
     c = tq_centroids(d, f.bits, q.codes.device)[tq_unpack(q.codes, f.bits, d)]  # [..., D]
     # NORM_CORRECTION: c * (1 / sqrt(sum(c * c) + 1e-16)); the kernel's tl.sum / tl.sqrt / 1.0 / x are the
     # GPU's (approximate) ones, kvcal's the float64 sum rounded once, correctly rounded sqrt and division
@@ -1213,9 +1214,14 @@ def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
     nsq = c.double().square().sum(dim=-1, keepdim=True).float() + TQ_NC_EPS  # [..., 1] float32
     root = nsq.double().sqrt().float()
     c = c * (1.0 / root.double()).float()
-    k_rot = q.block_scales.float() * c  # vec_norm (fp16 -> fp32) * centroid
+    return q.block_scales.float() * c  # vec_norm (fp16 -> fp32) * centroid
+
+
+def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
+    """Unrotated float32 keys: norm * centroid (unit-norm corrected) rotated back by Pi. vLLM's decode instead
+    rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits to float32 rounding."""
     signs = q.scale if q.scale is not None else tq_signs(d, 0, q.codes.device)
-    return tq_rotate(k_rot, signs, inverse=True)
+    return tq_rotate(tq_mse_rotated(q, f, d), signs, inverse=True)
 
 
 def _dequantize_tq_uniform(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:

@@ -104,6 +104,10 @@ class RunConfig:
     # a TurboQuant preset's boundary layers kept in BF16 (`--tq-boundary-layers`, vLLM's default 2); None for every
     # other format. Written only when set, so every other run keeps its identity hash.
     tq_boundary_layers: int | None = None
+    # LMCache's storage tier (`--prefix-serde` / `--prefix-tokens`, kvcal.serde): the serde each sequence's first
+    # prefix_tokens K/V round-tripped through. Written only when set, so every other run keeps its identity hash.
+    prefix_serde: str | None = None
+    prefix_tokens: int | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -116,6 +120,7 @@ class RunConfig:
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
             "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan", "tq_boundary_layers",
+            "prefix_serde", "prefix_tokens",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]
@@ -151,8 +156,8 @@ class RunConfig:
     def kv_input_dtype_or_legacy(self) -> str | None:
         """The K/V input dtype of a quantized run: recorded, else "float32" (runs made before `--kv-input-dtype`
         quantized K/V as kvcal computed them); None for auto / bf16."""
-        if self.kv_format in ("auto", "bf16"):
-            return None
+        if self.kv_format in ("auto", "bf16") and self.prefix_serde is None:
+            return None  # (a bf16 run with a prefix serde records its K/V dtype: the serde round-trips them)
         return self.kv_input_dtype or "float32"
 
     @property

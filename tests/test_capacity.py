@@ -273,3 +273,37 @@ def test_per_token_head_bytes_equal_vllms_page_on_smollm2_and_gemma3_geometry() 
         assert kv_bytes_per_token(kv, "int4_per_token_head") == layers * 2 * heads * (d // 2 + 4)
         assert kv_bytes_per_token(kv, "float16") == layers * 2 * heads * d * 2
         assert kv_bytes_per_token(kv, "int8_per_tensor") == layers * 2 * heads * d
+
+
+# ---- LMCache's storage tier (--prefix-serde): its own figure beside the live cache's --------------------------
+
+
+def test_storage_tier_bytes_per_token() -> None:
+    from kvcal.capacity import storage_bytes_per_token
+
+    kv = _spec(6, 2, 64)  # 6 layers, 2 KV heads, head_dim 64: 256 K/V elements per layer and token
+    fp8 = storage_bytes_per_token(kv, "fp8")
+    assert (fp8["bytes_per_token"], fp8["bits_per_element"], fp8["multiplier_vs_bf16"]) == (6 * 256, 8.0, 2.0)
+    assert fp8["emulated"] and "fp8.py @ 049f1036" in fp8["source"]
+    assert storage_bytes_per_token(kv, "aesgcm")["bytes_per_token"] == 6 * 256 * 2
+    assert storage_bytes_per_token(kv, "asym_k16_v8")["bytes_per_token"] == 6 * 128 * 3
+    tq = storage_bytes_per_token(kv, "turboquant_k8v4")
+    # layers 0, 1, 4, 5 raw (bf16), layers 2-3 in slots of 64 (fp8 K) + 32 + 4 (4-bit V, fp16 scale, zero) bytes
+    assert tq["bytes_per_token"] == 4 * 256 * 2 + 2 * 2 * 100 and tq["emulated"]
+    assert not storage_bytes_per_token(kv, "asym_k16_v8")["emulated"]
+
+
+def test_cli_storage_tier_is_apart_from_the_live_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _llama_dir(tmp_path, head_dim=128, weights=4096)
+    result = runner.invoke(app, ["capacity", str(d), "-f", "fp8_e4m3", "--prefix-serde", "fp8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [r["kv_format"] for r in data["formats"]] == ["fp8_e4m3"]  # no serde row among the live formats
+    assert data["storage"]["serde"] == "fp8"
+    assert data["storage"]["bytes_per_token"] == data["formats"][0]["bytes_per_token"]  # 1 byte per element both
+    plain = json.loads(runner.invoke(app, ["capacity", str(d), "-f", "fp8_e4m3", "--json"]).stdout)
+    assert plain["storage"] is None
+    code, out, _ = _cli([str(d), "-f", "bf16", "--prefix-serde", "aesgcm"], capsys)
+    assert code == 0 and "LMCache storage tier, serde aesgcm:" in out and "1.00x BF16" in out
+    code, _, err = _cli([str(d), "--prefix-serde", "snappy"], capsys)
+    assert code == 2 and err.strip().startswith("Error: unknown --prefix-serde 'snappy'")

@@ -116,6 +116,8 @@ def test_sglang_scale_file_and_lm_eval() -> None:
         ),
         (EngineSetup("m", "fp8_e4m3", first_batch=True), "vllm", "--calculate-kv-scales"),
         (EngineSetup("m", "fp8_e4m3", attention="fp8"), "sglang", "FlashAttention-3"),
+        (EngineSetup("m", "fp8_e4m3", prefix_serde="fp8"), "vllm", "LMCache's storage tier"),
+        (EngineSetup("m", "bf16", prefix_serde="aesgcm"), "sglang", "LMCache's storage tier"),
     ],
 )
 def test_refusals(setup: EngineSetup, engine: str, reason: str) -> None:

@@ -52,6 +52,14 @@ def capacity_cmd(
             help="TurboQuant presets: first and last N layers counted in BF16 (vLLM's default 2; 0 = none).",
         ),
     ] = 2,
+    prefix_serde: Annotated[
+        str | None,
+        typer.Option(
+            "--prefix-serde",
+            help="LMCache's storage tier: also report the bytes per token this LMCache serde writes to disk / a "
+            "remote store (fp8, aesgcm, asym_k16_v8, turboquant_k8v4, ...), apart from the live cache's.",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Bytes per token (codes + scales, all layers), multiplier vs BF16 and tokens that fit, per KV format
@@ -60,12 +68,25 @@ def capacity_cmd(
 
     formats = [f for item in (kv_format or []) for f in split_formats(item)] or None
     table = capacity_with_plans(
-        model, formats, skip_layers, context, gpu_mem_gib, weights_gib, tq_boundary=tq_boundary_layers
-    )
+        model, formats, skip_layers, context, gpu_mem_gib, weights_gib, tq_boundary=tq_boundary_layers,
+        prefix_serde=prefix_serde,
+    )  # fmt: skip
     if json_out:
         print_json(table)
         return
     console.print(_table(table))
+    if table.get("storage"):
+        console.print(_storage_line(table["storage"]), highlight=False)
+
+
+def _storage_line(s: dict[str, Any]) -> str:
+    """LMCache's storage tier, below (never inside) the live cache's table."""
+    b = s["bytes_per_token"]
+    emulated = "" if s["emulated"] else " (bytes only: kvcal eval does not emulate this serde)"
+    return (
+        f"LMCache storage tier, serde {s['serde']}: {b:,.0f} B/token, {s['bits_per_element']:.3g} bits/element, "
+        f"{s['multiplier_vs_bf16']:.2f}x BF16 — on disk / a remote store, beside the live cache above{emulated}"
+    )
 
 
 def _title(t: dict[str, Any]) -> str:

@@ -155,6 +155,24 @@ TqBoundaryOpt = Annotated[
         "(N = 2, which vLLM offers no flag to change); 0 quantizes every layer (kvcal only).",
     ),
 ]
+PrefixSerdeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prefix-serde",
+        help="LMCache's storage tier: the K/V of each sequence's first --prefix-tokens tokens round-trip through "
+        "this LMCache serde (fp8: a plain e4m3 cast, no scale; aesgcm: exact; turboquant_k8v4 / _4bit_nc / "
+        "_k3v4_nc / _3bit_nc: vLLM's TurboQuant store, LMCache's float16 load) before the live cache stores them, "
+        "as a prefix reloaded from disk or a remote store. Default: off.",
+    ),
+]
+PrefixTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prefix-tokens",
+        help="With --prefix-serde: how many of each sequence's first tokens (its own, padding not counted) come "
+        "back from the storage tier (N >= 1).",
+    ),
+]
 Nvfp4GlobalOpt = Annotated[
     str,
     typer.Option(
@@ -234,6 +252,8 @@ def eval_cmd(
     gen_kwargs: GenKwargsOpt = _DEFAULT["gen_kwargs"],
     prompts: PromptsOpt = _DEFAULT["prompts"],
     tq_boundary_layers: TqBoundaryOpt = _DEFAULT["tq_boundary_layers"],
+    prefix_serde: PrefixSerdeOpt = _DEFAULT["prefix_serde"],
+    prefix_tokens: PrefixTokensOpt = _DEFAULT["prefix_tokens"],
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:

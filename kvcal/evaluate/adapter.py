@@ -29,6 +29,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from kvcal import parallel
+from kvcal.errors import UsageError
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
@@ -49,7 +50,8 @@ class KvcalLM(HFLM):
     force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
     kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
     calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (continuation: only
-    the continuation rows meet the LM head, the default | full: lm-eval's every-position path)."""
+    the continuation rows meet the LM head, the default | full: lm-eval's every-position path); prefix_serde +
+    prefix_tokens (LMCache's storage tier, kvcal.serde: each request's first N tokens' K/V round-trip through it)."""
 
     # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
     forward_timer: ForwardTimer | None = None
@@ -74,6 +76,8 @@ class KvcalLM(HFLM):
         device_map: str | None = None,
         max_memory: str | None = None,
         offload_folder: str | None = None,
+        prefix_serde: str | None = None,
+        prefix_tokens: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         # lm-eval's command line and Python: the model_args strings parsed here, once, by the same eval_spec and
@@ -92,6 +96,8 @@ class KvcalLM(HFLM):
             device_map=device_map,
             max_memory=max_memory,
             offload_folder=offload_folder,
+            prefix_serde=prefix_serde,
+            prefix_tokens=prefix_tokens,
             trust_remote_code=kwargs.get("trust_remote_code", False),
         )
         self._set_up(bound, pretrained, kwargs)
@@ -380,6 +386,17 @@ def _name_of(pretrained: Any) -> str:
     return str(getattr(pretrained, "name_or_path", "model"))
 
 
+def _as_tokens(value: Any) -> int | None:
+    """A model_args token count (lm-eval's parser makes '64' an int; a dict may hold the string); None if unset.
+    UsageError for a value that is not a whole number."""
+    if value in (None, "", "none", "None"):
+        return None
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise UsageError(f"prefix_tokens must be a whole number of tokens, got '{value}'") from None
+
+
 def _given(value: Any) -> str | None:
     """A model_args string, None where lm-eval's command line leaves it empty or writes none."""
     return None if value in (None, "", "none", "None") else str(value)
@@ -404,6 +421,8 @@ def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
         nvfp4_global=str(model_args.get("nvfp4_global") or "one"),
         kv_input_dtype=_given(model_args.get("kv_input_dtype")),
         attention=str(model_args.get("attention") or "kv"),
+        prefix_serde=_given(model_args.get("prefix_serde")),
+        prefix_tokens=_as_tokens(model_args.get("prefix_tokens")),
         device_map=_given(model_args.get("device_map")),
         max_memory=_given(model_args.get("max_memory")),
         offload_folder=_given(model_args.get("offload_folder")),

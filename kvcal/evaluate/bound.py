@@ -26,6 +26,7 @@ from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.loading import resolve_dtype
 from kvcal.models.resolve import resolve_model
 from kvcal.rundir import RunConfig
+from kvcal.serde import check_serde_geometry
 
 if TYPE_CHECKING:
     from kvcal.scales import ScaleSet
@@ -70,6 +71,8 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
         for layer in kv.layers:
             if layer.index not in skip:
                 check_tq_head_dim(spec.kv_format, layer.head_dim)
+    # LMCache's TurboQuant serdes need a power-of-two head_dim on the layers they quantize: refused before weights load
+    check_serde_geometry(spec.prefix_serde, {x.index: x.head_dim for x in kv.layers})
     # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
     dtype = resolve_dtype(spec.dtype, model_dir, hf_config) if plan is not None else spec.dtype
     if spec.plan_file is not None:  # a plan is refused on another checkpoint, like a scale file

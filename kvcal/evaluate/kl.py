@@ -366,9 +366,10 @@ def lm_sides(lm: Any, impl: str) -> tuple[SessionFactory, Baseline]:
         def beside() -> Iterator[SessionFactory]:
             yield lambda: forward_session(model, QuantizedKVCache(plans))
 
-        # `-f bf16` evaluates the baseline itself: the same forwards, bit for bit (chunked windows run it once)
+        # `-f bf16` evaluates the baseline itself: the same forwards, bit for bit (chunked windows run it once) —
+        # unless a prefix serde (LMCache's storage tier) changes the evaluated run's first tokens
         beside.same_as_evaluated = all(  # type: ignore[attr-defined]
-            p.side_format(w).name == bf16.name for p in rt.plans for w in ("k", "v")
+            p.side_format(w).name == bf16.name and p.prefix_serde is None for p in rt.plans for w in ("k", "v")
         )
         return quant_session, beside
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcal import __version__
-from kvcal.capacity import run_capacity
+from kvcal.capacity import run_capacity, storage_bytes_per_token
 from kvcal.errors import KvcalError
 from kvcal.evaluate.timing import run_timing
 from kvcal.rundir import RunConfig
@@ -186,6 +186,8 @@ def metrics_record(parts: list[dict[str, Any]], bound: BoundSpec) -> dict[str, A
         "nonfinite_kv": nonfinite,
     }
     metrics.update(run_capacity(bound.kv, recorded.kv_format, bound.skip_layers))
+    if recorded.prefix_serde is not None:  # LMCache's storage tier: its own bytes, apart from the live cache's
+        metrics["storage_bytes_per_token"] = storage_bytes_per_token(bound.kv, recorded.prefix_serde)["bytes_per_token"]
     return metrics
 
 

@@ -97,6 +97,11 @@ class EvalConfig:
     # a TurboQuant preset: vLLM's default boundary protection keeps the first and last N layers in BF16
     # (TurboQuantConfig.get_boundary_skip_layers, n = 2, no engine flag); 0 = every layer quantized (kvcal only)
     tq_boundary_layers: int = TQ_BOUNDARY_LAYERS
+    # LMCache's storage tier (kvcal.serde): each sequence's first `prefix_tokens` K/V round-trip through this serde
+    # ("fp8", "aesgcm", "turboquant_*") before the live cache stores them, as a prefix reloaded from disk / a remote
+    # store; both or neither
+    prefix_serde: str | None = None
+    prefix_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,15 @@ class EvalSpec:
         return self.cache.quantized
 
     @property
+    def prefix_serde(self) -> str | None:
+        return self.cache.prefix_serde
+
+    @property
+    def prefix_tokens(self) -> int | None:
+        """N of --prefix-tokens; None without a prefix serde."""
+        return self.cache.prefix_tokens if self.cache.prefix_serde is not None else None
+
+    @property
     def has_kl(self) -> bool:
         return KL_TASK in self.tasks
 
@@ -319,6 +333,8 @@ class EvalSpec:
             "prompts": self.prompts.record() if self.prompts else None,
             "plan": self.plan,
             "tq_boundary_layers": self.tq_boundary_layers if is_tq_preset(self.kv_format) else None,
+            "prefix_serde": self.prefix_serde,  # None (not written) without a storage tier
+            "prefix_tokens": self.prefix_tokens,
         }
 
     @property
@@ -391,6 +407,8 @@ _COMPARED = (
     "batch_size",
     "seed",
     "scale_source",
+    "prefix_serde",
+    "prefix_tokens",
 )
 _KL_COMPARED = ("kl_seq_len", "prefill_chunk", "kl_subsample")
 _PASSKEY_COMPARED = ("passkey_lengths", "passkey_depths")
@@ -440,6 +458,8 @@ def run_dir_name(spec: EvalSpec | EvalConfig) -> str:
         name += f"__kvin-{spec.kv_input_dtype}"
     if spec.attention != "kv":
         name += f"__attn-{slug(spec.attention)}"
+    if spec.prefix_serde is not None:
+        name += f"__serde-{slug(spec.prefix_serde)}-{spec.prefix_tokens}"
     return name
 
 
@@ -556,8 +576,12 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         attention=config.attention,
         nvfp4_global=config.nvfp4_global,
         impl=config.impl,
+        prefix_serde=config.prefix_serde,
+        prefix_tokens=config.prefix_tokens,
     )
-    if cache.kv_format in ("auto", "bf16"):  # bf16 rounding is idempotent: nothing rounds, config.yaml records none
+    if cache.kv_format in ("auto", "bf16") and cache.prefix_serde is None:
+        # bf16 rounding is idempotent: nothing rounds, config.yaml records none. With a prefix serde the K/V it
+        # round-trips are the engine's (bf16) ones, so the input dtype stays: fp8(float32 K) is not fp8(bf16 K)
         cache = dataclasses.replace(cache, kv_input_dtype=None)
     nvfp4 = any(f.layout == "nvfp4" for f in (cache.k_fmt, cache.v_fmt))
     if cache.nvfp4_global != "one" and (not nvfp4 or config.scales):

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcal import formats
+from kvcal import formats, serde
 from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels import cpu_write, fast
@@ -141,6 +141,10 @@ class LayerPlan:
     kv_input_dtype: torch.dtype | None = None
     # vLLM's calculate_kv_scales (`--scales first-batch`): the runtime's store of scales fixed by the first write
     first_batch: FirstBatchScales | None = None
+    # LMCache's storage tier (`--prefix-serde` / `--prefix-tokens`, kvcal.serde): the K/V of each sequence's first
+    # `prefix_tokens` tokens round-trip through this serde before this layer's format stores them; None = off
+    prefix_serde: str | None = None
+    prefix_tokens: int = 0
 
     def side_format(self, which: str) -> KVFormat:
         """The format K ('k') or V ('v') is stored in."""
@@ -269,6 +273,19 @@ def new_token_padding(attention_mask: torch.Tensor | None, start: int, n: int) -
     return am[:, start : start + n]
 
 
+def own_positions(attention_mask: torch.Tensor | None, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """[B, n] (or [1, n] without a mask) int64: each new token's index among its own sequence's real tokens, for the
+    n tokens written at cache positions start..start+n-1. A 2-D mask (transformers' convention, positions it does
+    not cover real) counts only real tokens, so a left-padded row's first real token is its token 0; a padding
+    position gets its sequence's count so far minus one (it stores zeros whatever the serde does)."""
+    if attention_mask is None:
+        return torch.arange(start, start + n, device=device)[None, :]
+    am = attention_mask.to(device=device, dtype=torch.bool)
+    if am.shape[-1] < start + n:
+        am = torch.nn.functional.pad(am, (0, start + n - am.shape[-1]), value=True)
+    return (am[:, : start + n].long().cumsum(-1) - 1)[:, start:]
+
+
 def without_padding(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """x [B, H_kv, T, D] with the padding positions (valid [B, T] False) set to 0 — what is stored there."""
     if valid is None:
@@ -350,14 +367,36 @@ class QuantizedLayer(CacheLayerMixin):
             self.nonfinite.add(self.plan.index, 0 if which == "k" else 1, x, valid)
         return without_padding(x, valid)
 
+    def _serde_rows(self, own: torch.Tensor | None) -> torch.Tensor | None:
+        """[B or 1, T_new] bool: the new tokens whose K/V come back from LMCache's storage tier (their own index <
+        prefix_tokens); None when the layer has no serde or no new token is in the prefix (checked on the host:
+        the prefix is a few forwards' business, the rest of a run skips it)."""
+        if self.plan.prefix_serde is None or own is None:
+            return None
+        rows = own < self.plan.prefix_tokens
+        return rows if bool(rows.any()) else None
+
+    def _round_trip(self, x: torch.Tensor, which: str, rows: torch.Tensor | None) -> torch.Tensor:
+        """x [B, H_kv, T_new, D] (in the K/V input dtype, padding zeroed) with the prefix rows ([B or 1, T_new])
+        replaced by the serde's round trip: what a prefix reloaded from LMCache's L2 tier hands the engine."""
+        if rows is None:
+            return x
+        assert self.plan.prefix_serde is not None
+        y = serde.round_trip(self.plan.prefix_serde, x, which, self.plan.index)
+        return torch.where(rows.to(x.device)[:, None, :, None], y, x)
+
     def _write(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, valid: torch.Tensor | None
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        valid: torch.Tensor | None,
+        serde_rows: torch.Tensor | None = None,
     ) -> tuple[QTensor, QTensor]:
         """Quantize the new K and V (in one call when they share a format: `fast.quantize_kv`; the bits of
-        `formats.quantize`)."""
-        k = self._prepare(key_states, "k", valid)
+        `formats.quantize`). `serde_rows`: the tokens that first round-trip through the prefix serde."""
+        k = self._round_trip(self._prepare(key_states, "k", valid), "k", serde_rows)
         k_scale = self._scale(k, "k", valid)
-        v = self._prepare(value_states, "v", valid)
+        v = self._round_trip(self._prepare(value_states, "v", valid), "v", serde_rows)
         v_scale = self._scale(v, "v", valid)
         fk, fv = self.plan.side_format("k"), self.plan.side_format("v")
         if fk is fv:
@@ -373,11 +412,13 @@ class QuantizedLayer(CacheLayerMixin):
         value_states: torch.Tensor,
         *args: Any,
         valid: torch.Tensor | None = None,
+        own: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize the new tokens, append their codes, trim a sliding layer to its window; return placeholders
         carrying what this forward's attention reads. key_states/value_states: [B, H_kv, T_new, D]; valid:
-        [B, T_new] bool (True = real token) or None (all real)."""
+        [B, T_new] bool (True = real token) or None (all real); own: [B or 1, T_new] each token's index in its own
+        sequence (`own_positions`; None = the cache positions), read only with a prefix serde."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         valid = None if valid is None else valid.to(key_states.device)
@@ -385,11 +426,15 @@ class QuantizedLayer(CacheLayerMixin):
         kept_before = self.kept
         q_start = self.cumulative_length
         k_start = q_start - kept_before  # absolute position of the first kept token
-        fused = self._fused_write(key_states, value_states, valid, q_start, k_start)
+        if own is None and self.plan.prefix_serde is not None and q_start < self.plan.prefix_tokens:
+            own = torch.arange(q_start, q_start + t_new, device=key_states.device)[None, :]  # no padding
+        serde_rows = self._serde_rows(own)
+        # the C decode write knows no serde: a write that touches the prefix takes the torch path (the same bits)
+        fused = None if serde_rows is not None else self._fused_write(key_states, value_states, valid, q_start, k_start)
         if fused is not None:
             full_k, full_v = fused
         else:
-            new_k, new_v = self._write(key_states, value_states, valid)
+            new_k, new_v = self._write(key_states, value_states, valid, serde_rows)
             full_k = self._sides["k"].append(new_k)  # [B, H_kv, kept + T_new, D]: kept + new tokens
             full_v = self._sides["v"].append(new_v)
         self.cumulative_length += t_new
@@ -599,7 +644,10 @@ class QuantizedKVCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
         valid = new_token_padding(self.attention_mask, layer.cumulative_length, key_states.shape[-2])
-        return layer.update(key_states, value_states, *args, valid=valid, **kwargs)
+        own = None
+        if layer.plan.prefix_serde is not None and self.attention_mask is not None:  # padded: count own tokens
+            own = own_positions(self.attention_mask, layer.cumulative_length, key_states.shape[-2], key_states.device)
+        return layer.update(key_states, value_states, *args, valid=valid, own=own, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes of every layer's stored codes + block scales."""

@@ -17,6 +17,7 @@ from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.kernels.attention import check_attention_mode
 from kvcal.kernels.cache import FirstBatchScales, check_nvfp4_global
+from kvcal.serde import check_prefix_serde
 
 if TYPE_CHECKING:
     from kvcal.scales import ScaleSet
@@ -31,7 +32,9 @@ class CachePlan:
     identity: tensors have no plain ==). `first_batch`: vLLM's calculate_kv_scales (True, or a store whose scales
     the first batch fixed, shared by a runtime that replaces another). `skip_layers`: layer indices kept in BF16.
     `kv_input_dtype`: a KV_INPUT_DTYPES key, or None = K/V quantized as computed. `impl`: a requested IMPLS key
-    (resolved against the device when installed)."""
+    (resolved against the device when installed). `prefix_serde` / `prefix_tokens`: LMCache's storage tier
+    (`kvcal.serde`): each sequence's first `prefix_tokens` K/V round-trip through that serde before the live
+    format stores them; None / 0 = off."""
 
     k_fmt: formats.KVFormat
     v_fmt: formats.KVFormat
@@ -42,6 +45,8 @@ class CachePlan:
     attention: str = "kv"
     nvfp4_global: str = "one"
     impl: str = "auto"
+    prefix_serde: str | None = None
+    prefix_tokens: int = 0
 
     @property
     def kv_format(self) -> str:
@@ -60,12 +65,21 @@ def parse_cache_plan(
     attention: str = "kv",
     nvfp4_global: str = "one",
     impl: str = "auto",
+    prefix_serde: str | None = None,
+    prefix_tokens: int | None = None,
 ) -> CachePlan:
     """The cache's option strings as a model-free plan (no scales, no skipped layers); UsageError naming the
-    option otherwise. `kv_input_dtype` None: K/V quantized as computed."""
+    option otherwise. `kv_input_dtype` None: K/V quantized as computed. `prefix_serde` / `prefix_tokens`: both or
+    neither (`kvcal.serde.check_prefix_serde`)."""
     if impl not in IMPLS:
         raise UsageError(f"--impl must be one of {', '.join(IMPLS)}, got '{impl}'")
     k_fmt, v_fmt = formats.kv_pair(formats.parse_kv_format(kv_format) if isinstance(kv_format, str) else kv_format)
+    serde, n_prefix = check_prefix_serde(prefix_serde, prefix_tokens)
+    if serde is not None and k_fmt.name == "auto":
+        raise UsageError(
+            "--prefix-serde needs kvcal's cache, and --kv-format auto runs transformers' own; use --kv-format bf16 "
+            "for an unquantized live cache (or any quantized format)"
+        )
     return CachePlan(
         k_fmt=k_fmt,
         v_fmt=v_fmt,
@@ -73,4 +87,6 @@ def parse_cache_plan(
         attention=check_attention_mode(attention, k_fmt.name, v_fmt.name),
         nvfp4_global=check_nvfp4_global(nvfp4_global),
         impl=impl,
+        prefix_serde=serde,
+        prefix_tokens=n_prefix,
     )

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from kvcal import formats, parallel
+from kvcal import formats, parallel, serde
 from kvcal.errors import UsageError
 from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, register
 from kvcal.kernels.cache import (
@@ -289,6 +289,8 @@ class KVRuntime:
         kv_input_dtype: str | None = None,  # --kv-input-dtype; None = K/V quantized as computed
         first_batch: bool | FirstBatchScales = False,  # vLLM's calculate_kv_scales; a store to share
         attention: str = "kv",  # kvcal.kernels.attention.ATTENTION_MODES: "fp8" = vLLM's FA3 FP8 attention
+        prefix_serde: str | None = None,  # LMCache's storage tier (kvcal.serde), with prefix_tokens
+        prefix_tokens: int | None = None,
     ):
         """The keyword form (Python's edge: scripts, tests, bench): the option strings parsed once by
         kvcal.kernels.plan.parse_cache_plan, `skip_layers` text by models.parse_skip_layers; then as
@@ -301,6 +303,8 @@ class KVRuntime:
                 attention=attention,
                 nvfp4_global=nvfp4_global,
                 impl=impl,
+                prefix_serde=prefix_serde,
+                prefix_tokens=prefix_tokens,
             ),
             scales=scales,
             first_batch=first_batch,
@@ -343,6 +347,7 @@ class KVRuntime:
         if formats.is_tq_preset(self.kv_format):
             sliding = [x.index for x in self.kv.layers if x.window and x.index not in self.skip_layers]
             formats.check_tq_sliding(self.kv_format, sliding)
+        serde.check_serde_geometry(plan.prefix_serde, {x.index: x.head_dim for x in self.kv.layers})
         check_block_fits(self.fmt, self.kv)
         check_block_fits(self.v_fmt, self.kv)
         if scales is not None:
@@ -373,6 +378,10 @@ class KVRuntime:
                     first_batch=None if skipped else self.first_batch,
                     v_fmt=None if skipped or self.v_fmt is self.fmt else self.v_fmt,
                     q_scale=None if skipped or self.q_scales is None else self.q_scales[layer.index],
+                    # LMCache's storage tier stores every layer, whatever the live cache keeps in BF16 (a TurboQuant
+                    # serde's first and last 2 raw: no round trip there)
+                    prefix_serde=serde.serde_for_layer(self.plan.prefix_serde, layer.index, self.kv.num_layers),
+                    prefix_tokens=self.plan.prefix_tokens,
                 )
             )
         return plans

@@ -152,6 +152,7 @@ def capacity_with_plans(
     gpu_mem_gib: float | None = None,
     weights_gib: float | None = None,
     tq_boundary: int = TQ_BOUNDARY_LAYERS,
+    prefix_serde: str | None = None,
 ) -> dict[str, Any]:
     """`kvcal capacity`: kvcal.capacity.model_capacity, where a `formats` item ending in .json is a `kvcal plan`
     file (refused unless solved on this checkpoint): one row of its formats per layer, labelled by its budget
@@ -162,7 +163,10 @@ def capacity_with_plans(
     paths = [f for f in formats or [] if is_plan_path(f)]
     names = [f for f in formats or [] if not is_plan_path(f)]
     if not paths:
-        return model_capacity(model, formats, skip_layers, context, gpu_mem_gib, weights_gib, tq_boundary=tq_boundary)
+        return model_capacity(
+            model, formats, skip_layers, context, gpu_mem_gib, weights_gib, tq_boundary=tq_boundary,
+            prefix_serde=prefix_serde,
+        )  # fmt: skip
     if skip_layers:
         raise UsageError("--skip-layers does not apply to a plan file (its 16-bit layers are the plan's); drop one")
     from kvcal.scales import resolve_model_and_spec
@@ -172,7 +176,8 @@ def capacity_with_plans(
     plans = [load_plan_for_model(p, ref, model_dir, kv) for p in paths]
     rows = [(p.label, p.layers) for p in plans]
     table = model_capacity(
-        model, names, None, _plans_context(plans, context), gpu_mem_gib, weights_gib, rows, tq_boundary
+        model, names, None, _plans_context(plans, context), gpu_mem_gib, weights_gib, rows, tq_boundary,
+        prefix_serde,
     )
     for row, p in zip(table["formats"][-len(plans) :], plans, strict=True):
         row.update(plan_file=str(p.path), layers=p.layers)

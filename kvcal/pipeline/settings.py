@@ -218,6 +218,9 @@ class EvalSettings:
     passkey_depths: str | None = yaml_field(read_passkey_spec(parse_depths), None)  # e.g. [0, 0.5, 1]
     # K/V rounded to this dtype before quantization (kvcal eval --kv-input-dtype): the engine's serving dtype
     kv_input_dtype: str = yaml_field(read_kv_input_dtype, DEFAULT_KV_INPUT_DTYPE)
+    # LMCache's storage tier (kvcal eval --prefix-serde / --prefix-tokens): both or neither, checked by eval_spec
+    prefix_serde: str | None = yaml_field(read_text, None)
+    prefix_tokens: int | None = yaml_field(read_int, None)
 
 
 def eval_settings(settings: EvalSettings) -> dict[str, Any]:

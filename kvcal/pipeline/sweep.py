@@ -426,8 +426,11 @@ def task_cells(
     """One configuration's cell per task (run directory root/<task>/<the spec's name>), each with its status on
     disk. `plan`: a plan file, whose format is `fmt` and whose 16-bit layers are `skip`."""
     cells = []
+    # the baseline is the plain BF16 cache: LMCache's storage tier (prefix_serde) is a cost of the candidates, not
+    # of the reference they are compared with (and `auto` takes no serde)
+    settings = dataclasses.replace(cfg, prefix_serde=None, prefix_tokens=None) if baseline else cfg
     for task in cfg.tasks:
-        spec = cell_spec(cfg, cfg.model, task, fmt, label, skip, cal, plan)
+        spec = cell_spec(settings, cfg.model, task, fmt, label, skip, cal, plan)
         path = _cell_dir(root / task, spec)
         spec = spec.with_output(path)
         cell = Cell(path.name, task, fmt, label, skip, path, cal, baseline, spec, plan=plan)
