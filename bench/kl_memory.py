@@ -13,6 +13,9 @@ the chunk's logits alive there (the evaluated side's logits and the baseline's f
     python bench/kl_memory.py -o bench/out/kl_memory_8k.json -- smollm2 -f nvfp4 --tasks kl --kl-seq-len 8192 \\
         --limit 1 --data-dir ../shared/data -o /tmp/kl-8k
 
+The run's peak is the largest of the phases' peaks: resetting VmHWM also resets the high-water mark the kernel
+reports as `ru_maxrss`, so `/usr/bin/time`'s maximum and kvcal's own "peak RSS" line show only the last phase's.
+
 The probes wrap `kvcal.evaluate.kl.forward_session`, `token_stats` and `_fp16_logprobs_blocked` and hook the model's
 last decoder layer and LM head (a Llama-like `model.model.layers` / `lm_head`); they allocate nothing measurable.
 """
