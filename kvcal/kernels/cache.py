@@ -6,7 +6,8 @@ into storage with spare room (`kvcal.kernels.buffer.TokenBuffer`: amortized O(1)
 everything stored), as an engine writes new slots of its paged cache; nothing already stored is re-quantized.
 (The torch reference attention keeps, beside the stored codes, the float32 values it has already
 dequantized, so a decode step dequantizes only the new tokens: `fast.Workspace`, one per layer and K/V, handed to
-the attention in `KVRead`. That is the CPU path's workspace, not cache storage; the Triton path never fills it.)
+the attention in `KVRead`. That is the CPU path's workspace, not cache storage, filled by decode-sized reads only (a
+prefill chunk's values are a temporary of its layer: `fast.WORKSPACE_MAX_QUERIES`); the Triton path never fills it.)
 
 What `update` returns: transformers calls `past_key_values.update(k, v, layer_idx)` and passes the result straight
 to the attention function. We return two zero-stride placeholders of the right shape and dtype
@@ -465,13 +466,15 @@ class QuantizedLayer(CacheLayerMixin):
         the storage and float32 values to the torch path's workspace in one call, the same bytes as `_write` +
         `_Side.append` + the attention's dequantization. None (the caller writes with torch ops) unless: the kernel
         is built, K and V share a supported format, the write is small (a decode step; a prefill's large write is
-        as fast vectorised in torch), the scale is fixed already, and both workspaces hold every token written so
-        far (the torch path is reading this cache; the Triton path never fills them)."""
+        as fast vectorised in torch) and of at most `fast.WORKSPACE_MAX_QUERIES` tokens (a read that keeps its
+        values), the scale is fixed already, and both workspaces hold every token written so far (the torch path
+        is reading this cache; the Triton path never fills them)."""
         f = self.plan.fmt
         if (
             f.name not in cpu_write.FORMATS
             or self.plan.v_fmt not in (None, f)
             or k.numel() * 2 > fast.SMALL
+            or k.shape[-2] > fast.WORKSPACE_MAX_QUERIES  # its read keeps nothing in the workspace (a prefill chunk)
             or k.shape != v.shape
             or k.dtype != v.dtype
             or cpu_write.library() is None

@@ -17,7 +17,12 @@ Why it is faster. The torch path reads the whole cache at every attention call, 
 - FP8 and FP4 are decoded through 256-entry tables (FP8's scale and saturation folded into a [H, 256] table);
 - the saturating clamp is skipped where the scales bound every product below float32's max;
 - a cache side's `Workspace` keeps the float32 values of the tokens it has already dequantized (stored codes never
-  change), so a decode step dequantizes only the new tokens.
+  change), so a decode step dequantizes only the new tokens. Only reads of few queries (`WORKSPACE_MAX_QUERIES`: a
+  decode step, a short continuation) fill it: a prefill chunk's read dequantizes its context into a temporary that
+  is freed once its layer is done, so a chunked prefill holds one layer's float32 K/V at a time, not every layer's
+  (4 bytes per element beside codes of 0.5-2: at 8k tokens of SmolLM2, 30 layers x 2 x 8192 x 3 x 64 x 4 B = 377
+  MB per cache, twice that in `kl`, which runs a BF16 baseline cache beside the quantized one). The chunk's
+  attention (Tq x Tk) dwarfs re-dequantizing the context (Tk), and the next decode step fills the workspace once.
 
 State. Everything remembered lives in explicit objects owned by the cache: a `Workspace` per cache side (K or V of
 one layer) holds the values and a `ScaleMemo` (the FP8 table and the scale's bound, computed from the side's
@@ -51,6 +56,11 @@ _F32_HALF = _F32.max / 2
 # tensor (CPU torch converts FP8 element by element), the cast on a decode step's token (fewer ops).
 _FEW = 1 << 12
 _ONE = torch.ones(())
+# Reads of at most this many queries (per sequence) keep what they dequantize in the cache side's `Workspace` (a
+# decode step reads the same tokens again at the next step); longer reads (prefill chunks) dequantize into a
+# temporary and keep nothing (module docstring). 64: a decode step, a batch's continuation rests, a speculative
+# draft; a prefill chunk is hundreds to thousands.
+WORKSPACE_MAX_QUERIES = 64
 
 
 class ScaleMemo:
@@ -77,9 +87,9 @@ class ScaleMemo:
 
 class Workspace:
     """The float32 values of one cache side's tokens first .. first + len(values) - 1, dequantized as `fmt` with
-    `scale`: the torch path's, not cache storage (4 bytes per element of what it has read; Triton reads codes and
-    never fills it). The cache gives a side a new one when its stored tokens change other than by appending (crop,
-    batch re-index, reset)."""
+    `scale`: the torch path's, not cache storage (4 bytes per element of what it has read at decode steps: reads of
+    more than `WORKSPACE_MAX_QUERIES` queries keep nothing here; Triton reads codes and never fills it). The cache
+    gives a side a new one when its stored tokens change other than by appending (crop, batch re-index, reset)."""
 
     __slots__ = ("first", "fmt", "memo", "scale", "values")
 
@@ -233,19 +243,30 @@ def _tail(q: QTensor, n: int) -> QTensor:
 
 
 def dequantize_fast(
-    q: QTensor, fmt: str | KVFormat, ws: Workspace | None = None, first: int = 0
+    q: QTensor, fmt: str | KVFormat, ws: Workspace | None = None, first: int = 0, *, keep: bool = True
 ) -> torch.Tensor:
     """float32 values of q [B, H_kv, T, D], bit-identical to `formats.dequantize(q, fmt)`.
 
     With a workspace `ws` (q = a cache side's tokens first .. first + T - 1 at absolute positions): only the tokens
-    ws does not hold yet are dequantized and appended, and the result is a view of ws. Do not modify it."""
+    ws does not hold yet are dequantized and appended, and the result is a view of ws. Do not modify it.
+    `keep=False` (a prefill chunk's read, `WORKSPACE_MAX_QUERIES`): ws grows by nothing; a view of it where it holds
+    every token of q already, else all of q dequantized into a new tensor (ws, if it holds values that are not
+    q's, forgets them)."""
     f = formats.get_format(fmt)
     if ws is None:
         return _dequantize(q, f)
     a1 = first + q.codes.shape[-2]
     vals = ws.values
     held = vals.data is not None and vals.data.shape[:-2] == q.codes.shape[:-2] and ws.fmt == f.name
-    if not (held and ws.first <= first <= ws.first + len(vals) and same_scale(ws.scale, q.scale)):
+    valid = held and ws.first <= first <= ws.first + len(vals) and same_scale(ws.scale, q.scale)
+    if not keep:
+        if valid and ws.first + len(vals) >= a1:  # everything read is held (a decode step's values): a view
+            o = vals.start + (first - ws.first)
+            return vals.data[..., o : o + (a1 - first), :]  # type: ignore[index]
+        if not valid:
+            ws.values = TokenBuffer()  # values of other tokens: free them now, not at the next decode step
+        return _dequantize(q, f, ws.memo)  # [B, H_kv, T, D], freed after this layer's attention
+    if not valid:
         ws.values, ws.first, ws.fmt = TokenBuffer(), first, f.name  # start over: nothing held is valid for q
         vals = ws.values
     ws.scale = q.scale  # equal values; the newest tensor makes the next `is` check succeed
@@ -278,12 +299,14 @@ def quantized_attention_fast(
     """`reference.quantized_attention_ref` (same arguments, same result bits, float32) with fast dequantization.
 
     workspaces: (K's, V's) of the cache sides k and v are read from, whose first token sits at k_start; None for
-    K/V that are no cache's storage (everything dequantized)."""
+    K/V that are no cache's storage (everything dequantized). A read of more than `WORKSPACE_MAX_QUERIES` queries
+    (a prefill chunk) adds nothing to them."""
     f = formats.get_format(fmt)
     fv = f if v_fmt is None else formats.get_format(v_fmt)
     kws, vws = (None, None) if workspaces is None else workspaces
-    kd = dequantize_fast(k, f, kws, k_start)  # [B, H_kv, Tk, D] float32
-    vd = dequantize_fast(v, fv, vws, k_start)
+    keep = q.shape[-2] <= WORKSPACE_MAX_QUERIES  # a decode step keeps the values; a prefill chunk does not
+    kd = dequantize_fast(k, f, kws, k_start, keep=keep)  # [B, H_kv, Tk, D] float32
+    vd = dequantize_fast(v, fv, vws, k_start, keep=keep)
     return attention_on_values(
         q, kd, vd, scaling=scaling, q_start=q_start, k_start=k_start, causal=causal,
         sliding_window=sliding_window, softcap=softcap, sinks=sinks, key_padding=key_padding, q_scale=q_scale,

@@ -298,6 +298,67 @@ def test_bad_chunk_and_windows_the_text_cannot_fill(invoke: Invoke, gemma: Path,
     assert "256 positions" in refused("--kl-seq-len", "257", "--prefill-chunk", "64")
 
 
+@pytest.fixture(scope="module")
+def long_gemma(gemma: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma 3 (sliding layers of window 6) with 1200 positions: chunks longer than a decode step."""
+    path = tmp_path_factory.mktemp("long-gemma") / "gemma3"
+    shutil.copytree(gemma, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1200
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_prefill_chunks_keep_no_workspace_and_the_statistics_stay(
+    long_gemma: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of more than `fast.WORKSPACE_MAX_QUERIES` tokens read their context through a temporary of one layer
+    instead of keeping every layer's float32 K/V in the caches' workspaces (at 8k tokens of SmolLM2, 377 MB per
+    cache, two caches in kl). Dequantization is elementwise and exact, so the per-position statistics are those of
+    a run whose every read keeps its values (the behaviour before), bit for bit, on both sides: the nvfp4 cache and
+    the BF16 baseline's cache, sliding and full layers; and afterwards no workspace of either holds a value."""
+    from kvcal.evaluate.kl import EMBEDDED_TEXT
+    from kvcal.kernels import fast
+    from kvcal.kernels.cache import QuantizedKVCache
+
+    made: list[QuantizedKVCache] = []
+    init = QuantizedKVCache.__init__
+
+    def recorded(self: QuantizedKVCache, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(QuantizedKVCache, "__init__", recorded)
+
+    chunk = fast.WORKSPACE_MAX_QUERIES + 9  # longer than a decode-sized read
+
+    def run() -> tuple[tuple[torch.Tensor, ...], int]:
+        """(statistics of a window of 3 long chunks, bytes the workspaces of its caches hold afterwards)"""
+        made.clear()
+        lm = _lm(long_gemma, "nvfp4")
+        quant_session, baseline = lm_sides(lm, "auto")
+        ids = torch.tensor(make_windows(lm.tokenizer, EMBEDDED_TEXT, 3 * chunk + 1, 1, None)[0][:1])
+        stats = lockstep_stats(quant_session, baseline, ids, chunk)
+        held = sum(
+            side.workspace.values.data.nbytes
+            for cache in made
+            for layer in cache.layers
+            for side in layer._sides.values()
+            if side.workspace.values.data is not None
+        )
+        assert len(made) == 2  # the evaluated cache and the baseline's
+        return stats, held
+
+    stats, held = run()
+    assert held == 0
+    monkeypatch.setattr(fast, "WORKSPACE_MAX_QUERIES", 1 << 30)  # every read keeps its values
+    kept_stats, kept = run()
+    assert kept > 0
+    for a, b in zip(stats, kept_stats, strict=True):
+        assert torch.equal(a, b)
+    assert float(stats[0].mean()) > 0
+
+
 def test_bf16_evaluates_the_baseline_in_one_pass(gemma: Path) -> None:
     """`-f bf16` is the baseline itself: chunked windows run its forwards once, and the statistics equal the
     two-sided lockstep bit for bit (KL ~0 from the fp16-stored baseline only; top-1 agreement exactly 1)."""

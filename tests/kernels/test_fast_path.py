@@ -124,3 +124,49 @@ def test_decode_through_the_cache_equals_the_reference(
     assert window is None or cache.layers[0].kept <= window
     fused = cpu_write.library() is not None and fk is fv and fk.c_kernel is not None  # formats cpu_write.c writes
     assert len(calls) == (6 if fused else 0)  # every decode step, where the kernel is built
+
+
+def _ws_bytes(cache: QuantizedKVCache) -> int:
+    """Bytes the torch path's workspaces of every layer and K/V have allocated."""
+    return sum(
+        side.workspace.values.data.nbytes
+        for layer in cache.layers
+        for side in layer._sides.values()
+        if side.workspace.values.data is not None
+    )
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "int8_per_token_head"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_chunks_keep_no_workspace_whatever_the_layer_count(fmt: str, window: int | None) -> None:
+    """Chunks of more than WORKSPACE_MAX_QUERIES queries read their context through a temporary (freed after the
+    layer's attention): after a chunked prefill no layer's workspace holds anything, for 1 layer as for 4, so the
+    torch path's float32 memory is one layer's, not one per layer. Every read keeps the reference's bits; the first
+    decode step then fills each workspace once (every kept token), and a later long chunk reads through the values
+    held without growing them."""
+    from kvcal.kernels import fast
+
+    f = formats.get_format(fmt)
+    chunk = fast.WORKSPACE_MAX_QUERIES + 3
+    g = torch.Generator().manual_seed(9)
+    for n_layers in (1, 4):
+        cache = QuantizedKVCache([LayerPlan(index=i, fmt=f, window=window) for i in range(n_layers)])
+        held_after_decode: list[int] = []
+        for step, n in enumerate([chunk, chunk, 1, 1, chunk]):
+            for i in range(n_layers):
+                kph, _ = cache.update(_kv(g, (1, 2, n, 16)) * 3, _kv(g, (1, 2, n, 16)), i)
+                read = kph.kvcal_read
+                q = torch.randn(1, 4, n, 16, generator=g)
+                kw = dict(scaling=0.25, q_start=read.q_start, k_start=read.k_start, sliding_window=window)
+                ref = quantized_attention_ref(q, read.k, read.v, read.fmt, **kw)
+                got = quantized_attention_fast(q, read.k, read.v, read.fmt, workspaces=read.workspaces, **kw)
+                assert _same(got, ref), (n_layers, step, i)
+                tk = read.k.codes.shape[-2]  # the same for every layer
+            if step < 2:  # the prefill chunks
+                assert _ws_bytes(cache) == 0, (n_layers, step)
+            elif step == 3:  # each workspace holds every token the decode step read
+                for layer in cache.layers:
+                    assert all(len(s.workspace.values) == tk for s in layer._sides.values())
+                held_after_decode.append(_ws_bytes(cache))
+        # the long chunk after the decode steps read the held values and left them as they were
+        assert _ws_bytes(cache) == held_after_decode[-1] > 0
