@@ -29,17 +29,16 @@ F32 = np.float32
 # ---- transcriptions (one row at a time, numpy float32 scalars: every op rounds to float32 as the kernel's) ----
 
 
-def vllm_fp8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
-    """`_reshape_cache_per_token_head_kernel` for one (token, head): (e4m3 code values as float32, scale)."""
+def vllm_pth_row(x: np.ndarray, quant_max: float, quant_min: float) -> tuple[list[np.float32], np.float32]:
+    """`_reshape_cache_per_token_head_kernel` for one (token, head), up to its store: (the clamped float32 values
+    `tl.store` is handed, scale). One kernel for FP8 (+-448) and INT8 (127 / -128): only the constants and the
+    cache pointer's dtype differ."""
     amax = F32(0.0)
     for e in x:
         amax = max(amax, F32(abs(e)))
-    k_scale = max(F32(amax / F32(448.0)), F32(1e-6))
+    k_scale = max(F32(amax / F32(quant_max)), F32(1e-6))
     inv = F32(F32(1.0) / k_scale)
-    q = np.array([min(max(F32(e * inv), F32(-448.0)), F32(448.0)) for e in x], dtype=F32)
-    # tl.store into a float8e4nv pointer: round to nearest even (torch's cast does the same)
-    codes = torch.from_numpy(q).to(torch.float8_e4m3fn).float().numpy()
-    return codes, k_scale
+    return [min(max(F32(e * inv), F32(quant_min)), F32(quant_max)) for e in x], k_scale
 
 
 def triton_store_to_int8(y: np.float32) -> int:
@@ -48,16 +47,17 @@ def triton_store_to_int8(y: np.float32) -> int:
     return int(np.trunc(y))
 
 
+def vllm_fp8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """FP8 per-token-head: (e4m3 code values as float32, scale). tl.store into a float8e4nv pointer rounds to
+    nearest even (torch's cast does the same)."""
+    q, s = vllm_pth_row(x, 448.0, -448.0)
+    return torch.from_numpy(np.array(q, dtype=F32)).to(torch.float8_e4m3fn).float().numpy(), s
+
+
 def vllm_int8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
-    """`_reshape_cache_per_token_head_kernel` with QUANT_MAX 127, QUANT_MIN -128 for one (token, head):
-    (int8 codes, scale)."""
-    amax = F32(0.0)
-    for e in x:
-        amax = max(amax, F32(abs(e)))
-    k_scale = max(F32(amax / F32(127.0)), F32(1e-6))
-    inv = F32(F32(1.0) / k_scale)
-    q = [min(max(F32(e * inv), F32(-128.0)), F32(127.0)) for e in x]
-    return np.array([triton_store_to_int8(v) for v in q], dtype=np.int8), k_scale
+    """INT8 per-token-head: (int8 codes, scale)."""
+    q, s = vllm_pth_row(x, 127.0, -128.0)
+    return np.array([triton_store_to_int8(v) for v in q], dtype=np.int8), s
 
 
 def vllm_signs(d: int) -> torch.Tensor:
@@ -130,21 +130,32 @@ def _rows(seed: int, d: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 # ---- fp8_per_token_head ----
 
 
+PTH_ROWS = {
+    "fp8_per_token_head": (vllm_fp8_pth_row, torch.float8_e4m3fn),
+    "int8_per_token_head": (vllm_int8_pth_row, torch.int8),
+}
+
+
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([64, 96, 80, 130, 7]), dtype=st.sampled_from(["bf16", "f32"]))
-def test_fp8_per_token_head_equals_vllm(seed: int, d: int, dtype: str) -> None:
-    """Codes and scales bit for bit, any head_dim (vLLM masks a padded power-of-two tile: odd D works)."""
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    d=st.sampled_from([64, 96, 80, 130, 7]),
+    dtype=st.sampled_from(["bf16", "f32"]),
+    fmt=st.sampled_from(sorted(PTH_ROWS)),
+)
+def test_per_token_head_equals_vllm(seed: int, d: int, dtype: str, fmt: str) -> None:
+    """FP8 and INT8 per-token-head codes and scales bit for bit against vLLM's write (INT8: its truncating store),
+    any head_dim (vLLM masks a padded power-of-two tile: odd D works)."""
+    row, code_dtype = PTH_ROWS[fmt]
     x = _rows(seed, d, 3, torch.bfloat16 if dtype == "bf16" else torch.float32)
-    q = formats.quantize(x, "fp8_per_token_head")
-    assert q.codes.dtype == torch.float8_e4m3fn and q.block_scales.shape == (1, 2, 3, 1)
+    q = formats.quantize(x, fmt)
+    assert q.codes.dtype == code_dtype and q.block_scales.shape == (1, 2, 3, 1)
     for h in range(2):
         for t in range(3):
-            codes, s = vllm_fp8_pth_row(x[0, h, t].float().numpy())
+            codes, s = row(x[0, h, t].float().numpy())
             assert q.block_scales[0, h, t, 0].numpy().view(np.int32) == np.array([s], F32).view(np.int32)[0]
-            got = q.codes[0, h, t].float().numpy()
-            assert np.array_equal(got.view(np.int32), codes.view(np.int32))
-    y = formats.dequantize(q, "fp8_per_token_head")
-    assert torch.equal(y, q.codes.float() * q.block_scales)
+            assert np.array_equal(q.codes[0, h, t].float().numpy().view(np.int32), codes.astype(F32).view(np.int32))
+    assert torch.equal(formats.dequantize(q, fmt), q.codes.float() * q.block_scales)
 
 
 def test_fp8_per_token_head_saturation_zero_rows_and_nonfinite() -> None:
@@ -166,21 +177,6 @@ def test_fp8_per_token_head_saturation_zero_rows_and_nonfinite() -> None:
 
 
 # ---- int8_per_token_head ----
-
-
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([64, 96, 80, 130, 7]), dtype=st.sampled_from(["bf16", "f32"]))
-def test_int8_per_token_head_equals_vllm(seed: int, d: int, dtype: str) -> None:
-    """Codes and scales bit for bit against vLLM's write (truncating store), any head_dim."""
-    x = _rows(seed, d, 3, torch.bfloat16 if dtype == "bf16" else torch.float32)
-    q = formats.quantize(x, "int8_per_token_head")
-    assert q.codes.dtype == torch.int8 and q.block_scales.shape == (1, 2, 3, 1)
-    for h in range(2):
-        for t in range(3):
-            codes, s = vllm_int8_pth_row(x[0, h, t].float().numpy())
-            assert q.block_scales[0, h, t, 0].numpy().view(np.int32) == np.array([s], F32).view(np.int32)[0]
-            assert np.array_equal(q.codes[0, h, t].numpy(), codes)
-    assert torch.equal(formats.dequantize(q, "int8_per_token_head"), q.codes.float() * q.block_scales)
 
 
 def test_int8_per_token_head_truncates_hand_computed() -> None:
