@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -82,17 +83,24 @@ def test_eval_reports_warns_or_fails_onnonfinite_kv(
     assert sum_nonfinite([{}, {"nonfinite_kv": None}]) is None
 
 
-# fp8 is left out: its NaN is the format's own, decoded by the GPU's conversion, and the Triton interpreter decodes
-# E4M3FN 0x7F as 480 instead of NaN (an interpreter limitation, not kvcal's).
-@pytest.mark.parametrize("fmt", ["int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"])
-def test_triton_reads_nan_markers_like_the_reference(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode over 20 keys, one V element NaN (kvcal's int8 / E2M1 NaN marker): that output column is NaN, the
-    others finite and equal to the reference; nvfp4 with a per-sequence global ([B, 1, 1, 1]) on a batch of 2."""
+@pytest.fixture
+def interpreted_attention(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """kvcal's Triton attention under Triton's interpreter (skipped where Triton is not installed)."""
     pytest.importorskip("triton")
     from kvcal.kernels.triton_attention import attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("KVCAL_TRITON_CONFIG", raising=False)
+    return attention
+
+
+# fp8 is left out: its NaN is the format's own, decoded by the GPU's conversion, and the Triton interpreter decodes
+# E4M3FN 0x7F as 480 instead of NaN (an interpreter limitation, not kvcal's).
+@pytest.mark.parametrize("fmt", ["int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"])
+def test_triton_reads_nan_markers_like_the_reference(fmt: str, interpreted_attention: Any) -> None:
+    """Decode over 20 keys, one V element NaN (kvcal's int8 / E2M1 NaN marker): that output column is NaN, the
+    others finite and equal to the reference; nvfp4 with a per-sequence global ([B, 1, 1, 1]) on a batch of 2."""
+    attention = interpreted_attention
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 2, 1, 64, generator=g)
     k = torch.randn(2, 1, 20, 64, generator=g)
@@ -112,18 +120,12 @@ def test_triton_reads_nan_markers_like_the_reference(fmt: str, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
-def test_triton_reads_turboquant_nan_rows_like_the_reference(
-    preset: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_triton_reads_turboquant_nan_rows_like_the_reference(preset: str, interpreted_attention: Any) -> None:
     """TurboQuant stores a (token, head) row holding a NaN with a NaN norm (K) / scale and min (V): decode over 20
     keys of 3 sequences, sequence 1 with one NaN key element, sequence 2 with one NaN value element — their outputs
     are all NaN (a NaN logit, a NaN value row), sequence 0's finite and equal to the reference's. (The k8v4 preset's
     FP8 NaN is the format's own, left out as fp8 is above.)"""
-    pytest.importorskip("triton")
-    from kvcal.kernels.triton_attention import attention
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("KVCAL_TRITON_CONFIG", raising=False)
+    attention = interpreted_attention
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 2, 1, 64, generator=g)
     k = torch.randn(3, 1, 20, 64, generator=g)
