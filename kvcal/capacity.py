@@ -46,7 +46,7 @@ from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.gguf import is_gguf
 from kvcal.models.real import resolve_real_name
-from kvcal.serde import NOT_EMULATED, SERDES, layer_storage_bytes
+from kvcal.serde import NOT_EMULATED, SERDES, layer_storage_bytes, serde_key
 
 GIB = 2**30
 _WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",))
@@ -175,9 +175,7 @@ def storage_bytes_per_token(kv: KVSpec, serde_name: str, elem_bytes: int = 2) ->
     """LMCache's storage tier for serde `serde_name`: {"serde", "bytes_per_token", "bits_per_element",
     "multiplier_vs_bf16", "source", "emulated"} — bytes per token over every layer (kvcal.serde.layer_storage_bytes),
     K/V kept raw at `elem_bytes` (the serving dtype's 2)."""
-    name = str(serde_name).strip().lower()
-    if name not in SERDES:
-        raise UsageError(f"unknown --prefix-serde '{serde_name}'; use one of {', '.join(SERDES)}")
+    name = serde_key(serde_name)
     b = sum(
         layer_storage_bytes(name, layer.index, kv.num_layers, layer.kv_heads, layer.head_dim, elem_bytes)
         for layer in kv.layers
@@ -273,8 +271,8 @@ def model_capacity(
     `plans`: (label, format per layer) rows after the formats' (kvcal.pipeline.plan_cost reads plan files).
     `prefix_serde`: LMCache's storage tier, reported apart as `storage` (storage_bytes_per_token)."""
     fmts = [_format_name(f) for f in formats] if formats else None  # unknown names fail before any file is read
-    if prefix_serde is not None and str(prefix_serde).strip().lower() not in SERDES:
-        raise UsageError(f"unknown --prefix-serde '{prefix_serde}'; use one of {', '.join(SERDES)}")
+    if prefix_serde is not None:
+        serde_key(prefix_serde)  # an unknown name fails before any file is read
     ref = resolve_real_name(model)
     kv = kv_spec(load_config(ref))
     skip = parse_skip_layers(skip_layers, kv)

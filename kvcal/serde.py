@@ -131,6 +131,14 @@ def serde_names() -> str:
     return ", ".join(SERDES)
 
 
+def serde_key(name: str) -> str:
+    """The canonical name of serde `name` (any case, spaces stripped); UsageError naming the known ones."""
+    key = str(name).strip().lower()
+    if key not in SERDES:
+        raise UsageError(f"unknown --prefix-serde '{name}'; use one of {serde_names()}")
+    return key
+
+
 def check_prefix_serde(name: str | None, tokens: int | None) -> tuple[str | None, int]:
     """`--prefix-serde NAME --prefix-tokens N` checked together: (None, 0) when neither is given, else (canonical
     name, N). UsageError naming the problem and the fix otherwise (both or neither, N >= 1, a known serde kvcal
@@ -142,9 +150,7 @@ def check_prefix_serde(name: str | None, tokens: int | None) -> tuple[str | None
             f"--prefix-tokens {tokens} needs --prefix-serde NAME (the LMCache serde the prefix round-trips through: "
             f"{serde_names()})"
         )
-    key = str(name).strip().lower()
-    if key not in SERDES:
-        raise UsageError(f"unknown --prefix-serde '{name}'; use one of {serde_names()}")
+    key = serde_key(name)
     if key in NOT_EMULATED:
         raise UsageError(
             f"--prefix-serde {key} is not emulated: {NOT_EMULATED[key]}; `kvcal capacity MODEL --prefix-serde {key}` "
@@ -244,8 +250,7 @@ def layer_storage_bytes(
     overheads left out (aesgcm 29 bytes, asym_k16_v8 a 4-byte scale and <= 1 KiB header per stored object;
     TurboQuant pads a chunk's tokens to a multiple of its block_size 16). `elem_bytes`: the model's serving dtype
     (2 for bf16 / fp16)."""
-    if name not in SERDES:
-        raise UsageError(f"unknown --prefix-serde '{name}'; use one of {serde_names()}")
+    name = serde_key(name)
     n = kv_heads * head_dim  # elements of K (or V) per token and layer
     if name == "fp8":
         return 2.0 * n  # estimate_serialized_size: 1 byte per element

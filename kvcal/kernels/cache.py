@@ -428,7 +428,7 @@ class QuantizedLayer(CacheLayerMixin):
         q_start = self.cumulative_length
         k_start = q_start - kept_before  # absolute position of the first kept token
         if own is None and self.plan.prefix_serde is not None and q_start < self.plan.prefix_tokens:
-            own = torch.arange(q_start, q_start + t_new, device=key_states.device)[None, :]  # no padding
+            own = own_positions(None, q_start, t_new, key_states.device)  # no mask: the cache positions
         serde_rows = self._serde_rows(own)
         # the C decode write knows no serde: a write that touches the prefix takes the torch path (the same bits)
         fused = None if serde_rows is not None else self._fused_write(key_states, value_states, valid, q_start, k_start)
