@@ -5,12 +5,13 @@
 so plain `lm_eval --model kvcal` works wherever kvcal.evaluate.adapter has been imported, e.g. from Python). With `kv_format=auto` nothing is overridden: the class *is* HFLM (the parity
 reference). Otherwise:
 
-- `_loglikelihood_tokens` (loglikelihood, loglikelihood_rolling) scores only the continuation's rows
-  (kvcal.evaluate.scoring): each forward gets a fresh quantized cache as `past_key_values` with `use_cache=True`, so
-  the prefill itself writes K/V into the quantized cache and attention reads them back dequantized — the same thing
-  an engine does when it serves a prompt with a quantized KV cache; a question's choices share one prefill of its
+- `_loglikelihood_tokens` (loglikelihood, loglikelihood_rolling) with `scoring=continuation` scores only the
+  continuation's rows (kvcal.evaluate.scoring): each forward gets a fresh quantized cache as `past_key_values` with
+  `use_cache=True`, so the prefill itself writes K/V into the quantized cache and attention reads them back
+  dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache; a question's choices share one prefill of its
   context; the LM head and a float32 log-softmax run on the continuation rows only, a bounded block at a time.
-  `scoring=full` keeps lm-eval's own path (full-vocabulary logits of every position, through `_model_call`).
+  A sequence longer than `prefill_chunk` is prefilled chunk by chunk. `scoring=full` (the default) keeps lm-eval's
+  own path (full-vocabulary logits of every position, through `_model_call`), its cache a fresh quantized one too.
 - `_model_generate` (generate_until) passes a fresh quantized cache to `generate`, so prefill and every decode step
   read quantized K/V.
 """
@@ -31,6 +32,7 @@ from lm_eval.models.huggingface import HFLM
 from kvcal import parallel
 from kvcal.errors import UsageError
 from kvcal.evaluate.bound import BoundSpec, bind
+from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.loading import input_device, load_resolved
@@ -49,8 +51,9 @@ class KvcalLM(HFLM):
     """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
     force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
     kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
-    calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (continuation: only
-    the continuation rows meet the LM head, the default | full: lm-eval's every-position path); prefix_serde +
+    calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (full: lm-eval's
+    every-position path, the default | continuation: only the continuation rows meet the LM head); prefill_chunk
+    (continuation scoring prefills a longer sequence chunk by chunk; default 2048); prefix_serde +
     prefix_tokens (LMCache's storage tier, kvcal.serde: each request's first N tokens' K/V round-trip through it)."""
 
     # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
@@ -113,6 +116,7 @@ class KvcalLM(HFLM):
     def _set_up(self, bound: BoundSpec, pretrained: Any, kwargs: dict[str, Any]) -> None:
         """HFLM's load of `pretrained` (the bound folder, or a built model) and the bound cache plan installed."""
         scoring = kwargs.pop("scoring", "full")
+        prefill_chunk = kwargs.pop("prefill_chunk", DEFAULT_PREFILL_CHUNK)
         placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
@@ -143,6 +147,8 @@ class KvcalLM(HFLM):
         self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
         # loglikelihood requests: "continuation" (kvcal.evaluate.scoring) or "full" (lm-eval's every-position path)
         self.scoring = _check_scoring(str(scoring))
+        # continuation scoring prefills a sequence longer than this chunk by chunk (kvcal.evaluate.scoring)
+        self.prefill_chunk = check_prefill_chunk(int(prefill_chunk))
         self.runtime: Any = None
         if self.cache.quantized:
             self.activate_runtime()
@@ -224,6 +230,7 @@ class KvcalLM(HFLM):
             shareable=self._prefix_shareable(),
             device=self.device,
             checked=getattr(self, "_head_checked", False),
+            prefill_chunk=getattr(self, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
         )
         with torch.no_grad(), self._autocast():
             res = scorer.score(requests, max_length=self.max_length, batch_size=bs)

@@ -57,6 +57,7 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
             batch_size=spec.batch_size,
             trust_remote_code=spec.trust_remote_code,
             scoring=spec.scoring,
+            prefill_chunk=spec.prefill_chunk,
         )
         lm.sample_seed = seeds(spec.seed)["torch_random_seed"]  # sampled requests' seeds derive from it
         loop = TaskLoop(lm, ForwardTimer(lm.model), store, dist, say)

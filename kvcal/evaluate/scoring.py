@@ -18,6 +18,12 @@ does not depend on the tokens written with it (not for `--scales first-batch` or
 scale comes from the first write) and where the prefix is at least as long as the longest rest; every other request
 runs its whole window in one forward, as lm-eval does.
 
+A sequence longer than `prefill_chunk` tokens (a shared prefix, or a window scored alone) is prefilled chunk by
+chunk on one cache, as kl's long windows and an engine's chunked prefill are: each chunk attends to the cache's K/V
+of the earlier ones, so a layer's activations are held for one chunk at a time (an 8k passkey prefix of Gemma 3
+otherwise holds 3 x 8192 x 2048 float32 MLP activations per layer at once), and only the head's input rows are kept
+([T, d], small). Rows move by float rounding only (other matmul shapes).
+
 The numbers are lm-eval's to float rounding: a row's hidden state is the same function of the same tokens (computed
 in a split forward, or in a batch of another shape), the head is the model's own (`get_output_embeddings`, then the
 post-processing the model's forward applies: final_logit_softcapping, logits_scaling, logit_scale), and lm-eval's
@@ -136,6 +142,7 @@ class Scorer:
         shareable: bool,
         device: Any,
         checked: bool = False,
+        prefill_chunk: int | None = None,
     ) -> None:
         self.head = _HeadInput(model)
         self.forward = forward
@@ -143,6 +150,7 @@ class Scorer:
         self.shareable = shareable
         self.device = device
         self.checked = checked  # `project` verified on this model already (_verify)
+        self.prefill_chunk = prefill_chunk  # longest single forward of one sequence (None: no limit)
 
     def _verify(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """Once per model: `project` must give the model's own logits [B, k, V] bit for bit from the hidden states
@@ -156,24 +164,45 @@ class Scorer:
             )
         self.checked = True
 
+    def _chunks(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """One sequence's ids [1, T] -> its prefill chunks [1, c] in order (one chunk when T <= prefill_chunk)."""
+        step = self.prefill_chunk or ids.shape[1]
+        return list(ids.split(max(1, step), dim=1))
+
+    def _lead_in(self, chunks: list[torch.Tensor], cache: Any) -> list[torch.Tensor]:
+        """Every chunk but the last through the model on `cache` (the head computes no row) -> their final hidden
+        states [1, c, d] in order."""
+        hidden = []
+        for chunk in chunks[:-1]:
+            with self.head.active(keep_last=False):
+                self.forward(chunk, None, cache, 0)
+            assert self.head.hidden is not None
+            hidden.append(self.head.hidden)
+        return hidden
+
     def _prefix_logits(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-        """The prefix forward: the model's own logits of its last row [1, V] (its head computes that row only)."""
+        """The prefix forward (chunked past prefill_chunk): the model's own logits of its last row [1, V] (its head
+        computes that row only)."""
+        chunks = self._chunks(ids)
+        self._lead_in(chunks, cache)
         with self.head.active(keep_last=True):
-            logits = self.forward(ids, None, cache, 1)  # [1, 1, V]; the head was handed that row alone
+            logits = self.forward(chunks[-1], None, cache, 1)  # [1, 1, V]; the head was handed that row alone
         assert self.head.hidden is not None
         self._verify(self.head.hidden, logits)
         return logits[0]
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
         """The decoder's final hidden states [B, T, d]; the head computes no row (its last row, the first time:
-        the check of `project`)."""
+        the check of `project`). One unpadded sequence (B = 1, no mask) longer than prefill_chunk runs chunked."""
+        chunks = self._chunks(ids) if mask is None and ids.shape[0] == 1 else [ids]
+        lead = self._lead_in(chunks, cache)
         with self.head.active(keep_last=not self.checked):
-            logits = self.forward(ids, mask, cache, 0)
+            logits = self.forward(chunks[-1], mask, cache, 0)
         hidden = self.head.hidden
         assert hidden is not None
         if not self.checked:
             self._verify(hidden[:, -1:], logits)
-        return hidden
+        return torch.cat([*lead, hidden], dim=1) if lead else hidden
 
     def score(
         self, requests: Sequence[Request], max_length: int, batch_size: int

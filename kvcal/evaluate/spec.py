@@ -321,8 +321,11 @@ class EvalSpec:
             "kl_seq_len": self.kl_seq_len if kl else None,
             "passkey_lengths": list(self.passkey_lengths) if passkey else None,
             "passkey_depths": list(self.passkey_depths) if passkey else None,
-            # only where it changes what is measured (kl windows longer than a chunk): other runs keep their hash
-            "prefill_chunk": self.prefill_chunk if kl and self.kl_seq_len > self.prefill_chunk else None,
+            # only where it changes what is measured (kl windows longer than a chunk; continuation scoring, which
+            # prefills long log-likelihood requests chunk by chunk): other runs keep their hash
+            "prefill_chunk": self.prefill_chunk
+            if (kl and self.kl_seq_len > self.prefill_chunk) or self.scoring == "continuation"
+            else None,
             "kl_subsample": self.kl_subsample if kl and self.kl_subsample > 1 else None,
             "max_gen_toks": self.max_gen_toks,
             "nvfp4_global": self.nvfp4_global if self.any_nvfp4 and self.scales.kind == "none" else None,

@@ -102,6 +102,41 @@ def test_shared_context_equals_separate_and_full_scoring(tiny: dict[str, Path], 
     assert all(ll < 0 for ll, _ in shared)
 
 
+@pytest.mark.parametrize(("kind", "fmt"), [("llama", "fp8_e4m3"), ("gemma3", "nvfp4")])
+def test_long_sequences_prefill_chunk_by_chunk(tiny: dict[str, Path], kind: str, fmt: str) -> None:
+    """A shared prefix or a lone window longer than prefill_chunk runs as forwards of at most that many tokens on
+    one cache (each chunk attending to the quantized K/V of the earlier ones), with the same log-likelihoods as one
+    forward. gemma3: chunks of 4 against sliding windows of 6."""
+    whole = _lm(tiny[kind], kv_format=fmt)
+    reqs = _requests(whole)
+    ref = whole._loglikelihood_tokens(reqs)
+    chunked = _lm(tiny[kind], kv_format=fmt, prefill_chunk="4")  # lm-eval's model_args hand strings
+    for shareable in (True, False):
+        chunked._prefix_shareable = lambda s=shareable: s
+        shapes: list[tuple[int, int]] = []
+        h = chunked.model.register_forward_pre_hook(
+            lambda _m, args, kw, seen=shapes: seen.append(
+                tuple((args[0] if args else kw["input_ids"]).shape)
+            ),
+            with_kwargs=True,
+        )
+        try:  # one window per batch where nothing is shared: each alone is chunked
+            got = chunked._loglikelihood_tokens(reqs, override_bs=None if shareable else 1)
+        finally:
+            h.remove()
+        _close(ref, got)
+        assert all(t <= 4 for b, t in shapes if b == 1), shapes
+        windows = len(QUESTIONS) if shareable else len(reqs)
+        assert len([1 for b, _ in shapes if b == 1]) > windows  # some sequence took several chunks
+
+
+def test_prefill_chunk_is_checked(tiny: dict[str, Path]) -> None:
+    from kvcal.errors import UsageError
+
+    with pytest.raises(UsageError, match="--prefill-chunk"):
+        _lm(tiny["llama"], prefill_chunk=0)
+
+
 def test_head_sees_only_continuation_rows_in_bounded_blocks(
     tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,9 +158,7 @@ def test_head_sees_only_continuation_rows_in_bounded_blocks(
     assert max(rows) <= 2
     # rows that met the head: the continuations' tokens but each first one, which the model's own row of its shared
     # prefix predicts (once per question)
-    assert sum(rows) == sum(len(k) - 1 for _, _, k in reqs) + len(
-        QUESTIONS
-    )
+    assert sum(rows) == sum(len(k) - 1 for _, _, k in reqs) + len(QUESTIONS)
 
 
 def test_dynamic_scales_are_not_shared(tiny: dict[str, Path]) -> None:
