@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from eval_child import run_eval  # noqa: E402
 
 
 def parse_code(value: str) -> tuple[str, tuple[str, str | None]]:
@@ -40,9 +40,8 @@ def parse_code(value: str) -> tuple[str, tuple[str, str | None]]:
 
 
 def run_cell(args: argparse.Namespace, code: tuple[str, str | None], fmt: str, out: Path) -> dict[str, Any]:
-    code, scoring = code
-    cmd = [sys.executable, "-m", "kvcal.cli", "eval", args.model, "-f", fmt, "--tasks", args.task,
-           "--limit", str(args.limit), "-o", str(out), "--batch-size", str(args.batch_size)]  # fmt: skip
+    tree, scoring = code
+    cmd = [args.model, "-f", fmt, "--tasks", args.task, "--limit", str(args.limit), "--batch-size", str(args.batch_size)]
     if scoring:
         cmd += ["--scoring", scoring]
     if args.task.startswith("passkey"):
@@ -51,20 +50,10 @@ def run_cell(args: argparse.Namespace, code: tuple[str, str | None], fmt: str, o
         cmd += ["--data-dir", args.data_dir]
     if fmt != "auto" and args.scales:
         cmd += ["--scales", args.scales]
-    env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=Path(code))
-    output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.stderr.write(output[-3000:])
-        raise SystemExit(f"cell {code} {fmt} failed")
-    metrics = sorted(out.rglob("metrics.json"))  # the evaluation alone (no start-up, load, binding)
-    task_s = json.loads(metrics[0].read_text())["per_task"][args.task]["wall_s"] if metrics else float("nan")
-    return {"wall_s": wall, "task_s": task_s, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "peak_rss_mib": usage.ru_maxrss / 1024}  # fmt: skip
+    res = run_eval(cmd, tree, out, args.threads)
+    per_task = res.pop("metrics").get("per_task", {})  # the evaluation alone (no start-up, load, binding)
+    res["task_s"] = per_task[args.task]["wall_s"] if args.task in per_task else float("nan")
+    return res
 
 
 def samples(out: Path, task: str) -> dict[int, list[tuple[float, bool]]]:

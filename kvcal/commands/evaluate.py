@@ -91,8 +91,8 @@ PrefillChunkOpt = Annotated[
     int,
     typer.Option(
         "--prefill-chunk",
-        help="kl windows longer than this run by chunked prefill through the quantized cache, this many tokens "
-        "per forward.",
+        help="kl windows, and with --scoring continuation log-likelihood contexts, longer than this run by "
+        "chunked prefill through the quantized cache, this many tokens per forward.",
     ),
 ]
 KlSubsampleOpt = Annotated[

@@ -218,9 +218,9 @@ class KvcalLM(HFLM):
                 ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=keep
             ).logits
 
-        def new_cache() -> Any:
+        def new_cache() -> Any:  # read by one forward after its prefill: no values kept for later reads
             rt = self.runtime
-            return rt.new_cache() if rt is not None else DynamicCache(config=self.model.config)
+            return rt.new_cache(workspace=False) if rt is not None else DynamicCache(config=self.model.config)
 
         bs = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
         scorer = Scorer(

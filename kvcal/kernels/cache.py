@@ -302,10 +302,14 @@ class QuantizedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, plan: LayerPlan, nonfinite: NonFiniteCount | None = None):
+    def __init__(self, plan: LayerPlan, nonfinite: NonFiniteCount | None = None, workspace: bool = True):
         super().__init__()
         self.plan = plan
         self.nonfinite = nonfinite
+        # False: reads keep no float32 values in the torch path's workspaces (a cache read by one forward after its
+        # prefill, as continuation scoring's: nothing would be read again, and the values of a context repeated
+        # across a question's choices would be held once per choice); every read dequantizes into a temporary
+        self.workspace = workspace
         self.is_sliding = plan.window is not None
         self.sliding_window = plan.window
         self.k: QTensor | None = None  # stored keys, [B, H_kv, T_kept, D] logical (views of self._sides)
@@ -431,7 +435,9 @@ class QuantizedLayer(CacheLayerMixin):
             own = own_positions(None, q_start, t_new, key_states.device)  # no mask: the cache positions
         serde_rows = self._serde_rows(own)
         # the C decode write knows no serde: a write that touches the prefix takes the torch path (the same bits)
-        fused = None if serde_rows is not None else self._fused_write(key_states, value_states, valid, q_start, k_start)
+        fused = None
+        if serde_rows is None and self.workspace:
+            fused = self._fused_write(key_states, value_states, valid, q_start, k_start)
         if fused is not None:
             full_k, full_v = fused
         else:
@@ -449,7 +455,7 @@ class QuantizedLayer(CacheLayerMixin):
             layer=self.plan.index,
             window=self.plan.window,
             v_fmt=self.plan.v_fmt,
-            workspaces=(self._sides["k"].workspace, self._sides["v"].workspace),
+            workspaces=(self._sides["k"].workspace, self._sides["v"].workspace) if self.workspace else None,
         )
         tk = kept_before + t_new
         return _placeholder(key_states, tk, read), _placeholder(value_states, tk, read)
@@ -629,8 +635,9 @@ class QuantizedLayer(CacheLayerMixin):
 class QuantizedKVCache(Cache):
     """A Cache of `QuantizedLayer`s, one per decoder layer, built from per-layer plans (`KVRuntime.new_cache`)."""
 
-    def __init__(self, plans: list[LayerPlan], nonfinite: NonFiniteCount | None = None):
-        super().__init__(layers=[QuantizedLayer(p, nonfinite) for p in plans])
+    def __init__(self, plans: list[LayerPlan], nonfinite: NonFiniteCount | None = None, workspace: bool = True):
+        """workspace: see `QuantizedLayer` (False for a cache that one forward reads after its prefill)."""
+        super().__init__(layers=[QuantizedLayer(p, nonfinite, workspace) for p in plans])
         self.plans = plans
         self.attention_mask: torch.Tensor | None = None  # 2-D [B, tokens so far + new] of the current forward
 

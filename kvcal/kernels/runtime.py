@@ -409,11 +409,12 @@ class KVRuntime:
 
     # -- API ----------------------------------------------------------------------------------------------
 
-    def new_cache(self) -> Cache:
-        """A fresh cache to pass as `past_key_values` to one forward or one generate() call."""
+    def new_cache(self, workspace: bool = True) -> Cache:
+        """A fresh cache to pass as `past_key_values` to one forward or one generate() call. `workspace=False`: its
+        reads keep no float32 values for later reads (kvcal.kernels.cache.QuantizedLayer)."""
         if self.fmt.name == "auto":
             return DynamicCache(config=self.model.config)
-        return QuantizedKVCache(self.plans, self.nonfinite)
+        return QuantizedKVCache(self.plans, self.nonfinite, workspace)
 
     def take_nonfinite_kv(self) -> dict[str, Any]:
         """NaN/Inf elements among the real K/V tokens written since the last call: {'per_layer': [{'layer', 'k',

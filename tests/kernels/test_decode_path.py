@@ -13,7 +13,7 @@ import torch
 from kvcal import formats
 from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
-from kvcal.kernels.fast import dequantize_fast
+from kvcal.kernels.fast import dequantize_fast, quantized_attention_fast
 
 FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4", "mxfp4"]
 
@@ -169,3 +169,33 @@ def test_crop_then_decode_rewrites_positions_exactly() -> None:
     cache.layers[0].crop(-3)
     assert cache.layers[0].kept == 5
     _decode(cache, "fp8_e4m3", [1, 2, 1])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16) if t.element_size() == 2 else t
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_cache_without_workspace_keeps_no_values_and_attends_the_same(fmt: str) -> None:
+    """`workspace=False` (continuation scoring's caches, read by one forward after the prefill): the same codes
+    stored and the same attention, bit for bit, as a cache whose reads keep their float32 values; nothing is kept
+    (decode-sized reads included, which the C write would otherwise fill)."""
+    kept, bare = QuantizedKVCache(_plans(fmt, None)), QuantizedKVCache(_plans(fmt, None), workspace=False)
+    g = torch.Generator().manual_seed(5)
+    for n in [70, 1, 3, 1]:  # a prefill-sized read (keeps nothing anyway), then decode-sized ones
+        k, v = torch.randn(2, 2, n, 32, generator=g) * 4, torch.randn(2, 2, n, 32, generator=g)
+        q = torch.randn(2, 4, n, 32, generator=g)  # GQA 4:2
+        outs = []
+        for cache in (kept, bare):
+            read = cache.update(k.clone(), v.clone(), 0)[0].kvcal_read
+            outs.append((read, quantized_attention_fast(
+                q, read.k, read.v, fmt, scaling=32**-0.5, q_start=read.q_start, k_start=read.k_start,
+                workspaces=read.workspaces,
+            )))  # fmt: skip
+        (ra, oa), (rb, ob) = outs
+        assert rb.workspaces is None
+        for a, b in ((ra.k.codes, rb.k.codes), (ra.v.codes, rb.v.codes)):  # the stored bytes
+            assert torch.equal(_bytes(a), _bytes(b))
+        assert _same(oa, ob)
+    assert len(kept.layers[0]._sides["k"].workspace.values) == 75  # the decode reads kept theirs
+    assert bare.layers[0]._sides["k"].workspace.values.data is None
