@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from eval_child import run_eval  # noqa: E402
 
-FORMATS = "auto,bf16,fp8_e4m3,fp8_e5m2,int8_per_tensor,fp8_per_token_head,int8_per_token_head,nvfp4,mxfp4,fp4_e2m1"
+FORMATS = ("auto,bf16,float16,fp8_e4m3,fp8_e5m2,int8_per_tensor,fp8_per_token_head,int8_per_token_head,int4_per_token_head,"
+           "nvfp4,nvfp4_4over6,fp4_e2m1,mxfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc")
 
 
 def main() -> None:
