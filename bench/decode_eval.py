@@ -5,9 +5,9 @@
 
 Each cell is one `kvcal eval MODEL -f FORMAT --tasks TASK --limit N --max-gen-toks T` process (bench/eval_child.py);
 its decode rate is the run's own metrics.json `decode_tokens_per_s` (generated tokens per second of decode steps:
-kvcal.evaluate.timing), so start-up, load and prefill do not enter. Cells are interleaved, the order rotating per
-round, and each format's ratio to `auto` is taken per round (the neighbouring `auto` cell of the same round) before
-the median, so load from other jobs hits both sides of a ratio alike. Uncalibrated scales (`--scales` to give a
+kvcal.evaluate.timing), so start-up, load and prefill do not enter. The reference (`auto`) runs before every
+`--every` formats and last; each format's ratio is to the mean of the reference runs just before and after it (the
+order rotating per round), then the median over rounds, so drift in machine load hits both sides of a ratio alike. Uncalibrated scales (`--scales` to give a
 file). Goal (issue 26): every format >= 0.9x `auto`. Prints a table; writes JSON.
 """
 
@@ -29,6 +29,41 @@ FORMATS = ("auto,bf16,float16,fp8_e4m3,fp8_e5m2,int8_per_tensor,fp8_per_token_he
            "nvfp4,nvfp4_4over6,fp4_e2m1,mxfp4,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc")
 
 
+def run_cell(args: argparse.Namespace, fmt: str, tag: str, data: list[str]) -> dict[str, Any]:
+    cmd = [args.model, "-f", fmt, "--tasks", args.task, "--limit", str(args.limit),
+           "--max-gen-toks", str(args.max_gen_toks), *data]  # fmt: skip
+    if fmt != "auto" and args.scales:
+        cmd += ["--scales", args.scales]
+    res = run_eval(cmd, args.code, Path(args.work) / tag, args.threads)
+    m = res.pop("metrics")
+    res.update({k: m.get(k) for k in ("decode_tokens_per_s", "decode_tokens", "decode_steps", "tpot_s")})
+    print(f"  {tag:26s} decode {res['decode_tokens_per_s'] or float('nan'):7.2f} tok/s  "
+          f"({res['decode_tokens']} tokens)  wall {res['wall_s']:6.1f} s", flush=True)  # fmt: skip
+    return res
+
+
+def one_round(args: argparse.Namespace, r: int, formats: list[str], data: list[str]) -> dict[str, dict[str, Any]]:
+    """The reference (formats[0]) first, after every --every formats and last; each format's ratio is to the mean of
+    the reference runs just before and after it. The formats' order rotates by --every per round."""
+    ref_fmt, others = formats[0], formats[1:]
+    shift = r * args.every % len(others)
+    others = others[shift:] + others[:shift]
+    cells: dict[str, dict[str, Any]] = {}
+    refs = [run_cell(args, ref_fmt, f"{ref_fmt}-0-r{r}", data)]
+    pending: list[str] = []
+    for i, fmt in enumerate(others):
+        cells[fmt] = run_cell(args, fmt, f"{fmt}-r{r}", data)
+        pending.append(fmt)
+        if (i + 1) % args.every == 0 or i == len(others) - 1:
+            refs.append(run_cell(args, ref_fmt, f"{ref_fmt}-{len(refs)}-r{r}", data))
+            base = (refs[-2]["decode_tokens_per_s"] + refs[-1]["decode_tokens_per_s"]) / 2
+            for f in pending:
+                cells[f]["ratio"] = cells[f]["decode_tokens_per_s"] / base
+            pending.clear()
+    cells[ref_fmt] = {**refs[0], "ratio": 1.0, "reference_runs": refs}
+    return cells
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -40,43 +75,30 @@ def main() -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--every", type=int, default=4, help="formats between two runs of the reference")
     p.add_argument("--code", default=".", help="the tree to run (a checkout or an exported one)")
     p.add_argument("--work", default=str(ROOT / "bench" / "out" / "decode_eval"))
     p.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "decode_eval.json"))
     args = p.parse_args()
     formats = args.formats.split(",")
-    ref = formats[0]
+    ref_fmt = formats[0]
     data = ["--data-dir", str(Path(args.data_dir).resolve())] if args.data_dir else []
-    rounds: list[dict[str, dict[str, Any]]] = []
-    for r in range(args.rounds):
-        cells: dict[str, dict[str, Any]] = {}
-        for fmt in formats[r % len(formats) :] + formats[: r % len(formats)]:
-            cmd = [args.model, "-f", fmt, "--tasks", args.task, "--limit", str(args.limit),
-                   "--max-gen-toks", str(args.max_gen_toks), *data]  # fmt: skip
-            if fmt != "auto" and args.scales:
-                cmd += ["--scales", args.scales]
-            res = run_eval(cmd, args.code, Path(args.work) / f"{fmt}-r{r}", args.threads)
-            m = res.pop("metrics")
-            res.update({k: m.get(k) for k in ("decode_tokens_per_s", "decode_tokens", "decode_steps", "tpot_s")})
-            cells[fmt] = res
-            print(f"  round {r} {fmt:22s} decode {res['decode_tokens_per_s'] or float('nan'):7.2f} tok/s  "
-                  f"({res['decode_tokens']} tokens)  wall {res['wall_s']:6.1f} s", flush=True)  # fmt: skip
-        rounds.append(cells)
+    rounds = [one_round(args, r, formats, data) for r in range(args.rounds)]
     table = []
     for fmt in formats:
         rates = [c[fmt]["decode_tokens_per_s"] for c in rounds]
-        ratios = [c[fmt]["decode_tokens_per_s"] / c[ref]["decode_tokens_per_s"] for c in rounds]
+        ratios = [c[fmt]["ratio"] for c in rounds]
         table.append({"format": fmt, "decode_tokens_per_s": statistics.median(rates), "ratios": ratios,
-                      "vs_" + ref: statistics.median(ratios),
+                      "vs_" + ref_fmt: statistics.median(ratios),
                       "decode_tokens": [c[fmt]["decode_tokens"] for c in rounds]})  # fmt: skip
     report = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": rounds, "cells": table}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{args.model} {args.task} --limit {args.limit} --max-gen-toks {args.max_gen_toks}, {args.rounds} round(s)")
-    print(f"{'format':22s} {'decode tok/s':>13s} {'x ' + ref:>8s} {'per round':>24s} {'tokens':>12s}")
+    print(f"{'format':22s} {'decode tok/s':>13s} {'x ' + ref_fmt:>8s} {'per round':>24s} {'tokens':>12s}")
     for row in table:
         per = " ".join(f"{x:.2f}" for x in row["ratios"])
-        print(f"{row['format']:22s} {row['decode_tokens_per_s']:13.2f} {row['vs_' + ref]:8.2f} {per:>24s} "
+        print(f"{row['format']:22s} {row['decode_tokens_per_s']:13.2f} {row['vs_' + ref_fmt]:8.2f} {per:>24s} "
               f"{'/'.join(str(t) for t in row['decode_tokens']):>12s}")  # fmt: skip
     print(f"wrote {args.output}")
 
