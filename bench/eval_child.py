@@ -16,6 +16,8 @@ def run_eval(args: list[str], code: str | Path, out: Path, threads: int) -> dict
     wall s, CPU s (user + sys), peak RSS MiB (wait4's ru_maxrss) and its metrics.json (the run's own timing)."""
     import time
 
+    if out.exists():  # kvcal eval would resume it (or skip it, complete): nothing would be timed
+        raise SystemExit(f"{out} exists: remove it or pass another --work folder")
     cmd = [sys.executable, "-m", "kvcal.cli", "eval", *args, "-o", str(out)]
     env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}  # fmt: skip
