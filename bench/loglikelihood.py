@@ -66,6 +66,8 @@ def samples(out: Path, task: str) -> dict[int, list[tuple[float, bool]]]:
         rec = json.loads(line)
         if "resps" in rec:
             per_doc[int(rec["doc_id"])] = [(float(r[0][0]), bool(r[0][1])) for r in rec["resps"]]
+        elif rec.get("filter") == "none" and "filtered_resps" in rec:  # GPQA's samples keep only these
+            per_doc[int(rec["doc_id"])] = [(float(r[0]), bool(r[1])) for r in rec["filtered_resps"]]
     return per_doc
 
 
