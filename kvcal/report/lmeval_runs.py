@@ -178,8 +178,8 @@ def _check_layout(results: dict[str, Any], where: Path) -> None:
 
 def task_settings(run: Run, task: str) -> dict[str, Any]:
     """The settings of one task that decide its prompts and scoring, from the run's lm-eval record (kvcal's run
-    directories hold the same record in results.json): version, num_fewshot, generation_kwargs, repeats. Keys
-    the record lacks are left out (nothing to compare)."""
+    directories hold the same record in results.json): version, num_fewshot, generation_kwargs, repeats, and for
+    kvcal's own runs of log-likelihood tasks `--scoring`. Keys the record lacks are left out (nothing to compare)."""
     res = run.results
     cfg = (res.get("configs") or {}).get(task) or {}
     out: dict[str, Any] = {}
@@ -191,7 +191,15 @@ def task_settings(run: Run, task: str) -> dict[str, Any]:
     for key in ("generation_kwargs", "repeats", "seq_len"):  # seq_len: kvcal's kl windows (--kl-seq-len)
         if key in cfg:
             out[key] = cfg[key]
+    if cfg.get("output_type") in LOGLIKELIHOOD_TYPES and "lm_eval" not in run.config.extra:
+        # kvcal's own runs: through a quantized cache, continuation scoring's split (context once, then the
+        # choices) moves per-sample log-likelihoods (docs/commands.md, eval): runs scored apart do not pair
+        out["scoring"] = run.config.scoring or "full"
     return out
+
+
+# lm-eval's output types scored by log-likelihood requests (what `--scoring` changes)
+LOGLIKELIHOOD_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 
 
 @dataclass(frozen=True)

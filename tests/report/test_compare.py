@@ -226,6 +226,25 @@ def test_kl_windows_of_another_length_are_refused(tmp_path: Path, write_run, kl_
         cmpmod.compare_runs([tmp_path], n_boot=200)
 
 
+def test_runs_scored_apart_are_refused(tmp_path: Path, data: dict, write_run, gsm8k_records) -> None:  # noqa: ANN001
+    """A multiple-choice task scored with --scoring full in one run and continuation in the other: refused; the
+    same scoring in both pairs."""
+    for name, fmt, scoring in (("base", "bf16", None), ("fp8", "fp8_e4m3", "continuation")):
+        d = write_run(tmp_path, name, fmt, {"mc": gsm8k_records(data["correct"])})
+        res = json.loads((d / "results.json").read_text())
+        res["configs"]["mc"] = {"task": "mc", "output_type": "multiple_choice"}
+        (d / "results.json").write_text(json.dumps(res))
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        if scoring:
+            cfg["scoring"] = scoring
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(UsageError, match=r"mc: fp8 .* different task settings \(scoring 'continuation' vs 'full'"):
+        cmpmod.compare_runs([tmp_path], n_boot=200)
+    cfg = yaml.safe_load((tmp_path / "base" / "config.yaml").read_text())
+    (tmp_path / "base" / "config.yaml").write_text(yaml.safe_dump({**cfg, "scoring": "continuation"}))
+    assert cmpmod.compare_runs([tmp_path], n_boot=200).results
+
+
 def test_bad_inputs(tmp_path: Path, data: dict, write_run, gsm8k_records, invoke: Invoke) -> None:  # noqa: ANN001
     t = {"gsm8k": gsm8k_records(data["correct"])}
     base = write_run(tmp_path / "a", "base", "bf16", t)
