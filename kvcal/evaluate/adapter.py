@@ -8,8 +8,9 @@ reference). Otherwise:
 - `_loglikelihood_tokens` (loglikelihood, loglikelihood_rolling) with `scoring=continuation` scores only the
   continuation's rows (kvcal.evaluate.scoring): each forward gets a fresh quantized cache as `past_key_values` with
   `use_cache=True`, so the prefill itself writes K/V into the quantized cache and attention reads them back
-  dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache; a question's choices share one prefill of its
-  context; the LM head and a float32 log-softmax run on the continuation rows only, a bounded block at a time.
+  dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache; a question's
+  choices share one prefill of its context; the LM head and a float32 log-softmax run on the continuation rows
+  only, a bounded block at a time.
   A sequence longer than `prefill_chunk` is prefilled chunk by chunk. `scoring=full` (the default) keeps lm-eval's
   own path (full-vocabulary logits of every position, through `_model_call`), its cache a fresh quantized one too.
 - `_model_generate` (generate_until) passes a fresh quantized cache to `generate`, so prefill and every decode step
