@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,6 @@ from typing import Any
 def run_eval(args: list[str], code: str | Path, out: Path, threads: int) -> dict[str, Any]:
     """`python -m kvcal.cli eval ARGS -o OUT` with PYTHONPATH = `code` (a checkout or an exported tree) -> the child's
     wall s, CPU s (user + sys), peak RSS MiB (wait4's ru_maxrss) and its metrics.json (the run's own timing)."""
-    import time
-
     if out.exists():  # kvcal eval would resume it (or skip it, complete): nothing would be timed
         raise SystemExit(f"{out} exists: remove it or pass another --work folder")
     cmd = [sys.executable, "-m", "kvcal.cli", "eval", *args, "-o", str(out)]

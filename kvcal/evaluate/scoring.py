@@ -22,7 +22,7 @@ A sequence longer than `prefill_chunk` tokens (a shared prefix, or a window scor
 chunk on one cache, as kl's long windows and an engine's chunked prefill are: each chunk attends to the cache's K/V
 of the earlier ones, so a layer's activations are held for one chunk at a time (an 8k passkey prefix of Gemma 3
 otherwise holds 3 x 8192 x 2048 float32 MLP activations per layer at once), and only the head's input rows are kept
-([T, d], small). Rows move by float rounding only (other matmul shapes).
+([T, d], small). Rows move as a split forward's do (other matmul shapes: below).
 
 The numbers are lm-eval's to float rounding: a row's hidden state is the same function of the same tokens (computed
 in a split forward, or in a batch of another shape), the head is the model's own (`get_output_embeddings`, then the

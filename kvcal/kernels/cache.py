@@ -435,9 +435,8 @@ class QuantizedLayer(CacheLayerMixin):
             own = own_positions(None, q_start, t_new, key_states.device)  # no mask: the cache positions
         serde_rows = self._serde_rows(own)
         # the C decode write knows no serde: a write that touches the prefix takes the torch path (the same bits)
-        fused = None
-        if serde_rows is None and self.workspace:
-            fused = self._fused_write(key_states, value_states, valid, q_start, k_start)
+        # (without a workspace it declines too: it appends to workspaces that hold every token written so far)
+        fused = None if serde_rows is not None else self._fused_write(key_states, value_states, valid, q_start, k_start)
         if fused is not None:
             full_k, full_v = fused
         else:
