@@ -5,7 +5,8 @@
    (layer, quantized candidate) with only that layer fake-quantized (PlanCache, sensitivity's FakeQuantCache per
    layer and side). Damage = mean KL(reference || quantized) per token, per sample; `bf16` is the model's own
    16-bit cache: damage 0, no forward. L x K' + 1 forwards per batch (K' quantized candidates), `batch_size`
-   samples per forward.
+   samples per forward; a forward whose first quantized layer is i replays the reference's layers 0..i-1
+   (kvcal.pipeline.replay), so the one-layer forwards run (L + 1) / 2 decoder layers on average.
 2. Tie-break: where a cheaper candidate's damage on a layer is within the standard error of the paired per-sample
    difference from a dearer one's, the dearer one is given the cheaper one's damage (it buys nothing measurable),
    and the solver's second stage (least cost among least-damage plans) then takes the cheaper.
@@ -47,6 +48,7 @@ from kvcal.models.real import resolve_real_name
 from kvcal.pipeline.plan_cost import Budget, check_reachable, integer_costs, parse_budget, plan_capacity
 from kvcal.pipeline.plan_export import SIXTEEN_BIT, canonical_layers, engine_commands
 from kvcal.pipeline.plan_solve import solve
+from kvcal.pipeline.replay import LayerReplay, first_quantized
 from kvcal.pipeline.sensitivity import MINMAX, layer_scales
 from kvcal.placement import Placement
 from kvcal.planfile import plan_record, save_plan
@@ -113,7 +115,8 @@ def per_sample_kl(
     phase: str = "plan",
 ) -> torch.Tensor:
     """KL(reference || config) per sample and config: [N, C] float64 (top-1 agreement in [..., 1] of a second
-    plane: returned as [2, N, C]). One reference forward per batch, reused by every config."""
+    plane: returned as [2, N, C]). One reference forward per batch, reused by every config: its log-probabilities,
+    and its outputs of the layers before a config's first quantized layer (kvcal.pipeline.replay)."""
     out = torch.zeros(2, len(samples), len(configs), dtype=torch.float64)
     device = input_device(model)
     lengths: list[int] = []
@@ -121,14 +124,17 @@ def per_sample_kl(
     groups = batches(samples, batch_size)
     total, done = len(samples) * (len(configs) + 1), 0
     untouched = [None] * model.config.num_hidden_layers
+    replay = LayerReplay(model, len(untouched))
     with torch.no_grad(), rowwise:
         for group in groups:
             ids, lengths[:] = pad_batch([samples[i] for i in group])
             ids = ids.to(device)
-            ref = _logprobs(model, ids, PlanCache(model.config, untouched))
+            with replay.capture():
+                ref = _logprobs(model, ids, PlanCache(model.config, untouched))
             done += len(group)
             for j, quant in enumerate(configs):
-                q = _logprobs(model, ids, PlanCache(model.config, quant))
+                with replay.skip(first_quantized(quant)):  # the layers before it are the reference's
+                    q = _logprobs(model, ids, PlanCache(model.config, quant))
                 for i, (kl, agree) in zip(group, _row_kl(ref, q, lengths), strict=True):
                     out[0, i, j], out[1, i, j] = kl, agree
                 done += len(group)

@@ -4,7 +4,8 @@ For each sample: one reference forward (K/V untouched), one forward with every l
 forward per layer with only that layer quantized. A `DynamicCache` subclass fake-quantizes K/V inside `update`
 (kvcal.formats.fake_quantize, with the calibrated scales), so every attention read of the prefill sees the
 quantized cache, exactly as it would in an engine that stores the format. Damage = mean KL(reference || quantized)
-over the sample's tokens (nats), and the share of tokens whose top-1 prediction changes.
+over the sample's tokens (nats), and the share of tokens whose top-1 prediction changes. The layers before a
+forward's only quantized layer are not run again: their outputs are the reference's (kvcal.pipeline.replay).
 
 Advice: layers whose damage exceeds `factor` x the median layer's are the skip-layer candidates; when the
 sliding-window layers as a group take more damage per layer than the full-attention ones, `sliding_window` (vLLM's
@@ -36,6 +37,7 @@ from kvcal.formats import KVFormat, fake_quantize, get_format
 from kvcal.io import atomic_write_json
 from kvcal.models.geometry import FULL, SLIDING, KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
+from kvcal.pipeline.replay import LayerReplay
 from kvcal.placement import Placement
 from kvcal.scales import load_scales_for_model
 
@@ -110,14 +112,17 @@ def layer_sensitivity(
     all_layers = frozenset(range(n_layers))
     row_lengths: list[int] = []
     rowwise = per_row_attention(model, row_lengths) if batch_size > 1 else nullcontext()
+    replay = LayerReplay(model, n_layers)
     with torch.no_grad(), rowwise:
         for group in batches(samples, batch_size):
             ids, row_lengths[:] = pad_batch([samples[i] for i in group])
             ids = ids.to(device)
-            ref = _logprobs(model, ids, FakeQuantCache(model.config, fmt, frozenset(), k_scales, v_scales))
+            with replay.capture():
+                ref = _logprobs(model, ids, FakeQuantCache(model.config, fmt, frozenset(), k_scales, v_scales))
             done += len(group)
             for j, layers in enumerate([frozenset([i]) for i in range(n_layers)] + [all_layers]):
-                q = _logprobs(model, ids, FakeQuantCache(model.config, fmt, layers, k_scales, v_scales))
+                with replay.skip(min(layers)):  # layers before the first quantized one: the reference's outputs
+                    q = _logprobs(model, ids, FakeQuantCache(model.config, fmt, layers, k_scales, v_scales))
                 for i, (d_kl, d_agree) in zip(group, _damage(ref, q, row_lengths), strict=True):
                     per_kl[i, j], per_agree[i, j] = d_kl, d_agree
                 done += len(group)
