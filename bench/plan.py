@@ -12,6 +12,10 @@ plan's). Both on the same calibration samples (kvcal's corpus, seed 0), each run
 interleaved (the order alternates per repeat) so machine load hits both alike. Per run: the child's wall time and
 CPU time (user + sys of the child: the fairer number on a shared machine). The ratio A / B is taken per repeat
 (one A with its neighbouring B), then the median. Prints a table; writes bench/out/plan.json.
+
+`--sensitivity-code NAME=DIR` (repeatable) runs B from another checkout too (PYTHONPATH=DIR), e.g. the commit
+before a change to sensitivity, so "the sensitivity run of today" stays the yardstick when both got faster; each B
+is interleaved with A, and the ratio is taken against the first one named.
 """
 
 from __future__ import annotations
@@ -44,13 +48,13 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"plan": plan, "sensitivity": sens}
 
 
-def run_child(argv: list[str], threads: int) -> dict[str, float]:
-    """One `kvcal ARGV` in a fresh process: its wall time and CPU time (user + sys)."""
+def run_child(argv: list[str], threads: int, tree: Path = ROOT) -> dict[str, float]:
+    """One `kvcal ARGV` in a fresh process (kvcal imported from `tree`): its wall time and CPU time (user + sys)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}  # fmt: skip
+           "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(tree)}  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kvcal.cli", *argv], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "kvcal.cli", *argv], capture_output=True, text=True, env=env, cwd=tree)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -72,35 +76,51 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    p.add_argument("--sensitivity-code", action="append", default=[], metavar="NAME=DIR",
+                   help="run the sensitivity side from checkout DIR too, as sensitivity-NAME (repeatable)")
     p.add_argument("--out", default=str(OUT / "plan.json"))
     args = p.parse_args()
     argv = commands(args)
+    trees = {"plan": ROOT}
+    for spec in args.sensitivity_code or ["="]:
+        name, _, tree = spec.partition("=")
+        trees[f"sensitivity-{name}" if name else "sensitivity"] = Path(tree or ROOT).resolve()
+    kinds = list(trees)
+    yardstick = kinds[1]
     runs: list[dict] = []
     for rep in range(args.repeats):
-        order = ["plan", "sensitivity"] if rep % 2 == 0 else ["sensitivity", "plan"]
+        order = kinds if rep % 2 == 0 else kinds[::-1]
         for kind in order:
-            r = {"kind": kind, "repeat": rep, **run_child(argv[kind], args.threads)}
+            cmd = argv["plan" if kind == "plan" else "sensitivity"]
+            r = {"kind": kind, "repeat": rep, "tree": str(trees[kind]), **run_child(cmd, args.threads, trees[kind])}
             runs.append(r)
-            print(f"  run {rep} {kind:11s} wall {r['wall_s']:8.1f} s  CPU {r['cpu_s']:8.1f} s", flush=True)
+            print(f"  run {rep} {kind:22s} wall {r['wall_s']:8.1f} s  CPU {r['cpu_s']:8.1f} s", flush=True)
     ratios = []
     for rep in range(args.repeats):
-        a, b = (next(r for r in runs if r["repeat"] == rep and r["kind"] == k) for k in ("plan", "sensitivity"))
-        ratios.append({"repeat": rep, "wall": a["wall_s"] / b["wall_s"], "cpu": a["cpu_s"] / b["cpu_s"]})
-    summary = {k: statistics.median(r[k] for r in ratios) for k in ("wall", "cpu")}
+        by = {r["kind"]: r for r in runs if r["repeat"] == rep}
+        row = {"repeat": rep}
+        for kind in kinds[1:]:
+            a, b = by["plan"], by[kind]
+            row[kind] = {"wall": a["wall_s"] / b["wall_s"], "cpu": a["cpu_s"] / b["cpu_s"]}
+        ratios.append(row)
+    medians = {kind: {k: statistics.median(r[kind][k] for r in ratios) for k in ("wall", "cpu")} for kind in kinds[1:]}
+    summary = medians[yardstick]
     print()
-    print("| measure | plan (median s) | sensitivity (median s) | plan / sensitivity (median of repeats) |")
-    print("|---|---:|---:|---:|")
-    for key, name in (("wall", "wall time"), ("cpu", "CPU time")):
-        a = statistics.median(r[f"{key}_s"] for r in runs if r["kind"] == "plan")
-        b = statistics.median(r[f"{key}_s"] for r in runs if r["kind"] == "sensitivity")
-        print(f"| {name} | {a:.1f} | {b:.1f} | {summary[key]:.2f}x |")
+    print("| run | wall (median s) | CPU (median s) | plan / it, wall | plan / it, CPU |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in kinds:
+        w = statistics.median(r["wall_s"] for r in runs if r["kind"] == kind)
+        c = statistics.median(r["cpu_s"] for r in runs if r["kind"] == kind)
+        m = medians.get(kind)
+        ratio = f"{m['wall']:.2f}x | {m['cpu']:.2f}x" if m else "— | —"
+        print(f"| {kind} | {w:.1f} | {c:.1f} | {ratio} |")
     goal = "met" if summary["cpu"] <= 3.0 else "missed"
-    print(f"\ngoal plan / sensitivity <= 3x (CPU time): {goal}")
+    print(f"\ngoal plan / {yardstick} <= 3x (CPU time): {goal}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "commands": {k: "kvcal " + " ".join(v) for k, v in argv.items()}, "runs": runs, "ratios": ratios,
-        "median_ratio": summary, "goal_3x": goal, "machine": {"platform": platform.platform(),
+        "median_ratio": summary, "yardstick": yardstick, "median_ratios": medians, "goal_3x": goal, "machine": {"platform": platform.platform(),
         "processor": platform.processor(), "cpus": os.cpu_count(), "threads": args.threads},
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")
