@@ -91,6 +91,13 @@ def plan_cmd(
             "--compare-uniform", help="Also measure every one-format configuration of the candidates."
         ),
     ] = False,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint",
+            help="Damage file (ModelOpt auto_quantize's checkpoint): reused when it exists, written when not.",
+        ),
+    ] = None,
     output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",

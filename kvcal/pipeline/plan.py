@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from kvcal.calibrate.run import check_output_path
 from kvcal.errors import UsageError
 from kvcal.evaluate.kl import bos_rule, kl_per_token, kl_text, make_windows
 from kvcal.formats import KVFormat, fake_quantize, get_format, kv_pair
+from kvcal.io import atomic_write_json
 from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
@@ -218,6 +220,54 @@ def measure_damage(
     return Damage(candidates, mean.tolist(), per)
 
 
+DAMAGE_KIND = "kvcal plan damage"
+
+
+def damage_key(
+    binding: dict[str, Any], candidates: list[str], scales: dict[str, Any], calibration: dict[str, Any], dtype: str
+) -> dict[str, Any]:
+    """What a damage measurement depends on; a damage checkpoint is reused only under the same key."""
+    return {"binding": binding, "candidates": candidates, "scales": scales, "calibration": calibration,
+            "dtype": dtype}  # fmt: skip
+
+
+def save_damage(path: str, key: dict[str, Any], damage: Damage) -> None:
+    """The per-sample damage [N, L, K] with its key, as JSON (written atomically)."""
+    atomic_write_json(
+        path, {"kind": DAMAGE_KIND, "version": 1, "key": key, "per_sample": damage.per_sample.tolist()}, indent=None
+    )
+
+
+def read_damage_file(path: str) -> dict[str, Any] | None:
+    """The damage record at `path` (None when there is no file); UsageError when it is not one. Checked before
+    the model loads."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        check_output_path(p)
+        return None
+    try:
+        record = json.loads(p.read_text())
+        ok = isinstance(record, dict) and record.get("kind") == DAMAGE_KIND and record.get("version") == 1
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--checkpoint '{path}' is not a kvcal plan damage file ({exc}); pass another path") from exc
+    if not ok:
+        raise UsageError(f"--checkpoint '{path}' is not a kvcal plan damage file; pass another path")
+    return record
+
+
+def load_damage(path: str, record: dict[str, Any], key: dict[str, Any]) -> Damage:
+    """The saved damage, refused (UsageError) when it was measured under another key."""
+    want = json.loads(json.dumps(key, default=str))
+    differ = [k for k in want if record["key"].get(k) != want[k]]
+    if differ:
+        raise UsageError(
+            f"--checkpoint '{path}' was measured with another {', '.join(differ)}; use a different checkpoint "
+            "path (or delete it to measure again)"
+        )
+    per = torch.tensor(record["per_sample"], dtype=torch.float64)  # [N, L, K]
+    return Damage(key["candidates"], per.mean(dim=0).tolist(), per)
+
+
 def choose(
     damage: list[list[float]], costs: list[list[int]], limit: int, candidates: list[str]
 ) -> list[str] | None:
@@ -299,8 +349,11 @@ def plan(
     dtype: str = "float32",
     device: str = "cpu",
     batch_size: int = 1,
+    checkpoint: str | None = None,
 ) -> dict[str, Any]:
-    """Everything `kvcal plan` does (see the module docstring); every model-free check runs before the load."""
+    """Everything `kvcal plan` does (see the module docstring); every model-free check runs before the load.
+    `checkpoint`: a damage file (ModelOpt auto_quantize's `checkpoint`): reused when it exists and was measured on
+    the same checkpoint, candidates, scales, calibration tokens and dtype (refused otherwise), written when not."""
     cands = parse_candidates(candidates)
     budget = parse_budget(capacity, effective_bits, context)
     if frontier and budget.kind != "capacity":
@@ -317,6 +370,7 @@ def plan(
         batch_size=batch_size,
     )  # fmt: skip
     scale_files = _scale_files(scales, cands)
+    saved = read_damage_file(checkpoint) if checkpoint is not None else None
     if not isinstance(model, LoadedModel):
         check_device(device)  # the budget needs the config only: refused before the load
         pre = kv_spec(load_config(resolve_real_name(model)))
@@ -332,7 +386,12 @@ def plan(
     binding = compute_binding(lm.ref, lm.model_dir, kv)
     data = opts.samples(lm, opts.texts())
     scale_sets, scale_record = _scales(lm, kv, cands, scale_files, data.samples, progress, opts)
-    damage = measure_damage(lm.model, data.samples, kv, cands, scale_sets, opts.batch_size, progress)
+    key = damage_key(binding, cands, scale_record, data.manifest(), dtype)
+    damage = load_damage(checkpoint, saved, key) if checkpoint and saved else None
+    if damage is None:
+        damage = measure_damage(lm.model, data.samples, kv, cands, scale_sets, opts.batch_size, progress)
+        if checkpoint is not None:
+            save_damage(checkpoint, key, damage)
     solver_damage, ties = damage.tie_broken(costs)
     layers = choose(solver_damage, costs, limit, cands)
     assert layers is not None  # check_reachable
@@ -364,7 +423,7 @@ def plan(
         "measured": _measured(measured[:, :, 0]),
         "refine_rounds": rounds,
         "ties": ties,
-        "damage": {"candidates": cands, "per_layer": damage.mean},
+        "damage": {"candidates": cands, "per_layer": damage.mean, "checkpoint": checkpoint},
         "engines": engine_commands(lm.ref, layers, kv, str(out or "plan.json")),
         "warnings": warnings,
     }

@@ -197,3 +197,39 @@ def test_eval_takes_a_plan_file(tiny_llama_dir: Path, tmp_path: Path, invoke: In
     )
     assert code == 1 and "solved for another checkpoint" in err and "config.json changed" in err
     assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+
+
+def test_damage_checkpoint_is_reused_for_another_budget_and_refused_when_measured_otherwise(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ModelOpt auto_quantize's `checkpoint`: the first plan measures and saves the damage, a second plan for
+    another budget reuses it (no damage forward, the same numbers), other calibration tokens are refused."""
+    ck = tmp_path / "damage" / "smol.json"
+    base = [
+        "plan", str(tiny_llama_dir), "--candidates", "bf16,fp8_e4m3,nvfp4", "--num-samples", "2", "--seq-len", "16",
+        "--heldout-windows", "1", "--heldout-seq-len", "16", "--checkpoint", str(ck), "--json",
+    ]  # fmt: skip
+    code, stdout, err = invoke([*base, "--capacity", "2.0x"])
+    assert code == 0, err
+    first = json.loads(stdout)
+    saved = json.loads(ck.read_text())
+    assert saved["kind"] == "kvcal plan damage" and len(saved["per_sample"]) == 2  # [N][L][K]
+
+    import kvcal.pipeline.plan as plan_module
+
+    calls = []
+    original = plan_module.measure_damage
+    monkeypatch.setattr(plan_module, "measure_damage", lambda *a, **k: calls.append(1) or original(*a, **k))
+    code, stdout, err = invoke([*base, "--capacity", "3.0x"])
+    assert code == 0, err
+    assert calls == []  # reused, not measured
+    assert json.loads(stdout)["damage"]["per_layer"] == first["damage"]["per_layer"]
+
+    code, _, err = invoke([*base, "--capacity", "2.0x", "--seed", "1"])
+    assert code == 2
+    [line] = [x for x in err.splitlines() if x.startswith("Error:")]  # (transformers warns about the text)
+    assert line.startswith("Error: --checkpoint") and "calibration" in line and "different checkpoint path" in line
+
+    ck.write_text("{}")
+    code, _, err = invoke([*base, "--capacity", "2.0x"])
+    assert code == 2 and "is not a kvcal plan damage file" in err
