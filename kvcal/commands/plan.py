@@ -199,7 +199,12 @@ def _render(r: dict[str, Any]) -> None:
 def plan_export_cmd(
     plan_file: Annotated[Path, typer.Argument(help="A plan file from `kvcal plan -o`.", show_default=False)],
     engine: Annotated[str, typer.Option("--engine", help="vllm-modelopt, vllm-skip-layers or trtllm.")],
-    output: Annotated[Path | None, output_option("Write hf_quant_config.json here (vllm-modelopt).")] = None,
+    output: Annotated[
+        Path | None,
+        output_option(
+            "vllm-modelopt: write CHECKPOINT/hf_quant_config.json, or embed the map in an existing CHECKPOINT/config.json."
+        ),
+    ] = None,
     model: Annotated[
         str | None, typer.Option("--model", help="Check the plan was solved on this checkpoint first.")
     ] = None,
@@ -211,7 +216,13 @@ def plan_export_cmd(
     from kvcal.io import atomic_write_text
     from kvcal.models.config import load_config
     from kvcal.models.geometry import kv_spec
-    from kvcal.pipeline.plan_export import ENGINES, modelopt_config, trtllm_dtype, vllm_skip_layers
+    from kvcal.pipeline.plan_export import (
+        ENGINES,
+        modelopt_config,
+        modelopt_file_text,
+        trtllm_dtype,
+        vllm_skip_layers,
+    )
     from kvcal.planfile import load_plan
 
     if engine not in ENGINES:
@@ -231,6 +242,7 @@ def plan_export_cmd(
         text = json.dumps(config, indent=2) + "\n"
         result: dict[str, object] = {"engine": engine, "hf_quant_config": config}
         if output is not None:
+            text = modelopt_file_text(output, config)
             atomic_write_text(output, text)
             result["wrote"] = str(output)
             result["command"] = f"vllm serve {output.parent} --kv-cache-dtype auto"

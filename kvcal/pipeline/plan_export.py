@@ -4,13 +4,21 @@ name what an engine lacks.
 - ModelOpt's per-layer map in `hf_quant_config.json`, what vLLM reads with `--kv-cache-dtype auto`: quantization
   {quant_algo: MIXED_PRECISION, quantized_layers: {}, kv_cache_quant_algo: MIXED_PRECISION,
   kv_cache_quantized_layers: {"model.layers.<i>.self_attn": {"quant_algo": "FP8" | "NVFP4"}},
-  kv_cache_schema_version: 1}. Checked against: ModelOpt's export tests (Model-Optimizer PR #2272,
-  tests of convert_hf_quant_config_format with `kv_cache_quantized_layers`); vLLM main at 00155cdecca7
-  (vllm/model_executor/layers/quantization/modelopt.py: `QUANT_ALGOS` holds MIXED_PRECISION, `from_config`
-  refuses a config without `quant_algo`, `KV_CACHE_QUANT_ALGOS = ["FP8", "NVFP4"]`) — its per-layer reader is
-  vLLM PR #56116 (open; RFC #57445): full FP8 K/V -> fp8_e4m3, full NVFP4 K/V -> nvfp4, resolved by the attention
-  layer's prefix; FP8-K/NVFP4-V inside one layer is refused there, and an explicit --kv-cache-dtype overrides the
-  map. 16-bit layers are left out of the map.
+  kv_cache_schema_version: 1}, producer {name: "modelopt"}; or the same keys flat in config.json's
+  `quantization_config` with quant_method "modelopt" (`embedded_config`). Checked against: ModelOpt's export
+  tests (Model-Optimizer PR #2272, convert_hf_quant_config_format with `kv_cache_quantized_layers`); vLLM main at
+  00155cdecca7 (`QUANT_ALGOS` holds MIXED_PRECISION); and the per-layer reader itself, vLLM PR #56116 (open; RFC
+  #57445) on its branch meenchen/vllm at 0ad7ce3e64be and 44c0d62d10a3 (vllm/model_executor/layers/quantization/
+  modelopt.py, ModelOptMixedPrecisionConfig._from_config and get_kv_cache_dtype) and 1a98fe635135 (attention.py):
+  `quant_algo` required; kv_cache_schema_version must be the integer 1; a non-empty map of {"quant_algo": str},
+  FP8 -> fp8_e4m3 and NVFP4 -> nvfp4 only (anything else, FP8_K_NVFP4_V included, is a ValueError); the map is
+  keyed by the Hugging Face attention prefix (vLLM's `.attn` suffix stripped; `model.language_model.` and
+  `language_model.model.` tried as swaps), layers left out stay `auto` (16-bit), keys matching no layer are
+  ignored; the map applies only with --kv-cache-dtype auto, and --kv-cache-dtype-skip-layers still wins. vLLM's
+  loader reads hf_quant_config.json only when config.json has no quantization_config, and takes it as ModelOpt's
+  only when producer.name is "modelopt" (weight_utils.get_quant_config; at the fork's main 12a34a6bc794) — so the
+  producer is "modelopt" (the format's name; kvcal is in its version). The map carries no K/V scales: layers run
+  at scale 1.0 unless the checkpoint holds scalar k_scale / v_scale (`kvcal export`).
 - vLLM's `--kv-cache-dtype X --kv-cache-dtype-skip-layers i,j`: one format plus 16-bit layers (`sliding_window`
   when the 16-bit layers are exactly the sliding ones).
 - TensorRT-LLM's KvCacheConfig.dtype range string `0-3:fp8,4-35:nvfp4` ('start-end:dtype' or 'idx:dtype'
@@ -19,6 +27,8 @@ name what an engine lacks.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from kvcal.errors import UsageError
@@ -67,7 +77,8 @@ def modelopt_config(layers: list[str], producer: str) -> dict[str, Any]:
             f"{engine}: the plan quantizes no layer; serve with --kv-cache-dtype auto and no map"
         )
     return {
-        "producer": {"name": "kvcal", "version": producer},
+        # vLLM takes hf_quant_config.json as ModelOpt's only when the producer is named "modelopt"
+        "producer": {"name": "modelopt", "version": producer},
         "quantization": {
             "quant_algo": "MIXED_PRECISION",
             "quantized_layers": {},
@@ -78,9 +89,47 @@ def modelopt_config(layers: list[str], producer: str) -> dict[str, Any]:
     }
 
 
+def embedded_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The same map as config.json's `quantization_config` (flat, quant_method "modelopt"): the form vLLM's loader
+    reads first, before any hf_quant_config.json."""
+    return {"quant_method": "modelopt", **config["quantization"]}
+
+
+def modelopt_file_text(path: Path, config: dict[str, Any]) -> str:
+    """What `plan-export --engine vllm-modelopt -o PATH` writes: PATH named config.json (an existing one) gets the
+    map as its `quantization_config`, everything else kept; any other name gets hf_quant_config.json's text.
+    UsageError where vLLM would not read it: a config.json that already has a quantization_config (vLLM reads that
+    instead of hf_quant_config.json, and kvcal does not merge quantization configs)."""
+    if path.name == "config.json":
+        try:
+            checkpoint = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot embed the map in '{path}': {exc}; pass the checkpoint's config.json") from exc
+        if not isinstance(checkpoint, dict):
+            raise UsageError(f"'{path}' is not a Hugging Face config.json (not a JSON object)")
+        if "quantization_config" in checkpoint:
+            raise UsageError(
+                f"'{path}' already has a quantization_config; vLLM reads that one, so a KV map must be merged into "
+                "it by the tool that wrote it (kvcal does not merge quantization configs)"
+            )
+        return json.dumps({**checkpoint, "quantization_config": embedded_config(config)}, indent=2) + "\n"
+    sibling = path.parent / "config.json"
+    if sibling.is_file():
+        try:
+            has = "quantization_config" in json.loads(sibling.read_text())
+        except (OSError, ValueError, TypeError):
+            has = False
+        if has:
+            raise UsageError(
+                f"'{sibling}' has a quantization_config, so vLLM would ignore '{path.name}'; the KV map must be "
+                "merged into that quantization_config by the tool that wrote it"
+            )
+    return json.dumps(config, indent=2) + "\n"
+
+
 def parse_modelopt_config(config: dict[str, Any], num_layers: int) -> list[str]:
     """The plan a ModelOpt per-layer map describes (absent layers: bf16), read the way vLLM's reader maps it."""
-    q = config["quantization"]
+    q = config.get("quantization", config)  # hf_quant_config.json, or config.json's flat quantization_config
     if q.get("kv_cache_quant_algo") != "MIXED_PRECISION" or q.get("kv_cache_schema_version") != 1:
         raise UsageError("not a ModelOpt MIXED_PRECISION KV map (schema version 1)")
     back = {v: k for k, v in MODELOPT_ALGO.items()}

@@ -3,6 +3,8 @@ each engine's refusal names what it lacks."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,45 @@ def test_a_two_level_plan_file_is_one_format_plus_skip_layers(tmp_path: Path) ->
     (tmp_path / "bad.json").write_text('{"kvcal_plan": 1, "layers": [{"layer": 1}]}')
     with pytest.raises(UsageError, match="is malformed"):
         load_plan(tmp_path / "bad.json")
+
+
+def test_modelopt_export_is_what_vllms_loader_takes(
+    tiny_llama_dir: Path, tmp_path: Path, invoke: Callable[[list[str]], tuple[int, str, str]]
+) -> None:
+    """vLLM PR #56116's loader: hf_quant_config.json counts as ModelOpt's only with producer "modelopt" and only
+    when config.json has no quantization_config; the flat form in config.json is read first. -o config.json embeds
+    the map there (everything else kept), and either form is refused where vLLM would ignore it."""
+    plan = tmp_path / "plan.json"
+    code, _, err = invoke([
+        "plan", str(tiny_llama_dir), "--candidates", "bf16,fp8_e4m3,nvfp4", "--capacity", "3.0x",
+        "--num-samples", "1", "--seq-len", "12", "--heldout-windows", "1", "--heldout-seq-len", "12", "-o", str(plan),
+    ])  # fmt: skip
+    assert code == 0, err
+    layers = json.loads(plan.read_text())["layers"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    original = json.loads((tiny_llama_dir / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(original))
+
+    code, _, err = invoke(["plan-export", str(plan), "--engine", "vllm-modelopt", "-o", str(ckpt / "hf_quant_config.json")])
+    assert code == 0, err
+    hf = json.loads((ckpt / "hf_quant_config.json").read_text())
+    assert hf["producer"]["name"] == "modelopt"
+    assert parse_modelopt_config(hf, len(layers)) == [f["kv_format"] for f in layers]
+
+    code, _, err = invoke(["plan-export", str(plan), "--engine", "vllm-modelopt", "-o", str(ckpt / "config.json")])
+    assert code == 0, err
+    embedded = json.loads((ckpt / "config.json").read_text())
+    q = embedded.pop("quantization_config")
+    assert embedded == original  # nothing else changed
+    assert q["quant_method"] == "modelopt" and q["quant_algo"] == "MIXED_PRECISION" and q["quantized_layers"] == {}
+    assert parse_modelopt_config(q, len(layers)) == [f["kv_format"] for f in layers]
+
+    # config.json now has a quantization_config: vLLM would read it, not an hf_quant_config.json beside it
+    for target in ("hf_quant_config.json", "config.json"):
+        before = (ckpt / "config.json").read_text()
+        code, _, err = invoke(["plan-export", str(plan), "--engine", "vllm-modelopt", "-o", str(ckpt / target)])
+        assert code == 2
+        [line] = err.splitlines()
+        assert line.startswith("Error: ") and "quantization_config" in line
+        assert (ckpt / "config.json").read_text() == before  # nothing lost
