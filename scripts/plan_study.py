@@ -31,7 +31,7 @@ from kvcal.io import atomic_write_text  # noqa: E402
 from kvcal.pipeline.plan import interval  # noqa: E402
 
 DATA = "../shared/data"
-_PLAN = ["--capacity", "3.0x", "--num-samples", "16", "--seq-len", "512", "--heldout-windows", "16",
+_PLAN = ["--capacity", "3.0x", "--num-samples", "8", "--seq-len", "512", "--heldout-windows", "16",
          "--heldout-seq-len", "512", "--data-dir", DATA, "--frontier", "--frontier-step", "0.5",
          "--compare-uniform", "--json"]  # fmt: skip
 TARGETS = (2.0, 2.5, 3.0, 3.5)
@@ -39,11 +39,11 @@ TARGETS = (2.0, 2.5, 3.0, 3.5)
 # name -> title, what the page says first, root, runs (name -> kvcal argv; {root} = the study's folder)
 STUDIES: dict[str, dict[str, Any]] = {
     "plan-smollm2": {
-        "title": "Per-layer KV plans under a capacity budget, SmolLM2-135M (`kvcal plan`, issue size)",
+        "title": "Per-layer KV plans under a capacity budget, SmolLM2-135M (`kvcal plan`, 16 held-out windows of 512)",
         "about": (
             "SmolLM2-135M-Instruct (30 layers, no sliding-window layer, so the budget's context changes no "
             "capacity: one run serves 4k and 32k). Candidates bf16, fp8_e4m3, nvfp4, k=fp8_e4m3,v=nvfp4; damage on "
-            "16 calibration samples of 512 tokens (kvcal's default corpus, seed 0), minmax scales per tensor on "
+            "8 calibration samples of 512 tokens (kvcal's default corpus, seed 0), minmax scales per tensor on "
             "them; every plan and uniform configuration measured jointly on the same 16 held-out WikiText-2 test "
             "windows of 512 tokens (the kl task's text)."
         ),
@@ -59,7 +59,7 @@ STUDIES: dict[str, dict[str, Any]] = {
             "Gemma-3-270M (18 layers: 15 sliding-window layers of window 512, 3 full-attention layers), so the "
             "budget's context matters: a sliding layer holds min(context, 512) tokens, 1/8 of a full layer at 4k and "
             "1/64 at 32k (kvcal capacity's count). Candidates bf16, fp8_e4m3, nvfp4, k=fp8_e4m3,v=nvfp4; damage on "
-            "16 calibration samples of 512 tokens (kvcal's default corpus, seed 0), minmax scales per tensor; the "
+            "8 calibration samples of 512 tokens (kvcal's default corpus, seed 0), minmax scales per tensor; the "
             "32k run reuses the 4k run's damage (`--checkpoint`: the same samples, scales and candidates) and "
             "re-solves; every plan and uniform configuration measured jointly on the same 16 held-out WikiText-2 "
             "test windows of 512 tokens."
