@@ -50,7 +50,8 @@ def test_damage_with_replay_is_bit_identical_to_full_forwards(
     joint_slow = per_sample_kl(lm.model, samples, [plan_quant(p, {}) for p in plans], batch_size)
     sens_slow = layer_sensitivity(lm.model, samples, kv, _fmt("fp4_e2m1"), [None] * 99, [None] * 99, batch_size=2)
     assert torch.equal(fast.per_sample, slow.per_sample)
-    assert bool((fast.per_sample[:, :, 1:] > 0).all())  # every quantized candidate moved something
+    # every quantized candidate moved something (not every single value: a tiny KL can round to 0 or below)
+    assert bool((fast.per_sample[:, :, 1:].abs().amax(dim=(0, 1)) > 0).all())
     assert torch.equal(joint_fast, joint_slow)
     assert sens_fast == sens_slow
 
