@@ -29,6 +29,7 @@ if str(REPO) not in sys.path:
 
 from kvcal.io import atomic_write_text  # noqa: E402
 from kvcal.pipeline.plan import interval  # noqa: E402
+from kvcal.pipeline.plan_export import layer_runs  # noqa: E402
 
 DATA = "../shared/data"
 _PLAN = ["--capacity", "3.0x", "--num-samples", "8", "--seq-len", "512", "--heldout-windows", "16",
@@ -131,15 +132,6 @@ def _verdict(d: dict[str, Any]) -> str:
     return "not distinguishable"
 
 
-def _runs_of(layers: list[str]) -> str:
-    parts, start = [], 0
-    for i in range(1, len(layers) + 1):
-        if i == len(layers) or layers[i] != layers[start]:
-            parts.append(f"{start}{'' if i - 1 == start else f'-{i - 1}'} {layers[start]}")
-            start = i
-    return "; ".join(parts)
-
-
 def context_section(run: str, argv: list[str], r: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     """The markdown of one report, and one record per target (for the summary)."""
     lines = [f"## Context: {run}", "", "```bash", "kvcal " + " ".join(argv), "```", ""]
@@ -180,7 +172,7 @@ def context_section(run: str, argv: list[str], r: dict[str, Any]) -> tuple[list[
     for target in TARGETS:
         plan = _at(r["frontier"], target)
         if plan is not None:
-            lines.append(f"- {target:.1f}x (frontier row {plan['target']:g}x): `{_runs_of(plan['layers'])}`")
+            lines.append(f"- {target:.1f}x (frontier row {plan['target']:g}x): `{layer_runs(plan['layers'], '; ')}`")
     lines.append("")
     return lines, records
 

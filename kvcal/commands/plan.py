@@ -128,22 +128,14 @@ def _fmt_interval(m: dict[str, Any]) -> str:
     return f"{kl['mean']:.4g} [{kl['lo']:.4g}, {kl['hi']:.4g}]"
 
 
-def _runs(layers: list[str]) -> str:
-    """'0-3 nvfp4, 4 bf16, ...' — runs of equal layers."""
-    parts, start = [], 0
-    for i in range(1, len(layers) + 1):
-        if i == len(layers) or layers[i] != layers[start]:
-            parts.append(f"{start}{'' if i - 1 == start else f'-{i - 1}'} {layers[start]}")
-            start = i
-    return ", ".join(parts)
-
-
 def _render(r: dict[str, Any]) -> None:
+    from kvcal.pipeline.plan_export import layer_runs  # (kvcal.formats imports torch: not at CLI start)
+
     b = r["budget"]
     what = f"{b['value']:g}x BF16" if b["kind"] == "capacity" else f"{b['value']:g} effective bits"
     at = f" at context {b['context']}" if b["context"] else ""
     console.print(f"[bold]{r['model']}[/bold]: plan for {what}{at}")
-    console.print(f"layers: {_runs(r['layers'])}")
+    console.print(f"layers: {layer_runs(r['layers'])}")
     cap = r["capacity"]
     console.print(
         f"capacity {cap['multiplier_vs_bf16']:.3f}x BF16 ({cap['bytes_per_token']:,.1f} B/token, "
@@ -171,7 +163,7 @@ def _render(r: dict[str, Any]) -> None:
                 f"{row['capacity']:.3f}",
                 f"{row['estimated_kl']:.4g}",
                 _fmt_interval(row["measured"]) if "measured" in row else "-",
-                _runs(row["layers"]),
+                layer_runs(row["layers"]),
             )
         console.print(table)
     if r.get("uniform"):

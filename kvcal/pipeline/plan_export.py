@@ -41,6 +41,16 @@ SIXTEEN_BIT = "bf16"
 ENGINES = ("vllm-modelopt", "vllm-skip-layers", "trtllm")
 
 
+def layer_runs(layers: list[str], sep: str = ", ") -> str:
+    """'0-3 nvfp4, 4 bf16, ...' — a plan as runs of equal layers."""
+    parts, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[start]:
+            parts.append(f"{start}{'' if i - 1 == start else f'-{i - 1}'} {layers[start]}")
+            start = i
+    return sep.join(parts)
+
+
 def modelopt_layer_name(i: int) -> str:
     """The attention module's prefix in a Hugging Face causal LM (what the map is keyed by)."""
     return f"model.layers.{i}.self_attn"
