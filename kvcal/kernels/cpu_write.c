@@ -18,7 +18,10 @@
 #include <string.h>
 
 /* format ids: kvcal/formats.py's `c_kernel` column (kvcal_format_id below lets cpu_write.py compare them) */
-enum { F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6, F_FP4_E2M1 = 7 };
+enum {
+    F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6, F_FP4_E2M1 = 7,
+    F_FP16 = 8, F_E4M3_TOKEN = 9, F_INT8S = 10, F_INT4_RHT = 11
+};
 enum { IN_F32 = 0, IN_BF16 = 1 };
 
 static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -113,6 +116,46 @@ static inline float sat(float y) {
 /* 2**e for integer e in [-127, 127] (formats.exp2_int) */
 static inline float exp2_int(int e) { return e == -127 ? from_bits(0x00400000u) : from_bits((uint32_t)(e + 127) << 23); }
 
+/* float32 -> IEEE float16 bits, round to nearest even, beyond the largest half (65520 and up) +-Inf, NaN ->
+ * 0x7E00 with its sign: torch's CPU cast (c10's fp16_ieee_from_fp32_value; F16C's vcvtps2ph gives the same) */
+static inline uint16_t to_f16(float f) {
+    uint32_t u = bits(f), sign = (u >> 16) & 0x8000u;
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
+    if (u >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* 65520.0f: the tie above 65504 rounds to Inf */
+    if (u < 0x38800000u) {                                    /* below 2**-14: a subnormal half */
+        const uint32_t denorm = 126u << 23;                   /* 0.5f: the float adder rounds to 2**-24 steps */
+        return (uint16_t)(sign | (bits(from_bits(u) + from_bits(denorm)) - denorm));
+    }
+    uint32_t odd = (u >> 13) & 1u;
+    u += ((uint32_t)(15 - 127) << 23) + 0xFFFu + odd;
+    return (uint16_t)(sign | (u >> 13));
+}
+
+/* IEEE float16 bits -> float32 (exact) */
+static inline float f16_value(uint16_t h) {
+    int s = h >> 15, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float v;
+    if (e == 31) v = man ? NAN : INFINITY;
+    else v = e == 0 ? ldexpf((float)man, -24) : ldexpf((float)(1024 + man), e - 25);
+    return s ? -v : v;
+}
+
+/* vLLM's round half away from zero as float32: trunc(y +- 0.5) (formats._round_half_away) */
+static inline float round_half_away(float y) { return y >= 0 ? truncf(y + 0.5f) : truncf(y - 0.5f); }
+
+/* In place: the unnormalised Walsh-Hadamard transform of x[D] (D a power of two) in the order of formats.hadamard's
+ * butterfly: at width h, x[i] + x[i + h] and x[i] - x[i + h] for every pair of each 2h group */
+static void hadamard(float *x, int D) {
+    for (int h = 1; h < D; h <<= 1)
+        for (int g = 0; g < D; g += 2 * h)
+            for (int i = g; i < g + h; i++) {
+                float a = x[i], b = x[i + h];
+                x[i] = a + b;
+                x[i + h] = a - b;
+            }
+}
+
 typedef struct {
     const void *x;
     int64_t xb, xh, xt;
@@ -124,7 +167,9 @@ typedef struct {
     int64_t vb, vh, vt;
     const float *scale; /* fp8 static scale / nvfp4 global; NULL = 1.0 */
     int64_t gb, gh;
-    const float *exps; /* fp4_e2m1: torch's log2 of the block ratios, contiguous [B, H, T, D/16] */
+    /* fp4_e2m1: torch's log2 of the block ratios, contiguous [B, H, T, D/16]; int4_per_token_head: the Hadamard
+     * transform's +-1 signs [D] (formats.rht_signs); NULL otherwise */
+    const float *aux;
 } side_t;
 
 /* The ABI cpu_write.py checks before it uses this library: out[0] = sizeof(side_t), out[1..20] = the byte offsets
@@ -137,7 +182,7 @@ int kvcal_side_layout(int64_t *out, int n) {
         offsetof(side_t, codes), offsetof(side_t, cb),    offsetof(side_t, ch),     offsetof(side_t, ct),
         offsetof(side_t, scales), offsetof(side_t, sb),   offsetof(side_t, sh),     offsetof(side_t, st),
         offsetof(side_t, vals),  offsetof(side_t, vb),    offsetof(side_t, vh),     offsetof(side_t, vt),
-        offsetof(side_t, scale), offsetof(side_t, gb),    offsetof(side_t, gh),     offsetof(side_t, exps),
+        offsetof(side_t, scale), offsetof(side_t, gb),    offsetof(side_t, gh),     offsetof(side_t, aux),
     };
     if (n < 21) return -1;
     for (int i = 0; i < 21; i++) out[i] = v[i];
@@ -150,6 +195,8 @@ int kvcal_format_id(const char *name) {
     static const struct { const char *name; int id; } ids[] = {
         {"bf16", F_BF16}, {"fp8_e4m3", F_E4M3}, {"fp8_e5m2", F_E5M2}, {"int8_per_token_head", F_INT8},
         {"nvfp4", F_NVFP4}, {"nvfp4_4over6", F_NVFP4_4OVER6}, {"mxfp4", F_MXFP4}, {"fp4_e2m1", F_FP4_E2M1},
+        {"float16", F_FP16}, {"fp8_per_token_head", F_E4M3_TOKEN}, {"int8_per_tensor", F_INT8S},
+        {"int4_per_token_head", F_INT4_RHT},
         {"in:float32", IN_F32}, {"in:bfloat16", IN_BF16},
     };
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++)
@@ -176,8 +223,10 @@ static inline void put_fp4(uint8_t *c, int i, uint8_t code) {
     if (i % 2 == 0) c[i / 2] = code; else c[i / 2] |= (uint8_t)(code << 4);
 }
 
-static void write_row(int fmt, const float *x, int D, float g, const float *exps, uint8_t *codes, void *scales,
-                      float *vals) {
+/* One (token, head) row x[D] as stored (rounded to the K/V dtype, padding zeroed): its codes, block scales and float32
+ * values. x_bf16: the K/V dtype is bfloat16 (int4_per_token_head rounds its rotated row to it). */
+static void write_row(int fmt, const float *x, int D, float g, const float *aux, int x_bf16, uint8_t *codes,
+                      void *scales, float *vals) {
     switch (fmt) {
     case F_BF16:
         for (int d = 0; d < D; d++) {
@@ -299,7 +348,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
         /* SGLang's KVFP4QuantizeUtil: exponent ceil(log2(max(bmax / 6, 1e-10))), the log2 torch's
          * (kvcal_block_ratio) */
         for (int k = 0; k < D / 16; k++) {
-            int e = (int)ceilf(exps[k]);
+            int e = (int)ceilf(aux[k]);
             float p = exp2_int(e);
             ((uint8_t *)scales)[k] = (uint8_t)(e + 127);
             for (int i = 0; i < 16; i++) {
@@ -308,6 +357,82 @@ static void write_row(int fmt, const float *x, int D, float g, const float *exps
                 vals[16 * k + i] = sat(E2M1[c] * p);
             }
         }
+        break;
+    }
+    case F_FP16:
+        /* an IEEE cast: beyond +-65504 rounds to +-Inf, read back as +-Inf (formats' float16) */
+        for (int d = 0; d < D; d++) {
+            uint16_t h = to_f16(x[d]);
+            ((uint16_t *)codes)[d] = h;
+            vals[d] = f16_value(h);
+        }
+        break;
+    case F_E4M3_TOKEN: {
+        /* vLLM's per-token-head FP8: scale = max(amax / 448, 1e-6); code = e4m3(clamp(x * (1 / scale), +-448)) */
+        float s = block_max(x, D) / 448.0f;
+        if (s < 1e-6f) s = 1e-6f;
+        float inv = 1.0f / s;
+        for (int d = 0; d < D; d++) {
+            float y = x[d] * inv;
+            if (y > 448.0f) y = 448.0f;
+            if (y < -448.0f) y = -448.0f;
+            uint8_t c = to_e4m3(y);
+            codes[d] = c;
+            vals[d] = sat(e4m3_value(c) * s);
+        }
+        *(float *)scales = s;
+        break;
+    }
+    case F_INT8S: {
+        /* TensorRT-LLM's INT8: round half to even of x * (1 / scale), saturated to [-128, 127], NaN -> 0 */
+        float inv = 1.0f / g;
+        for (int d = 0; d < D; d++) {
+            float r = rintf(x[d] * inv);
+            if (r > 127.0f) r = 127.0f;
+            if (r < -128.0f) r = -128.0f;
+            int8_t c = isnan(r) ? 0 : (int8_t)r;
+            ((int8_t *)codes)[d] = c;
+            vals[d] = sat((float)c * g);
+        }
+        break;
+    }
+    case F_INT4_RHT: {
+        /* vLLM's int4_per_token_head (formats._quantize_int4_rht): rotate H (D1 x), round to the K/V dtype, then
+         * asymmetric 4-bit [min, max] -> 0..15; the fp32 scale's 4 low mantissa bits hold the zero point */
+        float y[1024];
+        int bad = 0;
+        for (int d = 0; d < D; d++) y[d] = x[d] * aux[d];
+        hadamard(y, D);
+        for (int d = 0; d < D; d++) {
+            if (x_bf16) y[d] = from_bf16(to_bf16(y[d]));
+            bad |= !isfinite(y[d]);
+        }
+        float lo = 0.0f, hi = 0.0f;
+        if (!bad) {
+            lo = hi = y[0];
+            for (int d = 1; d < D; d++) { if (y[d] < lo) lo = y[d]; if (y[d] > hi) hi = y[d]; }
+        }
+        float s = (hi - lo) / 15.0f;
+        if (s < 1e-6f) s = 1e-6f;
+        float zp = round_half_away(-lo / s), inv = 1.0f / s;
+        if (zp < 0.0f) zp = 0.0f;
+        if (zp > 15.0f) zp = 15.0f;
+        for (int d = 0; d < D; d++) {
+            float q = round_half_away((bad ? 0.0f : y[d]) * inv + zp);
+            if (q < 0.0f) q = 0.0f;
+            if (q > 15.0f) q = 15.0f;
+            put_fp4(codes, d, (uint8_t)q);
+        }
+        uint32_t word = bad ? bits(NAN) : ((bits(s) & ~15u) | (uint32_t)zp);
+        *(float *)scales = from_bits(word);
+        /* the values: ((code - zp) * scale) rotated back, H y * D1 / D (formats._dequantize_int4_rht) */
+        float sc = from_bits(word & ~15u), z = (float)(word & 15u);
+        for (int d = 0; d < D; d++) {
+            uint8_t c = d % 2 == 0 ? codes[d / 2] & 0x0F : codes[d / 2] >> 4;
+            y[d] = ((float)c - z) * sc;
+        }
+        hadamard(y, D);
+        for (int d = 0; d < D; d++) vals[d] = sat(y[d] * aux[d] / (float)D);
         break;
     }
     }
@@ -323,7 +448,7 @@ int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int
     nonfinite[0] = nonfinite[1] = 0;
     for (int which = 0; which < 2; which++) {
         side_t *s = which ? v : k;
-        int csize = fmt == F_BF16 ? 2 : 1;
+        int csize = fmt == F_BF16 || fmt == F_FP16 ? 2 : 1;
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) {
                 int real = valid == NULL || valid[b * valid_b + t];
@@ -334,10 +459,13 @@ int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int
                     uint8_t *c = (uint8_t *)s->codes + (b * s->cb + h * s->ch + t * s->ct) * csize;
                     void *sc = NULL;
                     if (s->scales)
-                        sc = fmt == F_INT8 ? (void *)((float *)s->scales + b * s->sb + h * s->sh + t * s->st)
+                        sc = fmt == F_INT8 || fmt == F_E4M3_TOKEN || fmt == F_INT4_RHT
+                                 ? (void *)((float *)s->scales + b * s->sb + h * s->sh + t * s->st)
                                            : (void *)((uint8_t *)s->scales + b * s->sb + h * s->sh + t * s->st);
-                    const float *ex = s->exps ? s->exps + ((b * H + h) * T + t) * (D / 16) : NULL;
-                    write_row(fmt, row, D, g, ex, c, sc, s->vals + b * s->vb + h * s->vh + t * s->vt);
+                    const float *aux = fmt == F_INT4_RHT ? s->aux
+                                       : s->aux ? s->aux + ((b * H + h) * T + t) * (D / 16) : NULL;
+                    write_row(fmt, row, D, g, aux, in_dtype == IN_BF16 || round_bf16, c, sc,
+                              s->vals + b * s->vb + h * s->vh + t * s->vt);
                 }
             }
     }

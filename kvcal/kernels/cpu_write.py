@@ -75,7 +75,7 @@ class _Side(ctypes.Structure):
         ("scale", ctypes.c_void_p),
         ("gb", ctypes.c_int64),
         ("gh", ctypes.c_int64),
-        ("exps", ctypes.c_void_p),
+        ("aux", ctypes.c_void_p),
     ]
 
 
@@ -220,6 +220,8 @@ def supports(
         and x.stride(-1) == 1
         and x.shape[-1] <= MAX_HEAD_DIM
         and x.shape[-1] % max(fmt.block_size, 2 if fmt.is_fp4 else 1) == 0
+        # int4_per_token_head's Hadamard transform exists for powers of two only (formats refuses the others)
+        and (fmt.element != "int4_rht" or (x.shape[-1] >= 2 and x.shape[-1] & (x.shape[-1] - 1) == 0))
         and (
             scale is None
             or (
@@ -307,7 +309,11 @@ def write_into(
             *(r.data_ptr() for r in ratio),
         )
         for side, r in zip(sides, ratio, strict=True):
-            side.exps = r.log2_().data_ptr()  # the kernel takes the ceiling (exact anywhere)
+            side.aux = r.log2_().data_ptr()  # the kernel takes the ceiling (exact anywhere)
+    if fmt.element == "int4_rht":
+        signs = formats.rht_signs(d)  # [D] float32, cached by formats (alive past the call)
+        for side in sides:
+            side.aux = signs.data_ptr()
     bad = (ctypes.c_int64 * 2)()
     rc = lib.kvcal_write(
         FORMATS[fmt.name], _IN_DTYPES[k.dtype], int(round_bf16), b, h, t, d, vp, vb, sides[0], sides[1], bad

@@ -162,12 +162,15 @@ def test_any_float32_bits(fmt: str, words: list[int], log_scale: float) -> None:
     _check(decode_write_ref(x[0], x[1], fmt, s, s), cpu_write.decode_write(x[0], x[1], fmt, s, s))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "bf16", "float16"])
 def test_every_rounding_boundary(fmt: str) -> None:
-    """Every float32 within 2 ulps of a midpoint between two representable values of the target (FP8 codes, or
-    bf16 for the bf16 format and the K/V input rounding): round-to-nearest-even and saturation exactly torch's."""
+    """Every float32 within 2 ulps of a midpoint between two representable values of the target (FP8 codes,
+    float16 (every subnormal and normal step up to the tie above 65504 that rounds to Inf), or bf16 for the bf16
+    format and the K/V input rounding): round-to-nearest-even and saturation exactly torch's."""
     if fmt == "bf16":
         grid = torch.arange(0, 0x7F80, 7, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    elif fmt == "float16":
+        grid = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     else:
         dt = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
         grid = torch.arange(0, 128, dtype=torch.uint8).view(dt).float()
@@ -178,7 +181,7 @@ def test_every_rounding_boundary(fmt: str) -> None:
     near = torch.cat([near, -near])
     near = torch.nn.functional.pad(near, (0, -near.numel() % 128)).reshape(2, 1, -1, 1, 64)
     k, v = near[0], near[1]
-    s = formats.static_scale(None, k, 1.0) if fmt != "bf16" else None
+    s = formats.static_scale(None, k, 1.0) if formats.get_format(fmt).calibratable else None
     _check(decode_write_ref(k, v, fmt, s, s), cpu_write.decode_write(k, v, fmt, s, s))
     _check(  # the K/V input rounding to bf16 (float32 model, bf16 serving dtype) at the same boundaries
         decode_write_ref(k, v, "bf16", kv_input_dtype=torch.bfloat16),
@@ -233,11 +236,10 @@ def test_the_library_reports_the_abi_cpu_write_py_passes() -> None:
     }
     # every quantized format but the ones the C write does not know yet: their decode steps write through the torch
     # path (kvcal.kernels.fast), the reference's bits (tests/kernels/test_cache.py)
-    torch_only = {"float16", "fp8_per_token_head", "int4_per_token_head", "int8_per_tensor"}
-    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"} - torch_only
+    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"}  # every single format
 
     class Short(ctypes.Structure):
-        _fields_ = [f for f in cpu_write._Side._fields_ if f[0] != "exps"]
+        _fields_ = [f for f in cpu_write._Side._fields_ if f[0] != "aux"]
 
     assert "side_t is (sizeof, offsets)" in cpu_write.abi_mismatch(lib, Short)  # type: ignore[arg-type,operator]
 
@@ -257,7 +259,7 @@ def test_a_build_with_another_abi_is_refused_with_a_warning(
     names the difference and KVCAL_CPU_WRITE=0, and no library (the torch write)."""
     monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
     for old, new, what in (
-        ("    const float *exps;", "    int64_t extra;\n    const float *exps;", "side_t is"),
+        ("    const float *aux;", "    int64_t extra;\n    const float *aux;", "side_t is"),
         ("F_MXFP4 = 6, F_FP4_E2M1 = 7", "F_MXFP4 = 7, F_FP4_E2M1 = 6", "format ids differ"),
     ):
         src = _edited_source(tmp_path, old, new)
