@@ -13,7 +13,8 @@ and the torch path's dequantization (`kvcal.kernels.fast`), bit for bit; the tor
 fp4_e2m1's block exponent comes from torch's log2, whose last bit depends on where an element sits in a vectorised
 loop, so no scalar C loop can promise the same exponent: for it the kernel computes each block's max / 6 (floored
 at 1e-10), torch the log2 of those (one op per side, on a tensor of the shape `formats.fp4_e2m1_exponent` computes
-it on), and the kernel the rest.
+it on), and the kernel the rest. int4_per_token_head's Hadamard rotation is `formats.hadamard`'s butterfly (the
+same float additions in the same order) with `formats.rht_signs` handed in as the side's `aux`.
 
 Build. The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Before its first use the
