@@ -407,15 +407,16 @@ _TQ_SIDE_ROWS: tuple[tuple[str, str, int, str], ...] = (
 # fmt: on
 # element -> (codes dtype, block-scales dtype, Triton FMT family of kvcal.kernels.triton_attention): FP8 keys are
 # fp8_e4m3's storage at scale 1 (the FP8 family, 1); MSE keys (7) and uniform values (8) are TurboQuant's own
-# families. No cpu_write.c kernel.
+# families. cpu_write.c's format id per side: _TQ_C_KERNEL.
 _TQ_STORAGE = {
     "tq_fp8": (_E4M3, None, 1),
     "tq_mse": (_U8, torch.float16, 7),
     "tq_uniform": (_U8, torch.float16, 8),
 }
+_TQ_C_KERNEL = {"tq_fp8": 12, "tq_mse4_nc": 13, "tq_mse3_nc": 14, "tq_uniform4": 15, "tq_uniform3": 16}
 TQ_SIDES: dict[str, KVFormat] = {
     name: KVFormat(
-        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], None, bits
+        name, (), element, 0, False, None, {}, desc, "", *_TQ_STORAGE[element], _TQ_C_KERNEL[name], bits
     )
     for name, element, bits, desc in _TQ_SIDE_ROWS
 }

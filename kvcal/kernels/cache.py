@@ -470,14 +470,14 @@ class QuantizedLayer(CacheLayerMixin):
         """A decode step's write by the C kernel (`kvcal.kernels.cpu_write`): codes and block scales appended to
         the storage and float32 values to the torch path's workspace in one call, the same bytes as `_write` +
         `_Side.append` + the attention's dequantization. None (the caller writes with torch ops) unless: the kernel
-        is built, K and V share a supported format, the write is small (a decode step; a prefill's large write is
-        as fast vectorised in torch) and of at most `fast.WORKSPACE_MAX_QUERIES` tokens (a read that keeps its
-        values), the scale is fixed already, and both workspaces hold every token written so far (the torch path
+        is built, K's and V's formats are supported (one, or a K/V pair such as TurboQuant's), the write is small
+        (a decode step; a prefill's large write is as fast vectorised in torch) and of at most
+        `fast.WORKSPACE_MAX_QUERIES` tokens (a read that keeps its values), the scale is fixed already, and both workspaces hold every token written so far (the torch path
         is reading this cache; the Triton path never fills them)."""
-        f = self.plan.fmt
+        f, fv = self.plan.side_format("k"), self.plan.side_format("v")
         if (
             f.name not in cpu_write.FORMATS
-            or self.plan.v_fmt not in (None, f)
+            or fv.name not in cpu_write.FORMATS
             or k.numel() * 2 > fast.SMALL
             or k.shape[-2] > fast.WORKSPACE_MAX_QUERIES  # its read keeps nothing in the workspace (a prefill chunk)
             or k.shape != v.shape
@@ -486,11 +486,11 @@ class QuantizedLayer(CacheLayerMixin):
         ):
             return None
         sides = (self._sides["k"], self._sides["v"])
-        for side in sides:
+        for side, sf in zip(sides, (f, fv), strict=True):
             ws = side.workspace
             d = ws.values.data
             if (
-                ws.fmt != f.name
+                ws.fmt != sf.name
                 or d is None
                 or d.shape[:2] != k.shape[:2]
                 or ws.first + len(ws.values) != q_start
@@ -500,15 +500,18 @@ class QuantizedLayer(CacheLayerMixin):
         fixed = (self._fixed_scale("k", k.device), self._fixed_scale("v", v.device))
         if any(s is False for s in fixed):
             return None
-        default = 1.0 if f.layout != "nvfp4" else None
+        # a calibratable side's validated scale; a TurboQuant key side's rotation signs as they are; else None
         ks, vs = scales = tuple(
-            formats.static_scale(s, k, default, checked=True) if f.calibratable else None for s in fixed
+            formats.static_scale(s, k, 1.0 if sf.layout != "nvfp4" else None, checked=True)
+            if sf.calibratable
+            else (s if sf.element == "tq_mse" else None)
+            for s, sf in zip(fixed, (f, fv), strict=True)
         )
         for side, s in zip(sides, scales, strict=True):
             if not same_scale(side.workspace.scale, s):  # type: ignore[arg-type]
                 return None
         kin = self.plan.kv_input_dtype
-        if not (cpu_write.supports(f, k, kin, ks) and cpu_write.supports(f, v, kin, vs)):  # type: ignore[arg-type]
+        if not (cpu_write.supports(f, k, kin, ks) and cpu_write.supports(fv, v, kin, vs)):  # type: ignore[arg-type]
             return None
         for side in sides:  # what the read would drop before appending (fast.dequantize_fast)
             side.workspace.drop_before(k_start)
@@ -521,6 +524,7 @@ class QuantizedLayer(CacheLayerMixin):
             valid,
             kin,
             tuple((s.codes, s.block_scales, s.workspace.values) for s in sides),  # type: ignore[arg-type]
+            None if fv is f else fv,
         )
         if self.nonfinite is not None:
             for which, n in enumerate(bad):

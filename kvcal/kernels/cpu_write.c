@@ -20,7 +20,9 @@
 /* format ids: kvcal/formats.py's `c_kernel` column (kvcal_format_id below lets cpu_write.py compare them) */
 enum {
     F_BF16 = 0, F_E4M3 = 1, F_E5M2 = 2, F_INT8 = 3, F_NVFP4 = 4, F_NVFP4_4OVER6 = 5, F_MXFP4 = 6, F_FP4_E2M1 = 7,
-    F_FP16 = 8, F_E4M3_TOKEN = 9, F_INT8S = 10, F_INT4_RHT = 11
+    F_FP16 = 8, F_E4M3_TOKEN = 9, F_INT8S = 10, F_INT4_RHT = 11,
+    /* TurboQuant's sides (a preset pairs a key side with a value side) */
+    F_TQ_FP8 = 12, F_TQ_MSE4 = 13, F_TQ_MSE3 = 14, F_TQ_UNI4 = 15, F_TQ_UNI3 = 16
 };
 enum { IN_F32 = 0, IN_BF16 = 1 };
 
@@ -156,6 +158,97 @@ static void hadamard(float *x, int D) {
             }
 }
 
+/* In place, in float64: formats.hadamard's butterfly (TurboQuant's rotation sums in float64) */
+static void hadamard64(double *x, int D) {
+    for (int h = 1; h < D; h <<= 1)
+        for (int g = 0; g < D; g += 2 * h)
+            for (int i = g; i < g + h; i++) {
+                double a = x[i], b = x[i + h];
+                x[i] = a + b;
+                x[i + h] = a - b;
+            }
+}
+
+/* formats.tq_pack: 4 bits two per byte (low nibble first); 3 bits: each 8 codes a 24-bit little-endian word,
+ * code j at bit 3j */
+static void tq_pack(const uint8_t *idx, int D, int nbits, uint8_t *out) {
+    if (nbits == 4) {
+        for (int d = 0; d < D; d += 2) out[d / 2] = (uint8_t)(idx[d] | (idx[d + 1] << 4));
+        return;
+    }
+    for (int g = 0; g < D / 8; g++) {
+        uint32_t w = 0;
+        for (int j = 0; j < 8; j++) w |= (uint32_t)idx[8 * g + j] << (3 * j);
+        out[3 * g] = (uint8_t)(w & 0xFF);
+        out[3 * g + 1] = (uint8_t)((w >> 8) & 0xFF);
+        out[3 * g + 2] = (uint8_t)((w >> 16) & 0xFF);
+    }
+}
+
+/* TurboQuant MSE keys (formats._quantize_tq_mse, then _dequantize_tq_mse for the values): x[D] -> packed codes, the
+ * fp16 norm, float32 values. aux: signs [D], centroids [2**nbits] ascending, the Hadamard entry. */
+static void write_tq_mse(const float *x, int D, int nbits, const float *aux, uint8_t *codes, uint16_t *norm16,
+                         float *vals) {
+    const float *signs = aux, *cent = aux + D;
+    const double h = (double)aux[D + (1 << nbits)];
+    int n = 1 << nbits, bad = 0;
+    for (int d = 0; d < D; d++) bad |= !isfinite(x[d]);
+    double acc = 0.0, y[1024];
+    for (int d = 0; d < D; d++) {
+        double v = bad ? 0.0 : (double)x[d];
+        acc += v * v;
+    }
+    float norm = (float)sqrt(acc), den = norm + 1e-8f;
+    for (int d = 0; d < D; d++) y[d] = (double)((bad ? 0.0f : x[d]) / den) * (double)signs[d];
+    hadamard64(y, D);
+    uint8_t idx[1024];
+    for (int d = 0; d < D; d++) {
+        float r = (float)(y[d] * h);
+        int c = 0; /* the number of midpoints (c[i] + c[i + 1]) / 2 <= r */
+        for (int i = 0; i < n - 1; i++) c += (cent[i] + cent[i + 1]) / 2.0f <= r;
+        idx[d] = bad ? 0 : (uint8_t)c;
+    }
+    tq_pack(idx, D, nbits, codes);
+    uint16_t w = bad ? 0x7E00u : to_f16(norm);
+    *norm16 = w;
+    /* values: norm * the norm-corrected centroid vector, rotated back (float64 sums, rounded once) */
+    double nsq = 0.0;
+    for (int d = 0; d < D; d++) nsq += (double)cent[idx[d]] * (double)cent[idx[d]];
+    float nsqf = (float)nsq + 1e-16f;
+    float root = (float)sqrt((double)nsqf);
+    float inv = (float)(1.0 / (double)root), nv = f16_value(w);
+    for (int d = 0; d < D; d++) y[d] = (double)(nv * (cent[idx[d]] * inv));
+    hadamard64(y, D);
+    for (int d = 0; d < D; d++) vals[d] = (float)(y[d] * h * (double)signs[d]);
+}
+
+/* TurboQuant uniform values (formats._quantize_tq_uniform / _dequantize_tq_uniform): x[D] -> packed codes, fp16
+ * (scale, zero), float32 values */
+static void write_tq_uniform(const float *x, int D, int nbits, uint8_t *codes, uint16_t *words, float *vals) {
+    float levels = (float)((1 << nbits) - 1);
+    int bad = 0;
+    for (int d = 0; d < D; d++) bad |= !isfinite(x[d]);
+    float lo = 0.0f, hi = 0.0f;
+    if (!bad) {
+        lo = hi = x[0];
+        for (int d = 1; d < D; d++) { if (x[d] < lo) lo = x[d]; if (x[d] > hi) hi = x[d]; }
+    }
+    float s = (hi - lo) / levels;
+    s = s > 1e-8f ? s : 1e-8f;
+    uint8_t idx[1024];
+    for (int d = 0; d < D; d++) {
+        float q = truncf(((bad ? 0.0f : x[d]) - lo) / s + 0.5f);
+        if (q < 0.0f) q = 0.0f;
+        if (q > levels) q = levels;
+        idx[d] = bad ? 0 : (uint8_t)q;
+    }
+    tq_pack(idx, D, nbits, codes);
+    words[0] = bad ? 0x7E00u : to_f16(s);
+    words[1] = bad ? 0x7E00u : to_f16(lo);
+    float sv = f16_value(words[0]), zv = f16_value(words[1]);
+    for (int d = 0; d < D; d++) vals[d] = (float)idx[d] * sv + zv;
+}
+
 typedef struct {
     const void *x;
     int64_t xb, xh, xt;
@@ -168,7 +261,9 @@ typedef struct {
     const float *scale; /* fp8 static scale / nvfp4 global; NULL = 1.0 */
     int64_t gb, gh;
     /* fp4_e2m1: torch's log2 of the block ratios, contiguous [B, H, T, D/16]; int4_per_token_head: the Hadamard
-     * transform's +-1 signs [D] (formats.rht_signs); NULL otherwise */
+     * transform's +-1 signs [D] (formats.rht_signs); TurboQuant MSE keys: the layer's rotation signs [D]
+     * (formats.tq_signs), then the Lloyd-Max centroids [2**bits] ascending, then the Hadamard entry 1/sqrt(D) as
+     * float32 (formats.tq_hadamard_entry); NULL otherwise */
     const float *aux;
 } side_t;
 
@@ -196,7 +291,8 @@ int kvcal_format_id(const char *name) {
         {"bf16", F_BF16}, {"fp8_e4m3", F_E4M3}, {"fp8_e5m2", F_E5M2}, {"int8_per_token_head", F_INT8},
         {"nvfp4", F_NVFP4}, {"nvfp4_4over6", F_NVFP4_4OVER6}, {"mxfp4", F_MXFP4}, {"fp4_e2m1", F_FP4_E2M1},
         {"float16", F_FP16}, {"fp8_per_token_head", F_E4M3_TOKEN}, {"int8_per_tensor", F_INT8S},
-        {"int4_per_token_head", F_INT4_RHT},
+        {"int4_per_token_head", F_INT4_RHT}, {"tq_fp8", F_TQ_FP8}, {"tq_mse4_nc", F_TQ_MSE4},
+        {"tq_mse3_nc", F_TQ_MSE3}, {"tq_uniform4", F_TQ_UNI4}, {"tq_uniform3", F_TQ_UNI3},
         {"in:float32", IN_F32}, {"in:bfloat16", IN_BF16},
     };
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++)
@@ -435,20 +531,43 @@ static void write_row(int fmt, const float *x, int D, float g, const float *aux,
         for (int d = 0; d < D; d++) vals[d] = sat(y[d] * aux[d] / (float)D);
         break;
     }
+    case F_TQ_FP8:
+        /* TurboQuant's FP8 keys: K itself to E4M3FN, +-448 saturated, no scale */
+        for (int d = 0; d < D; d++) {
+            float y = x[d];
+            if (y > 448.0f) y = 448.0f;
+            if (y < -448.0f) y = -448.0f;
+            uint8_t c = to_e4m3(y);
+            codes[d] = c;
+            vals[d] = e4m3_value(c);
+        }
+        break;
+    case F_TQ_MSE4:
+    case F_TQ_MSE3:
+        write_tq_mse(x, D, fmt == F_TQ_MSE4 ? 4 : 3, aux, codes, (uint16_t *)scales, vals);
+        break;
+    case F_TQ_UNI4:
+    case F_TQ_UNI3:
+        write_tq_uniform(x, D, fmt == F_TQ_UNI4 ? 4 : 3, codes, (uint16_t *)scales, vals);
+        break;
     }
 }
 
 /* Write T new tokens of K and V ([B, H, T, D] each) in format `fmt`. valid: [B, T] bytes (stride vb_stride along
  * b, 1 along t) or NULL (all real). nonfinite[0], [1]: NaN/Inf counts of K's and V's real tokens (after rounding
  * to bf16 when round_bf16). Returns 0, or -1 when D exceeds the row buffer. */
-int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
+int kvcal_write(int fmt_k, int fmt_v, int in_dtype, int round_bf16, int64_t B, int64_t H, int64_t T, int D, const uint8_t *valid,
                 int64_t valid_b, side_t *k, side_t *v, int64_t *nonfinite) {
     float row[1024];
     if (D > 1024) return -1;
     nonfinite[0] = nonfinite[1] = 0;
     for (int which = 0; which < 2; which++) {
         side_t *s = which ? v : k;
+        int fmt = which ? fmt_v : fmt_k;
         int csize = fmt == F_BF16 || fmt == F_FP16 ? 2 : 1;
+        /* bytes per block-scale element: fp32 per-(token, head) scales, TurboQuant's fp16 norms / (scale, zero) */
+        int ssize = fmt == F_INT8 || fmt == F_E4M3_TOKEN || fmt == F_INT4_RHT ? 4
+                    : fmt >= F_TQ_MSE4 ? 2 : 1;
         for (int64_t b = 0; b < B; b++)
             for (int64_t t = 0; t < T; t++) {
                 int real = valid == NULL || valid[b * valid_b + t];
@@ -459,10 +578,8 @@ int kvcal_write(int fmt, int in_dtype, int round_bf16, int64_t B, int64_t H, int
                     uint8_t *c = (uint8_t *)s->codes + (b * s->cb + h * s->ch + t * s->ct) * csize;
                     void *sc = NULL;
                     if (s->scales)
-                        sc = fmt == F_INT8 || fmt == F_E4M3_TOKEN || fmt == F_INT4_RHT
-                                 ? (void *)((float *)s->scales + b * s->sb + h * s->sh + t * s->st)
-                                           : (void *)((uint8_t *)s->scales + b * s->sb + h * s->sh + t * s->st);
-                    const float *aux = fmt == F_INT4_RHT ? s->aux
+                        sc = (void *)((uint8_t *)s->scales + (b * s->sb + h * s->sh + t * s->st) * ssize);
+                    const float *aux = fmt == F_INT4_RHT || fmt == F_TQ_MSE4 || fmt == F_TQ_MSE3 ? s->aux
                                        : s->aux ? s->aux + ((b * H + h) * T + t) * (D / 16) : NULL;
                     write_row(fmt, row, D, g, aux, in_dtype == IN_BF16 || round_bf16, c, sc,
                               s->vals + b * s->vb + h * s->vh + t * s->vt);

@@ -46,7 +46,12 @@ from kvcal.kernels.buffer import TokenBuffer
 SOURCE = Path(__file__).with_name("cpu_write.c")
 FLAGS = ("-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 # format name -> the C kernel's format id: formats' `c_kernel` column (the ABI check compares cpu_write.c's enum)
-FORMATS: dict[str, int] = {f.name: f.c_kernel for f in formats.FORMATS.values() if f.c_kernel is not None}
+# (every single format, and TurboQuant's key and value sides)
+FORMATS: dict[str, int] = {
+    f.name: f.c_kernel
+    for f in (*formats.FORMATS.values(), *formats.TQ_SIDES.values())
+    if f.c_kernel is not None
+}
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 1024  # cpu_write.c's row buffer
 SILENCE = "set KVCAL_CPU_WRITE=0 to write with torch ops without trying to build it"
@@ -190,7 +195,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvcal_write
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        ctypes.c_int,  # fmt
+        ctypes.c_int,  # K's format
+        ctypes.c_int,  # V's format
         ctypes.c_int,  # input dtype
         ctypes.c_int,  # round to bf16 first
         ctypes.c_int64,  # B
@@ -205,13 +211,37 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     ratio = lib.kvcal_block_ratio
     ratio.restype = ctypes.c_int
-    ratio.argtypes = [*fn.argtypes[1:11], ctypes.c_void_p, ctypes.c_void_p]
+    ratio.argtypes = [*fn.argtypes[2:12], ctypes.c_void_p, ctypes.c_void_p]
 
 
 def supports(
     fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, scale: torch.Tensor | None
 ) -> bool:
-    """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale."""
+    """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale (a
+    TurboQuant key side's: its rotation signs [D])."""
+    if fmt.element.startswith("tq_"):
+        d = x.shape[-1] if x.dim() else 0
+        return (
+            fmt.name in FORMATS
+            and x.device.type == "cpu"
+            and x.dtype in _IN_DTYPES
+            and kv_input_dtype in (None, torch.bfloat16, x.dtype)
+            and x.dim() == 4
+            and x.stride(-1) == 1
+            and 8 <= d <= MAX_HEAD_DIM
+            and d & (d - 1) == 0  # formats.check_tq_head_dim
+            and (
+                fmt.element != "tq_mse"
+                or (
+                    scale is not None
+                    and scale.shape == (d,)
+                    and scale.dtype == torch.float32
+                    and scale.device.type == "cpu"
+                    and scale.is_contiguous()
+                    and bool(formats.tq_centroids(d, fmt.bits).diff().gt(0).all())  # ascending: the kernel's midpoints
+                )
+            )
+        )
     return (
         fmt.name in FORMATS
         and x.device.type == "cpu"
@@ -268,11 +298,13 @@ def write_into(
     buffers: tuple[
         tuple[TokenBuffer, TokenBuffer, TokenBuffer], tuple[TokenBuffer, TokenBuffer, TokenBuffer]
     ],
+    v_fmt: KVFormat | None = None,
 ) -> tuple[int, int]:
     """Quantize new K and V [B, H_kv, T, D] (`supports` holds for both) and append their codes, block scales and
     float32 values to the (codes, block scales, values) TokenBuffers of K and of V; returns the non-finite counts
     of K's and V's real tokens. valid: [B, T] bool or None (all real); kv_input_dtype: the dtype K/V are rounded
-    to first (bf16, or None / their own: as they are)."""
+    to first (bf16, or None / their own: as they are); v_fmt: V's format when a K/V pair differs (TurboQuant).
+    A TurboQuant key side's scale is its rotation signs [D]."""
     lib = library()
     assert lib is not None
     round_bf16 = kv_input_dtype == torch.bfloat16 and k.dtype != torch.bfloat16
@@ -281,18 +313,28 @@ def write_into(
         if valid.stride(-1) != 1:
             valid = valid.contiguous()
     b, h, t, d = k.shape
-    cdt, sdt = fmt.codes_dtype, fmt.scales_dtype  # formats' table
-    cw, sw = fmt.storage_widths(d)
+    fmts = (fmt, v_fmt or fmt)
+    keep = []  # tensors the kernel reads through `aux`: alive until it returns
     sides = []
-    for x, s, (cbuf, sbuf, vbuf) in ((k, k_scale, buffers[0]), (v, v_scale, buffers[1])):
+    for f, x, s, (cbuf, sbuf, vbuf) in zip(fmts, (k, v), (k_scale, v_scale), buffers, strict=True):
+        cdt, sdt = f.codes_dtype, f.scales_dtype  # formats' table
+        cw, sw = f.storage_widths(d)
         xs = x.stride()
         c = _buffer_side(x, cbuf, cdt, cw, t)  # type: ignore[arg-type]
         sc = (0, 0, 0, 0) if sdt is None else _buffer_side(x, sbuf, sdt, sw, t)  # type: ignore[arg-type]
         vl = _buffer_side(x, vbuf, torch.float32, d, t)
-        g = (0, 0, 0) if s is None else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
+        tq = f.element.startswith("tq_")
+        g = (0, 0, 0) if s is None or tq else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
         sides.append(_Side(x.data_ptr(), xs[0], xs[1], xs[2], *c, *sc, *vl, *g))
+        if f.element == "int4_rht":
+            sides[-1].aux = formats.rht_signs(d).data_ptr()  # [D] float32, cached by formats
+        elif f.element == "tq_mse":
+            # the layer's signs [D], the centroids [2**bits], the Hadamard entry: one float32 array
+            entry = torch.tensor([formats.tq_hadamard_entry(d)])
+            keep.append(torch.cat([s, formats.tq_centroids(d, f.bits), entry]))  # type: ignore[list-item]
+            sides[-1].aux = keep[-1].data_ptr()
     vp, vb = (None, 0) if valid is None else (valid.data_ptr(), valid.stride(0))
-    if fmt.name == "fp4_e2m1":
+    if "fp4_e2m1" in (fmts[0].name, fmts[1].name):
         # its block exponent by torch's log2 on a tensor of the shape formats._quantize_fp4_e2m1 computes it on
         # (contiguous [B, H, T, D/16]: the same bits), from the ratios the kernel computes
         ratio = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
@@ -309,22 +351,31 @@ def write_into(
             sides[1],
             *(r.data_ptr() for r in ratio),
         )
-        for side, r in zip(sides, ratio, strict=True):
-            side.aux = r.log2_().data_ptr()  # the kernel takes the ceiling (exact anywhere)
-    if fmt.element == "int4_rht":
-        signs = formats.rht_signs(d)  # [D] float32, cached by formats (alive past the call)
-        for side in sides:
-            side.aux = signs.data_ptr()
+        for f, side, r in zip(fmts, sides, ratio, strict=True):
+            if f.name == "fp4_e2m1":
+                side.aux = r.log2_().data_ptr()  # the kernel takes the ceiling (exact anywhere)
     bad = (ctypes.c_int64 * 2)()
     rc = lib.kvcal_write(
-        FORMATS[fmt.name], _IN_DTYPES[k.dtype], int(round_bf16), b, h, t, d, vp, vb, sides[0], sides[1], bad
+        FORMATS[fmts[0].name],
+        FORMATS[fmts[1].name],
+        _IN_DTYPES[k.dtype],
+        int(round_bf16),
+        b,
+        h,
+        t,
+        d,
+        vp,
+        vb,
+        sides[0],
+        sides[1],
+        bad,
     )
     if rc != 0:
         raise RuntimeError(f"cpu_write.c refused head_dim {d}")
-    for cbuf, sbuf, vbuf in buffers:  # the new tokens are written: make them live
+    for f, (cbuf, sbuf, vbuf) in zip(fmts, buffers, strict=True):  # the new tokens are written: make them live
         cbuf.end += t
         vbuf.end += t
-        if sdt is not None:
+        if f.scales_dtype is not None:
             sbuf.end += t
     return bad[0], bad[1]
 
@@ -337,13 +388,16 @@ def decode_write(
     v_scale: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     kv_input_dtype: torch.dtype | None = None,
+    v_fmt: str | KVFormat | None = None,
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The C kernel on fresh storage: (K's QTensor, V's, K's float32 values, V's, non-finite counts of K / V).
     Same arguments and results as the torch reference, `decode_write_ref` in tests/kernels/test_cpu_write.py.
-    Scales: already validated (formats.check_scale / static_scale)."""
+    Scales: already validated (formats.check_scale / static_scale); a TurboQuant key side's: its signs [D].
+    v_fmt: V's format when it differs from K's (`fmt`)."""
     f = formats.get_format(fmt)
+    fv = None if v_fmt is None else formats.get_format(v_fmt)
     bufs = tuple((TokenBuffer(), TokenBuffer(), TokenBuffer()) for _ in range(2))
-    bad = write_into(f, k, v, k_scale, v_scale, valid, kv_input_dtype, bufs)  # type: ignore[arg-type]
+    bad = write_into(f, k, v, k_scale, v_scale, valid, kv_input_dtype, bufs, fv)  # type: ignore[arg-type]
     out = []
     for (cb, sb, vb), s in zip(bufs, (k_scale, v_scale), strict=True):
         out.append((QTensor(codes=cb.view(), block_scales=sb.view(), scale=s), vb.view()))

@@ -39,12 +39,14 @@ def decode_write_ref(
     v_scale: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     kv_input_dtype: torch.dtype | None = None,
+    v_fmt: str | KVFormat | None = None,
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """Torch reference of `cpu_write.decode_write` (same arguments and results): what the cache's torch write
     stores (K/V [B, H_kv, T, D] rounded to `kv_input_dtype`, padding positions of `valid` [B, T] zeroed,
     `formats.quantize` of each side), the float32 values of the plain `formats.dequantize` (what the torch path's attention
     reads: tests/kernels/test_fast_path.py), and the NaN/Inf count of the real tokens."""
-    f = formats.get_format(fmt)
+    fk = formats.get_format(fmt)
+    fv = fk if v_fmt is None else formats.get_format(v_fmt)
     counts = []
     prepared = []
     for x in (k, v):
@@ -55,8 +57,8 @@ def decode_write_ref(
             bad = bad & valid[:, None, :, None]
         counts.append(int(bad.sum()))
         prepared.append(without_padding(x, valid))
-    qk, qv = (formats.quantize(x, f, s) for x, s in zip(prepared, (k_scale, v_scale), strict=True))
-    return qk, qv, formats.dequantize(qk, f), formats.dequantize(qv, f), (counts[0], counts[1])
+    qk, qv = (formats.quantize(x, f, s) for x, f, s in zip(prepared, (fk, fv), (k_scale, v_scale), strict=True))
+    return qk, qv, formats.dequantize(qk, fk), formats.dequantize(qv, fv), (counts[0], counts[1])
 
 
 FORMATS = list(cpu_write.FORMATS)
@@ -101,6 +103,8 @@ def _check(ref: tuple, got: tuple) -> None:
 def _scale(fmt: str, kind: str, heads: int, batch: int, g: torch.Generator) -> torch.Tensor | None:
     """A validated scale of `kind` (formats.static_scale's shapes), or None for formats without one."""
     f = formats.get_format(fmt)
+    if f.element == "tq_mse":
+        return formats.tq_signs(64, heads + batch)  # a TurboQuant key side's "scale": some layer's rotation signs
     if not f.calibratable:
         return None
     if kind == "one":
@@ -147,6 +151,31 @@ def test_matches_the_torch_reference(fmt: str, dtype: torch.dtype, scale: str) -
         _check(decode_write_ref(*args), cpu_write.decode_write(*args))
 
 
+PAIRS = [
+    *((k.name, v.name) for k, v in formats.TQ_PRESETS.values()),
+    ("fp8_e4m3", "nvfp4"),  # kvcal's K != V pairs: each side its own format, scale and aux
+    ("int4_per_token_head", "fp4_e2m1"),
+    ("fp4_e2m1", "tq_mse3_nc"),
+]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids="/".join)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pairs_match_the_torch_reference(pair: tuple[str, str], dtype: torch.dtype) -> None:
+    """K and V in two formats (TurboQuant's presets, K != V pairs): each side as its own format writes it."""
+    g = torch.Generator().manual_seed(len(pair[0]) * 11 + len(pair[1]))
+    b, h, d = 3, 2, 64
+    for i in range(12):
+        t = 1 + i % 3
+        x = _kv(g, (b, h, t, d), spread=3.0 if i % 2 else 25.0, specials=i % 3 == 0).to(dtype)
+        k, v = x[0], x[1].transpose(1, 2).contiguous().transpose(1, 2)
+        valid = None if i % 4 else torch.rand(b, t, generator=g) > 0.3
+        kin = torch.bfloat16 if i % 2 else None
+        ks, vs = _scale(pair[0], "heads", h, b, g), _scale(pair[1], "scalar", h, b, g)
+        args: tuple[Any, ...] = (k, v, pair[0], ks, vs, valid, kin)
+        _check(decode_write_ref(*args, v_fmt=pair[1]), cpu_write.decode_write(*args, v_fmt=pair[1]))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     fmt=st.sampled_from(FORMATS),
@@ -159,6 +188,8 @@ def test_any_float32_bits(fmt: str, words: list[int], log_scale: float) -> None:
     s = None
     if formats.get_format(fmt).calibratable:
         s = formats.static_scale(torch.tensor(2.0**log_scale), x[0], None)
+    elif formats.get_format(fmt).element == "tq_mse":
+        s = formats.tq_signs(64, int(log_scale) + 40)
     _check(decode_write_ref(x[0], x[1], fmt, s, s), cpu_write.decode_write(x[0], x[1], fmt, s, s))
 
 
@@ -232,11 +263,12 @@ def test_the_library_reports_the_abi_cpu_write_py_passes() -> None:
     lib = cpu_write.library()
     assert cpu_write.abi_mismatch(lib) is None  # type: ignore[arg-type]
     assert cpu_write.FORMATS == {
-        f.name: f.c_kernel for f in formats.FORMATS.values() if f.c_kernel is not None
+        f.name: f.c_kernel
+        for f in (*formats.FORMATS.values(), *formats.TQ_SIDES.values())
+        if f.c_kernel is not None
     }
-    # every quantized format but the ones the C write does not know yet: their decode steps write through the torch
-    # path (kvcal.kernels.fast), the reference's bits (tests/kernels/test_cache.py)
-    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"}  # every single format
+    # every quantized format and TurboQuant's key and value sides
+    assert set(cpu_write.FORMATS) == {n for n in formats.FORMATS if n != "auto"} | set(formats.TQ_SIDES)
 
     class Short(ctypes.Structure):
         _fields_ = [f for f in cpu_write._Side._fields_ if f[0] != "aux"]

@@ -88,7 +88,7 @@ def test_fp8_attention_fast_equals_reference(scale: float | None) -> None:
     assert _same(quantized_attention_fast(q, k, v, "fp8_e4m3", **kw), ref)
 
 
-@pytest.mark.parametrize("fmt", [*QUANTIZED, PAIR])
+@pytest.mark.parametrize("fmt", [*QUANTIZED, PAIR, "turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k8v4"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_through_the_cache_equals_the_reference(
     fmt: str, window: int | None, monkeypatch: pytest.MonkeyPatch
@@ -102,6 +102,8 @@ def test_decode_through_the_cache_equals_the_reference(
     write = cpu_write.write_into
     monkeypatch.setattr(cpu_write, "write_into", lambda *a: calls.append(1) or write(*a))
     k_scale = torch.tensor([0.05, 0.2]) if fk.calibratable else None
+    if fk.element == "tq_mse":
+        k_scale = formats.tq_signs(32, 3)  # a TurboQuant key side's "scale": its layer's rotation signs
     plan = LayerPlan(index=0, fmt=fk, window=window, v_fmt=None if fv is fk else fv, k_scale=k_scale)
     cache = QuantizedKVCache([plan])
     g = torch.Generator().manual_seed(7)
@@ -122,7 +124,8 @@ def test_decode_through_the_cache_equals_the_reference(
         fast = quantized_attention_fast(q, read.k, read.v, read.fmt, workspaces=read.workspaces, **kw)
         assert _same(fast, ref), f"step at position {t0}"
     assert window is None or cache.layers[0].kept <= window
-    fused = cpu_write.library() is not None and fk is fv and fk.c_kernel is not None  # formats cpu_write.c writes
+    # K/V formats cpu_write.c writes (every single format, K != V pairs, TurboQuant's sides)
+    fused = cpu_write.library() is not None and fk.c_kernel is not None and fv.c_kernel is not None
     assert len(calls) == (6 if fused else 0)  # every decode step, where the kernel is built
 
 
