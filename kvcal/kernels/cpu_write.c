@@ -147,27 +147,20 @@ static inline float f16_value(uint16_t h) {
 static inline float round_half_away(float y) { return y >= 0 ? truncf(y + 0.5f) : truncf(y - 0.5f); }
 
 /* In place: the unnormalised Walsh-Hadamard transform of x[D] (D a power of two) in the order of formats.hadamard's
- * butterfly: at width h, x[i] + x[i + h] and x[i] - x[i + h] for every pair of each 2h group */
-static void hadamard(float *x, int D) {
-    for (int h = 1; h < D; h <<= 1)
-        for (int g = 0; g < D; g += 2 * h)
-            for (int i = g; i < g + h; i++) {
-                float a = x[i], b = x[i + h];
-                x[i] = a + b;
-                x[i + h] = a - b;
-            }
-}
-
-/* In place, in float64: formats.hadamard's butterfly (TurboQuant's rotation sums in float64) */
-static void hadamard64(double *x, int D) {
-    for (int h = 1; h < D; h <<= 1)
-        for (int g = 0; g < D; g += 2 * h)
-            for (int i = g; i < g + h; i++) {
-                double a = x[i], b = x[i + h];
-                x[i] = a + b;
-                x[i + h] = a - b;
-            }
-}
+ * butterfly: at width h, x[i] + x[i + h] and x[i] - x[i + h] for every pair of each 2h group; `hadamard` in float32
+ * (int4_per_token_head), `hadamard64` in float64 (TurboQuant's rotation sums in float64) */
+#define HADAMARD(name, T)                                                                                          \
+    static void name(T *x, int D) {                                                                               \
+        for (int h = 1; h < D; h <<= 1)                                                                            \
+            for (int g = 0; g < D; g += 2 * h)                                                                     \
+                for (int i = g; i < g + h; i++) {                                                                  \
+                    T a = x[i], b = x[i + h];                                                                      \
+                    x[i] = a + b;                                                                                  \
+                    x[i + h] = a - b;                                                                              \
+                }                                                                                                  \
+    }
+HADAMARD(hadamard, float)
+HADAMARD(hadamard64, double)
 
 /* formats.tq_pack: 4 bits two per byte (low nibble first); 3 bits: each 8 codes a 24-bit little-endian word,
  * code j at bit 3j */

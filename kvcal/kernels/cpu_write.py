@@ -334,42 +334,18 @@ def write_into(
             keep.append(torch.cat([s, formats.tq_centroids(d, f.bits), entry]))  # type: ignore[list-item]
             sides[-1].aux = keep[-1].data_ptr()
     vp, vb = (None, 0) if valid is None else (valid.data_ptr(), valid.stride(0))
+    # input dtype, round to bf16, B, H, T, D, valid, its stride, K's side, V's side: both entry points take them
+    common = (_IN_DTYPES[k.dtype], int(round_bf16), b, h, t, d, vp, vb, sides[0], sides[1])
     if "fp4_e2m1" in (fmts[0].name, fmts[1].name):
         # its block exponent by torch's log2 on a tensor of the shape formats._quantize_fp4_e2m1 computes it on
         # (contiguous [B, H, T, D/16]: the same bits), from the ratios the kernel computes
         ratio = torch.empty(2, b, h, t, d // 16)  # K's, V's: each contiguous [B, H, T, D/16]
-        lib.kvcal_block_ratio(
-            _IN_DTYPES[k.dtype],
-            int(round_bf16),
-            b,
-            h,
-            t,
-            d,
-            vp,
-            vb,
-            sides[0],
-            sides[1],
-            *(r.data_ptr() for r in ratio),
-        )
+        lib.kvcal_block_ratio(*common, *(r.data_ptr() for r in ratio))
         for f, side, r in zip(fmts, sides, ratio, strict=True):
             if f.name == "fp4_e2m1":
                 side.aux = r.log2_().data_ptr()  # the kernel takes the ceiling (exact anywhere)
     bad = (ctypes.c_int64 * 2)()
-    rc = lib.kvcal_write(
-        FORMATS[fmts[0].name],
-        FORMATS[fmts[1].name],
-        _IN_DTYPES[k.dtype],
-        int(round_bf16),
-        b,
-        h,
-        t,
-        d,
-        vp,
-        vb,
-        sides[0],
-        sides[1],
-        bad,
-    )
+    rc = lib.kvcal_write(FORMATS[fmts[0].name], FORMATS[fmts[1].name], *common, bad)
     if rc != 0:
         raise RuntimeError(f"cpu_write.c refused head_dim {d}")
     for f, (cbuf, sbuf, vbuf) in zip(fmts, buffers, strict=True):  # the new tokens are written: make them live
