@@ -87,7 +87,8 @@ class RunConfig:
     # when a passkey task runs; written only when set, so every other run keeps its identity hash.
     passkey_lengths: list[int] | None = None
     passkey_depths: list[float] | None = None
-    # "continuation" (`--scoring continuation`: loglikelihood requests scored on their continuation rows only);
+    # "continuation" / "continuation-whole" (`--scoring`: loglikelihood requests scored on their continuation rows
+    # only);
     # None = lm-eval's own path. Written only when set, so every other run keeps its identity hash.
     scoring: str | None = None
     # Sampling for generative lm-eval tasks (`--repeats N`, `--gen-kwargs temperature=0.6,...`): each document

@@ -119,8 +119,10 @@ ScoringOpt = Annotated[
     typer.Option(
         "--scoring",
         help="loglikelihood requests (multiple choice, rolling perplexity): 'full' (lm-eval's own path, every "
-        "position's logits) or 'continuation' (logits only for the continuation's rows; a question's choices "
-        "share one prefill; float32 log-softmax).",
+        "position's logits), 'continuation' (logits only for the continuation's rows; a question's choices "
+        "share one prefill; float32 log-softmax) or 'continuation-whole' (logits only for the continuation's "
+        "rows, every request's whole window in one forward as lm-eval runs it: lm-eval's numbers through a "
+        "quantized cache too).",
     ),
 ]
 RepeatsOpt = Annotated[

@@ -11,7 +11,9 @@ reference). Otherwise:
   dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache; a question's
   choices share one prefill of its context; the LM head and a float32 log-softmax run on the continuation rows
   only, a bounded block at a time.
-  A sequence longer than `prefill_chunk` is prefilled chunk by chunk. `scoring=full` (the default) keeps lm-eval's
+  A sequence longer than `prefill_chunk` is prefilled chunk by chunk. `scoring=continuation-whole` keeps lm-eval's
+  forwards (every request's whole window in one forward, its batches) and sends only the continuation's rows through
+  the head: lm-eval's numbers through a quantized cache too. `scoring=full` (the default) keeps lm-eval's
   own path (full-vocabulary logits of every position, through `_model_call`), its cache a fresh quantized one too.
 - `_model_generate` (generate_until) passes a fresh quantized cache to `generate`, so prefill and every decode step
   read quantized K/V.
@@ -34,6 +36,7 @@ from kvcal import parallel
 from kvcal.errors import UsageError
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
+from kvcal.evaluate.spec import SCORINGS
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.loading import input_device, load_resolved
@@ -224,14 +227,16 @@ class KvcalLM(HFLM):
             return rt.new_cache(workspace=False) if rt is not None else DynamicCache(config=self.model.config)
 
         bs = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
+        # continuation-whole: lm-eval's forwards (whole windows, its batches), only the head's rows differ
+        whole = getattr(self, "scoring", "continuation") == "continuation-whole"
         scorer = Scorer(
             self.model,
             forward,
             new_cache,
-            shareable=self._prefix_shareable(),
+            shareable=not whole and self._prefix_shareable(),
             device=self.device,
             checked=getattr(self, "_head_checked", False),
-            prefill_chunk=getattr(self, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
+            prefill_chunk=None if whole else getattr(self, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
         )
         with torch.no_grad(), self._autocast():
             res = scorer.score(requests, max_length=self.max_length, batch_size=bs)
@@ -374,16 +379,9 @@ class GenerationRecorder:
         return out
 
 
-SCORINGS = ("continuation", "full")
-
-
 def _check_scoring(name: str) -> str:
     if name not in SCORINGS:
-        from kvcal.errors import UsageError
-
-        raise UsageError(
-            f"scoring={name!r} is not one of {', '.join(SCORINGS)} (model_args scoring=continuation|full)"
-        )
+        raise UsageError(f"scoring={name!r} is not one of {', '.join(SCORINGS)} (model_args scoring=...)")
     return name
 
 

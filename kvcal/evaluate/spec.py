@@ -548,7 +548,9 @@ def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None, dict[st
     return dataclasses.replace(config, kv_format=fmt, skip_layers=skip), str(config.kv_format), plan.run_record()
 
 
-SCORINGS = ("full", "continuation")
+# full: lm-eval's own path; continuation: continuation rows only, shared context prefill, chunked; continuation-whole:
+# continuation rows only, every request's whole window in one forward as lm-eval runs it (kvcal.evaluate.scoring)
+SCORINGS = ("full", "continuation", "continuation-whole")
 
 
 def _check_scoring(name: str) -> str:

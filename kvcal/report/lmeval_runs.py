@@ -193,8 +193,10 @@ def task_settings(run: Run, task: str) -> dict[str, Any]:
             out[key] = cfg[key]
     if cfg.get("output_type") in LOGLIKELIHOOD_TYPES and "lm_eval" not in run.config.extra:
         # kvcal's own runs: through a quantized cache, continuation scoring's split (context once, then the
-        # choices) moves per-sample log-likelihoods (docs/commands.md, eval): runs scored apart do not pair
-        out["scoring"] = run.config.scoring or "full"
+        # choices) moves per-sample log-likelihoods (docs/commands.md, eval): runs scored apart do not pair.
+        # continuation-whole runs lm-eval's own forwards (only the head meets fewer rows): it pairs with full.
+        scoring = run.config.scoring or "full"
+        out["scoring"] = "full" if scoring == "continuation-whole" else scoring
     return out
 
 

@@ -130,6 +130,31 @@ def test_long_sequences_prefill_chunk_by_chunk(tiny: dict[str, Path], kind: str,
         assert len([1 for b, _ in shapes if b == 1]) > windows  # some sequence took several chunks
 
 
+@pytest.mark.parametrize(("kind", "fmt"), [("llama", "fp8_e4m3"), ("gemma3", "nvfp4")])
+def test_whole_windows_run_lm_evals_forwards(tiny: dict[str, Path], kind: str, fmt: str) -> None:
+    """scoring=continuation-whole: the forwards of lm-eval's own path (every request's whole window, its batches:
+    the same input shapes, no shared prefix, no chunking even past prefill_chunk), so the quantized cache holds the
+    same codes; only the head meets fewer rows. gemma3: sliding windows of 6."""
+    lm = _lm(tiny[kind], kv_format=fmt, scoring="continuation-whole", prefill_chunk="4")
+    reqs = _requests(lm)
+    runs = {}
+    for scoring in ("continuation-whole", "full"):
+        lm.scoring = scoring
+        shapes: list[tuple[int, ...]] = []
+        h = lm.model.register_forward_pre_hook(
+            lambda _m, args, kw, seen=shapes: seen.append(tuple((args[0] if args else kw["input_ids"]).shape)),
+            with_kwargs=True,
+        )
+        try:
+            runs[scoring] = (lm._loglikelihood_tokens(reqs), shapes)
+        finally:
+            h.remove()
+    (whole, whole_shapes), (full, full_shapes) = runs["continuation-whole"], runs["full"]
+    _close(whole, full)
+    assert whole_shapes == full_shapes
+    assert max(t for _, t in whole_shapes) > 4  # windows longer than prefill_chunk ran whole
+
+
 def test_prefill_chunk_is_checked(tiny: dict[str, Path]) -> None:
     from kvcal.errors import UsageError
 
@@ -183,7 +208,7 @@ def test_a_head_it_cannot_reproduce_is_refused(tiny: dict[str, Path]) -> None:
 def test_unknown_scoring_is_a_usage_error(tiny: dict[str, Path]) -> None:
     from kvcal.errors import UsageError
 
-    with pytest.raises(UsageError, match="scoring=continuation"):
+    with pytest.raises(UsageError, match="continuation-whole"):
         _lm(tiny["llama"], scoring="rows")
 
 
@@ -215,8 +240,12 @@ def test_smollm2_per_sample_equal_to_lm_eval_hf(
     lm_eval_task(tmp_path, "smol_roll", "loglikelihood_rolling", ROLL_DOCS, ["word_perplexity"])
     args = f"pretrained={resolve_model('smollm2')},dtype=float32"
     runs = {}
-    for model, extra in (("hf", ""), ("kvcal", ",kv_format=auto,scoring=continuation")):
-        runs[model] = simple_evaluate(
+    for name, model, extra in (
+        ("hf", "hf", ""),
+        ("continuation", "kvcal", ",kv_format=auto,scoring=continuation"),
+        ("continuation-whole", "kvcal", ",kv_format=auto,scoring=continuation-whole"),
+    ):
+        runs[name] = simple_evaluate(
             model=model,
             model_args=args + extra,
             tasks=["smol_mc", "smol_roll"],
@@ -227,4 +256,5 @@ def test_smollm2_per_sample_equal_to_lm_eval_hf(
             bootstrap_iters=0,
         )
     for task in ("smol_mc", "smol_roll"):
-        same_loglikelihoods(runs["hf"]["samples"][task], runs["kvcal"]["samples"][task])
+        for scoring in ("continuation", "continuation-whole"):
+            same_loglikelihoods(runs["hf"]["samples"][task], runs[scoring]["samples"][task])

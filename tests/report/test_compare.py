@@ -228,7 +228,7 @@ def test_kl_windows_of_another_length_are_refused(tmp_path: Path, write_run, kl_
 
 def test_runs_scored_apart_are_refused(tmp_path: Path, data: dict, write_run, gsm8k_records) -> None:  # noqa: ANN001
     """A multiple-choice task scored with --scoring full in one run and continuation in the other: refused; the
-    same scoring in both pairs."""
+    same scoring in both pairs, and so do full and continuation-whole (lm-eval's forwards either way)."""
     for name, fmt, scoring in (("base", "bf16", None), ("fp8", "fp8_e4m3", "continuation")):
         d = write_run(tmp_path, name, fmt, {"mc": gsm8k_records(data["correct"])})
         res = json.loads((d / "results.json").read_text())
@@ -242,6 +242,13 @@ def test_runs_scored_apart_are_refused(tmp_path: Path, data: dict, write_run, gs
         cmpmod.compare_runs([tmp_path], n_boot=200)
     cfg = yaml.safe_load((tmp_path / "base" / "config.yaml").read_text())
     (tmp_path / "base" / "config.yaml").write_text(yaml.safe_dump({**cfg, "scoring": "continuation"}))
+    assert cmpmod.compare_runs([tmp_path], n_boot=200).results
+    # continuation-whole runs lm-eval's own forwards: it pairs with full, not with continuation
+    fp8 = yaml.safe_load((tmp_path / "fp8" / "config.yaml").read_text())
+    (tmp_path / "fp8" / "config.yaml").write_text(yaml.safe_dump({**fp8, "scoring": "continuation-whole"}))
+    with pytest.raises(UsageError, match=r"scoring 'full' vs 'continuation'"):
+        cmpmod.compare_runs([tmp_path], n_boot=200)
+    (tmp_path / "base" / "config.yaml").write_text(yaml.safe_dump(cfg))  # scoring full (not recorded)
     assert cmpmod.compare_runs([tmp_path], n_boot=200).results
 
 
