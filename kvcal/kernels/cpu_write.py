@@ -214,6 +214,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     ratio.argtypes = [*fn.argtypes[2:12], ctypes.c_void_p, ctypes.c_void_p]
 
 
+@cache
+def _ascending_centroids(d: int, bits: int) -> bool:
+    """Whether formats.tq_centroids(d, bits) ascend (the kernel takes its midpoints between neighbours, as formats
+    does after sorting them)."""
+    return bool(formats.tq_centroids(d, bits).diff().gt(0).all())
+
+
 def supports(
     fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, scale: torch.Tensor | None
 ) -> bool:
@@ -238,7 +245,7 @@ def supports(
                     and scale.dtype == torch.float32
                     and scale.device.type == "cpu"
                     and scale.is_contiguous()
-                    and bool(formats.tq_centroids(d, fmt.bits).diff().gt(0).all())  # ascending: the kernel's midpoints
+                    and _ascending_centroids(d, fmt.bits)
                 )
             )
         )
