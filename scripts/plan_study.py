@@ -172,7 +172,14 @@ def context_section(run: str, argv: list[str], r: dict[str, Any]) -> tuple[list[
     for target in TARGETS:
         plan = _at(r["frontier"], target)
         if plan is not None:
-            lines.append(f"- {target:.1f}x (frontier row {plan['target']:g}x): `{layer_runs(plan['layers'], '; ')}`")
+            g = plan.get("uniform_guard")  # reports of kvcal plan with the uniform guard (module docstring, 5)
+            took = "" if not g or g["chosen"] == "plan" else (
+                f" — the uniform guard took {g['chosen']} (joint KL on the calibration samples "
+                f"{g['calibration_kl'][g['chosen']]:.4g} vs the solved plan's {g['calibration_kl']['plan']:.4g})"
+            )
+            lines.append(
+                f"- {target:.1f}x (frontier row {plan['target']:g}x): `{layer_runs(plan['layers'], '; ')}`{took}"
+            )
     lines.append("")
     return lines, records
 

@@ -151,6 +151,15 @@ def _render(r: dict[str, Any]) -> None:
             f"measured {row['measured_kl']:.4g} ({'kept' if row.get('kept') else 'not better, stopped'})"
             if row["changed"] else "no change"
         ))  # fmt: skip
+    g = r["uniform_guard"]
+    others = {k: v for k, v in g["calibration_kl"].items() if k != "plan"}
+    if others:
+        best = min(others, key=others.__getitem__)
+        console.print(
+            f"uniform guard (joint KL on the calibration samples): solved plan {g['calibration_kl']['plan']:.4g}, "
+            f"best uniform meeting the budget {best} {others[best]:.4g} -> "
+            + ("kept the solved plan" if g["chosen"] == "plan" else f"took {g['chosen']}")
+        )
     if r.get("frontier"):
         table = Table(
             title="Pareto frontier (estimated KL; measured with --compare-uniform)", box=box.SIMPLE_HEAD

@@ -18,6 +18,11 @@
    paired differences. `--refine`: replace each chosen layer's damage by its in-context marginal (joint KL on the
    calibration samples minus the joint KL with that layer back in 16 bits), re-solve, keep the new plan while the
    held-out KL improves (at most `refine` rounds).
+5. Uniform guard: the summed one-at-a-time damage misses interactions, so a solved plan can lose more than a
+   one-format configuration the budget also allows (SmolLM2 at 2.0x: uniform fp8_e4m3). The chosen plan (and each
+   frontier row) is measured jointly on the calibration samples beside every uniform configuration that meets its
+   budget (exact integer costs); where one loses less there, it becomes the plan (`uniform_guard` in the result
+   records every KL and the choice). The held-out windows decide nothing here: they only measure.
 """
 
 from __future__ import annotations
@@ -403,12 +408,28 @@ def plan(
             lm.model, on, [plan_quant(p, scale_sets) for p in plans], opts.batch_size, progress, phase
         )
 
-    measured = joint([layers], windows, "measure")
     rounds = []
     if refine:
+        measured = joint([layers], windows, "measure")
         layers, measured, rounds = _refine(
             layers, measured, damage, solver_damage, costs, limit, cands, data.samples, windows, joint
         )
+    rows = _frontier(kv, cands, damage, budget, frontier_step) if frontier else []
+    guards = uniform_guard(
+        kv, cands, [budget] + [Budget("capacity", r["target"], budget.context) for r in rows],
+        [layers] + [r["layers"] for r in rows], data.samples, joint,
+    )  # fmt: skip
+    if guards[0]["chosen"] != "plan" or not refine:
+        layers = guards[0]["layers"]
+        measured = joint([layers], windows, "measure")
+    for row, g in zip(rows, guards[1:], strict=True):
+        if g["chosen"] != "plan":
+            row.update(
+                layers=g["layers"],
+                capacity=plan_capacity(kv, g["layers"], budget.context)["multiplier_vs_bf16"],
+                estimated_kl=estimated_kl(damage, g["layers"]),
+            )
+        row["uniform_guard"] = {k: v for k, v in g.items() if k != "layers"}
     result: dict[str, Any] = {
         "model": lm.ref,
         "model_type": kv.model_type,
@@ -422,13 +443,13 @@ def plan(
         "estimated_kl": estimated_kl(damage, layers),
         "measured": _measured(measured[:, :, 0]),
         "refine_rounds": rounds,
+        "uniform_guard": {k: v for k, v in guards[0].items() if k != "layers"},
         "ties": ties,
         "damage": {"candidates": cands, "per_layer": damage.mean, "checkpoint": checkpoint},
         "engines": engine_commands(lm.ref, layers, kv, str(out or "plan.json")),
         "warnings": warnings,
     }
     if frontier:
-        rows = _frontier(kv, cands, damage, budget, frontier_step)
         if compare_uniform:  # every Pareto plan measured jointly on the same held-out windows
             m = joint([row["layers"] for row in rows], windows, "frontier")  # [2, W, rows]
             for j, row in enumerate(rows):
@@ -445,6 +466,39 @@ def plan(
         save_plan(out, record)
         result["plan_file"] = str(out)
     return result
+
+
+def uniform_guard(
+    kv: KVSpec,
+    cands: list[str],
+    budgets: Sequence[Budget],
+    plans: Sequence[list[str]],
+    samples: Sequence[torch.Tensor],
+    joint: Any,
+) -> list[dict[str, Any]]:
+    """Module docstring, 5: per plan (with the budget it was solved for) the mean joint KL on the calibration samples
+    of the plan and of every uniform configuration meeting that budget (`joint(variants, samples, phase)` ->
+    [2, N, variants]: per_sample_kl), and the plan kept or the uniform configuration that loses less taken.
+    -> per plan {"chosen": "plan" | configuration, "layers": the chosen layers, "calibration_kl": {name: KL}}."""
+    configs = uniform_configurations(kv, cands)
+    formats = sorted(set(cands) | {SIXTEEN_BIT})  # a +sliding configuration's 16-bit layers cost bf16's bits
+    kl = joint([*plans, *configs.values()], samples, "uniform guard")[0].mean(dim=0).tolist()  # [P + C]
+    plan_kl, config_kl = kl[: len(plans)], dict(zip(configs, kl[len(plans) :], strict=True))
+    out = []
+    for budget, layers, own in zip(budgets, plans, plan_kl, strict=True):
+        costs, limit, _ = integer_costs(kv, formats, budget)
+        meets = [
+            name
+            for name, cfg in configs.items()
+            if sum(costs[i][formats.index(f)] for i, f in enumerate(cfg)) <= limit
+        ]
+        record = {"plan": own, **{name: config_kl[name] for name in meets}}
+        best = min(meets, key=lambda name: config_kl[name], default=None)
+        if best is not None and config_kl[best] < own:
+            out.append({"chosen": best, "layers": list(configs[best]), "calibration_kl": record})
+        else:
+            out.append({"chosen": "plan", "layers": list(layers), "calibration_kl": record})
+    return out
 
 
 def _measured(t: torch.Tensor) -> dict[str, Any]:

@@ -61,6 +61,14 @@ def test_plan_cli_writes_a_bound_plan_file(tiny_llama_dir: Path, tmp_path: Path,
     assert r["measured"]["kl"]["n"] == 2 and r["estimated_kl"] >= 0
     assert [row["config"] for row in r["uniform"]] == ["fp8_e4m3", "nvfp4"]
     assert r["frontier"][0]["target"] == 1.0 and r["frontier"][0]["estimated_kl"] == 0.0
+    # the uniform guard measured the solved plan beside the uniform configurations meeting 2.5x (nvfp4 only)
+    guard = r["uniform_guard"]
+    assert set(guard["calibration_kl"]) == {"plan", "nvfp4"}
+    if guard["chosen"] == "plan":
+        assert guard["calibration_kl"]["plan"] <= guard["calibration_kl"]["nvfp4"]
+    else:
+        assert r["layers"] == ["nvfp4"] * 3 and guard["calibration_kl"]["nvfp4"] < guard["calibration_kl"]["plan"]
+    assert all("uniform_guard" in row for row in r["frontier"])
     plan = load_plan_for_model(
         out, str(tiny_llama_dir), tiny_llama_dir, kv_spec(load_model(str(tiny_llama_dir)).model.config)
     )
@@ -73,6 +81,36 @@ def test_plan_cli_writes_a_bound_plan_file(tiny_llama_dir: Path, tmp_path: Path,
     code, stdout, err = invoke(["plan-export", str(out), "--engine", "vllm-modelopt", "-o", str(hf)])
     assert code == 0, err
     assert json.loads(hf.read_text())["quantization"]["kv_cache_quant_algo"] == "MIXED_PRECISION"
+
+
+def test_uniform_guard_takes_a_uniform_configuration_only_where_it_loses_less_within_the_budget(
+    tiny_llama_dir: Path,
+) -> None:
+    """The guard's choice (module docstring, 5) from given joint KLs: a uniform configuration replaces the solved
+    plan only when it meets the plan's budget by exact integer costs (fp8_e4m3 is exactly 2.0x: it meets 2.0x, not
+    2.01x) and loses less on the calibration samples; otherwise the plan stays."""
+    from kvcal.pipeline.plan import uniform_guard
+    from kvcal.pipeline.plan_cost import Budget
+
+    kv = kv_spec(load_model(str(tiny_llama_dir)).model.config)
+    cands = ["bf16", "fp8_e4m3", "nvfp4"]
+    plan = ["bf16", "nvfp4", "nvfp4"]
+    given = {"plan": 0.5, "fp8_e4m3": 0.2, "nvfp4": 0.3}
+
+    def joint(variants: list[list[str]], samples: list[torch.Tensor], phase: str) -> torch.Tensor:
+        names = ["plan"] * (len(variants) - 2) + ["fp8_e4m3", "nvfp4"]  # plans first, then the configurations
+        assert variants[-2:] == [["fp8_e4m3"] * 3, ["nvfp4"] * 3] and phase == "uniform guard"
+        kl = torch.tensor([given[n] for n in names], dtype=torch.float64)
+        return torch.stack([kl.expand(len(samples), -1), torch.ones(len(samples), len(names))])  # [2, N, V]
+
+    samples = _samples(2, 8)
+    b = [Budget("capacity", 2.0, None), Budget("capacity", 2.01, None), Budget("capacity", 3.0, None)]
+    g = uniform_guard(kv, cands, b, [plan, plan, plan], samples, joint)
+    assert [x["chosen"] for x in g] == ["fp8_e4m3", "nvfp4", "nvfp4"]  # 2.01x: fp8 (2.0x) does not meet it
+    assert g[0]["layers"] == ["fp8_e4m3"] * 3 and set(g[1]["calibration_kl"]) == {"plan", "nvfp4"}
+    given["plan"] = 0.25  # better than nvfp4, worse than fp8
+    g = uniform_guard(kv, cands, b, [plan, plan, plan], samples, joint)
+    assert [x["chosen"] for x in g] == ["fp8_e4m3", "plan", "plan"] and g[1]["layers"] == plan
 
 
 def test_plan_file_is_refused_on_another_checkpoint(
