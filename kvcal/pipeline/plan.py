@@ -19,7 +19,7 @@
    calibration samples minus the joint KL with that layer back in 16 bits), re-solve, keep the new plan while the
    held-out KL improves (at most `refine` rounds).
 5. Uniform guard: the summed one-at-a-time damage misses interactions, so a solved plan can lose more than a
-   one-format configuration the budget also allows (SmolLM2 at 2.0x: uniform fp8_e4m3). The chosen plan (and each
+   one-format configuration the budget also allows. The chosen plan (and each
    frontier row) is measured jointly on the calibration samples beside every uniform configuration that meets its
    budget (exact integer costs); where one loses less there, it becomes the plan (`uniform_guard` in the result
    records every KL and the choice). The held-out windows decide nothing here: they only measure.
