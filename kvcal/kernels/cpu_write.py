@@ -226,16 +226,20 @@ def supports(
 ) -> bool:
     """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale (a
     TurboQuant key side's: its rotation signs [D])."""
+    if not (
+        fmt.name in FORMATS
+        and x.device.type == "cpu"
+        and x.dtype in _IN_DTYPES
+        and kv_input_dtype in (None, torch.bfloat16, x.dtype)
+        and x.dim() == 4
+        and x.stride(-1) == 1
+        and x.shape[-1] <= MAX_HEAD_DIM
+    ):
+        return False
+    d = x.shape[-1]
     if fmt.element.startswith("tq_"):
-        d = x.shape[-1] if x.dim() else 0
         return (
-            fmt.name in FORMATS
-            and x.device.type == "cpu"
-            and x.dtype in _IN_DTYPES
-            and kv_input_dtype in (None, torch.bfloat16, x.dtype)
-            and x.dim() == 4
-            and x.stride(-1) == 1
-            and 8 <= d <= MAX_HEAD_DIM
+            d >= 8
             and d & (d - 1) == 0  # formats.check_tq_head_dim
             and (
                 fmt.element != "tq_mse"
@@ -250,16 +254,9 @@ def supports(
             )
         )
     return (
-        fmt.name in FORMATS
-        and x.device.type == "cpu"
-        and x.dtype in _IN_DTYPES
-        and kv_input_dtype in (None, torch.bfloat16, x.dtype)
-        and x.dim() == 4
-        and x.stride(-1) == 1
-        and x.shape[-1] <= MAX_HEAD_DIM
-        and x.shape[-1] % max(fmt.block_size, 2 if fmt.is_fp4 else 1) == 0
+        d % max(fmt.block_size, 2 if fmt.is_fp4 else 1) == 0
         # int4_per_token_head's Hadamard transform exists for powers of two only (formats refuses the others)
-        and (fmt.element != "int4_rht" or (x.shape[-1] >= 2 and x.shape[-1] & (x.shape[-1] - 1) == 0))
+        and (fmt.element != "int4_rht" or (d >= 2 and d & (d - 1) == 0))
         and (
             scale is None
             or (
