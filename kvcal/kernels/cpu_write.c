@@ -108,6 +108,12 @@ static inline float block_max(const float *x, int n) {
     return m;
 }
 
+/* vLLM's per-(token, head) scale of a row: max(finite amax / qmax, 1e-6) (int8 and FP8 per token head) */
+static inline float pth_scale(const float *x, int D, float qmax) {
+    float s = block_max(x, D) / qmax;
+    return s < 1e-6f ? 1e-6f : s;
+}
+
 /* saturating cast to float32's range (formats._to / fast._saturate); NaN stays */
 static inline float sat(float y) {
     if (y > 3.4028234663852886e38f) return 3.4028234663852886e38f;
@@ -343,9 +349,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *aux,
     }
     case F_INT8: {
         /* vLLM: scale = max(amax / 127, 1e-6); code = (int8) clamp(x * (1 / scale)), truncated toward zero */
-        float s = block_max(x, D) / 127.0f;
-        if (s < 1e-6f) s = 1e-6f;
-        float inv = 1.0f / s;
+        float s = pth_scale(x, D, 127.0f), inv = 1.0f / s;
         for (int d = 0; d < D; d++) {
             int8_t c;
             if (isnan(x[d])) c = -128;
@@ -458,9 +462,7 @@ static void write_row(int fmt, const float *x, int D, float g, const float *aux,
         break;
     case F_E4M3_TOKEN: {
         /* vLLM's per-token-head FP8: scale = max(amax / 448, 1e-6); code = e4m3(clamp(x * (1 / scale), +-448)) */
-        float s = block_max(x, D) / 448.0f;
-        if (s < 1e-6f) s = 1e-6f;
-        float inv = 1.0f / s;
+        float s = pth_scale(x, D, 448.0f), inv = 1.0f / s;
         for (int d = 0; d < D; d++) {
             float y = x[d] * inv;
             if (y > 448.0f) y = 448.0f;
