@@ -472,8 +472,9 @@ class QuantizedLayer(CacheLayerMixin):
         `_Side.append` + the attention's dequantization. None (the caller writes with torch ops) unless: the kernel
         is built, K's and V's formats are supported (one, or a K/V pair such as TurboQuant's), the write is small
         (a decode step; a prefill's large write is as fast vectorised in torch) and of at most
-        `fast.WORKSPACE_MAX_QUERIES` tokens (a read that keeps its values), the scale is fixed already, and both workspaces hold every token written so far (the torch path
-        is reading this cache; the Triton path never fills them)."""
+        `fast.WORKSPACE_MAX_QUERIES` tokens (a read that keeps its values), the scale is fixed already, and both
+        workspaces hold every token written so far (the torch path is reading this cache; the Triton path never
+        fills them)."""
         f, fv = self.plan.side_format("k"), self.plan.side_format("v")
         if (
             f.name not in cpu_write.FORMATS
