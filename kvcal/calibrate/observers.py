@@ -32,14 +32,10 @@ from typing import Any
 import torch
 
 from kvcal import parallel
+from kvcal.calibrate.histogram import BINS_PER_OCTAVE, HIST_LO, NBINS, histogram
 from kvcal.errors import UsageError
 from kvcal.formats import FP8_E4M3_MAX, KVFormat, fake_quantize
 from kvcal.scales import GRANULARITIES
-
-HIST_LO = -40  # log2 of the smallest bin edge; |x| below it (and 0) land in bin 0
-HIST_HI = 24  # log2 of the largest bin edge; |x| above it land in the last bin (amax is kept exactly anyway)
-BINS_PER_OCTAVE = 128
-NBINS = (HIST_HI - HIST_LO) * BINS_PER_OCTAVE
 
 
 def format_range(fmt: KVFormat) -> float:
@@ -74,7 +70,6 @@ class TensorStats:
         self.count = torch.zeros(heads, NBINS, dtype=torch.float64)
         self.sum1 = torch.zeros(heads, NBINS, dtype=torch.float64)
         self.sum2 = torch.zeros(heads, NBINS, dtype=torch.float64)
-        self._offsets = torch.arange(heads).unsqueeze(1) * NBINS  # [H, 1]
 
     def update(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> None:
         """x: [B, H_kv, T, D] (finite). amax: [H_kv] if the caller already has it."""
@@ -82,13 +77,10 @@ class TensorStats:
         if amax is None:
             amax = a.amax(dim=1)
         self.amax = torch.maximum(self.amax, amax.cpu().float())
-        idx = ((torch.log2(a) - HIST_LO) * BINS_PER_OCTAVE).floor_().clamp_(0, NBINS - 1).long()
-        idx = (idx + self._offsets.to(idx.device)).flatten()
-        a64 = a.flatten().double()
-        n = self.heads * NBINS
-        self.count += torch.bincount(idx, minlength=n).cpu().double().view(self.heads, NBINS)
-        self.sum1 += torch.bincount(idx, weights=a64, minlength=n).cpu().view(self.heads, NBINS)
-        self.sum2 += torch.bincount(idx, weights=a64 * a64, minlength=n).cpu().view(self.heads, NBINS)
+        count, sum1, sum2 = histogram(a)
+        self.count += count.cpu()
+        self.sum1 += sum1.cpu()
+        self.sum2 += sum2.cpu()
 
     def merge_(self, other: TensorStats) -> None:
         """Add another stream's statistics (another process's samples): amax is the max, histograms add up, so

@@ -16,11 +16,11 @@ at 1e-10), torch the log2 of those (one op per side, on a tensor of the shape `f
 it on), and the kernel the rest. int4_per_token_head's Hadamard rotation is `formats.hadamard`'s butterfly (the
 same float additions in the same order) with `formats.rht_signs` handed in as the side's `aux`.
 
-Build. The library is compiled once per source (`cc -O2 -ffp-contract=off`: no fused multiply-add, so every float32
-operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Before its first use the
+Build. The library is compiled once per source by `kvcal.clib` (`cc -O2 -ffp-contract=off`: no fused multiply-add,
+so every float32 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Before its first use the
 library's ABI is checked: it reports sizeof and the field offsets of its `side_t` and its format ids, which must
 equal ctypes' `_Side` and formats' `c_kernel` column. `library()` is None — and the cache writes with torch ops,
-same results, slower — with KVCAL_CPU_WRITE=0, without a C compiler (CC, cc or gcc on PATH), or when the build,
+same results, slower — with KVCAL_CPU_WRITE=0 (or KVCAL_C=0), without a C compiler (CC, cc or gcc on PATH), or when the build,
 the load or the ABI check fails; the last three warn once (RuntimeWarning with the compiler's message and how to
 silence it). `status()` says which, in one line (the kernel tests print it).
 """
@@ -28,23 +28,18 @@ silence it). `status()` says which, in one line (the kernel tests print it).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from kvcal import formats
+from kvcal import clib, formats
 from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels.buffer import TokenBuffer
 
 SOURCE = Path(__file__).with_name("cpu_write.c")
-FLAGS = ("-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 # format name -> the C kernel's format id: formats' `c_kernel` column (the ABI check compares cpu_write.c's enum)
 # (every single format, and TurboQuant's key and value sides)
 FORMATS: dict[str, int] = {
@@ -85,31 +80,6 @@ class _Side(ctypes.Structure):
     ]
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(cc: str, source: Path, out: Path) -> str | None:
-    """Compile `source` into the shared library `out` (atomically: a concurrent build replaces it with the same
-    bytes); None, or why it failed (the compiler's own message)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        try:
-            res = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
-        except OSError as exc:
-            return f"{cc} could not run: {exc}"
-        if res.returncode != 0:
-            msg = (res.stderr or res.stdout).strip()
-            return f"{cc} exited with {res.returncode}: {msg[-2000:]}"
-        os.replace(tmp, out)
-        return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def abi_mismatch(lib: ctypes.CDLL, side: type[ctypes.Structure] | None = None) -> str | None:
     """None when the library's side_t and format ids are what this module passes, else what differs. `side`: the
     ctypes struct to compare with (default `_Side`)."""
@@ -139,21 +109,9 @@ def open_library(source: Path = SOURCE) -> tuple[ctypes.CDLL | None, str]:
     without a compiler."""
     if os.environ.get("KVCAL_CPU_WRITE", "1") == "0":
         return None, "skipped: KVCAL_CPU_WRITE=0"
-    cc = _compiler()
-    if cc is None:
-        return None, "skipped: no C compiler (CC, cc or gcc on PATH)"
-    from kvcal.filecache import cache_root
-
-    src = source.read_bytes()
-    tag = hashlib.sha256(src + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    out = cache_root() / "cpu_write" / f"cpu_write-{tag}.so"
-    why = None if out.exists() else _build(cc, source, out)
-    lib = None
-    if why is None:
-        try:
-            lib = ctypes.CDLL(str(out))
-        except OSError as exc:
-            why = f"{out} did not load: {exc}"
+    lib, why, out = clib.load(source, "cpu_write")
+    if lib is None and why is None:  # switched off or no compiler: not a failure
+        return None, f"skipped: {out}"
     if lib is not None:
         bad = abi_mismatch(lib)
         if bad is not None:

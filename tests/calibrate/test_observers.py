@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvcal.calibrate import histogram as hist
+from kvcal.calibrate.histogram import HIST_HI, HIST_LO, histogram, histogram_ref
 from kvcal.calibrate.observers import (
     OBSERVERS,
     CandidateEval,
@@ -13,8 +19,11 @@ from kvcal.calibrate.observers import (
     clip_to_scale,
     get_observer,
 )
+from kvcal.calibrate.run import calibrate
 from kvcal.errors import UsageError
 from kvcal.formats import fake_quantize, get_format
+
+needs_c = pytest.mark.skipif(hist.library() is None, reason="histogram.c not built (KVCAL_C=0 or no compiler)")
 
 
 def _heavy_tailed(seed: int = 0) -> list[torch.Tensor]:
@@ -124,3 +133,78 @@ def test_registry_and_bad_names() -> None:
         get_observer("ema")
     with pytest.raises(UsageError, match="granularity"):
         check_calibratable(get_format("fp8"), "channel")
+
+
+# |x| values where the bins are decided: 0, subnormals, the histogram's ends, the float32 maximum, exact powers of
+# two and their neighbours (bin edges at whole octaves), and the values in between
+_EDGES = [0.0, 1e-45, 2.0**-126, 2.0**HIST_LO, 2.0**HIST_LO * 0.999, 2.0**HIST_HI, 2.0**HIST_HI * 1.001, torch.finfo(torch.float32).max]
+_EDGES += [float(torch.nextafter(torch.tensor(2.0**e), torch.tensor(d)).item()) for e in (-3, 0, 5) for d in (0.0, 1e9)]
+
+
+def _from_bits(u: int) -> float:
+    return float(torch.tensor([u], dtype=torch.int32).view(torch.float32).item())
+
+
+_magnitudes = st.one_of(
+    st.sampled_from(_EDGES),
+    st.integers(0, 0x7F7FFFFF).map(_from_bits),  # any finite float32: every bin of every octave in play
+    st.floats(min_value=0, max_value=torch.finfo(torch.float32).max, allow_nan=False, width=32),
+)
+
+
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    cols=st.integers(1, 300),
+    seed=st.integers(0, 2**31 - 1),
+    spread=st.floats(0.0, 12.0),
+    values=st.lists(_magnitudes, max_size=40),
+)
+def test_c_histogram_equals_the_torch_reference_bit_for_bit(
+    heads: int, cols: int, seed: int, spread: float, values: list[float]
+) -> None:
+    """The C pass (cpu_write.c `kvcal_hist_update`) and `histogram_ref` (log2 bins, three float64 bincounts):
+    identical counts and sums, bit for bit: log-normal |x| of any spread (every part of a bin in play), with the
+    bins' edges and any float32 put in."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(heads * cols, generator=g) * spread).exp()
+    put = torch.tensor(values, dtype=torch.float32)[: a.numel()]
+    a[torch.randperm(a.numel(), generator=g)[: put.numel()]] = put
+    a = a.view(heads, cols)
+    for got, want in zip(histogram(a), histogram_ref(a), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_c
+def test_c_histogram_on_gaussian_k_v_and_a_non_contiguous_stream() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2, 37, 24, generator=g) * torch.exp(torch.randn(3, 2, 37, 24, generator=g) * 6)
+    a = x.abs().transpose(0, 1).reshape(2, -1)
+    for got, want in zip(histogram(a), histogram_ref(a), strict=True):
+        assert torch.equal(got, want)
+    b = x.abs()[:, 1].transpose(0, 1).flatten(1)  # [T, B*D]: not contiguous
+    for got, want in zip(histogram(b), histogram_ref(b), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_c
+@pytest.mark.parametrize("observer", ["mse", "percentile"])
+def test_scale_file_is_the_same_with_the_c_histogram_off(
+    observer: str, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The observers that read the histogram (mse's clip search, percentile, every SQNR and clipped fraction) give
+    the same scales and statistics with the C pass as with torch ops (KVCAL_C=0)."""
+    runs = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("KVCAL_C", env)
+        hist.library.cache_clear()
+        try:
+            runs.append(calibrate(str(tiny_llama_dir), "fp8_e4m3", observer=observer, num_samples=3, seq_len=24).scale_set)
+            assert (hist.library() is None) == (env == "0")
+        finally:
+            monkeypatch.delenv("KVCAL_C")
+            hist.library.cache_clear()
+    on, off = runs
+    assert all(torch.equal(a, b) for a, b in zip(on.k_scales + on.v_scales, off.k_scales + off.v_scales, strict=True))
+    assert on.layer_stats == off.layer_stats
