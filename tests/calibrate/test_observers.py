@@ -164,7 +164,7 @@ _magnitudes = st.one_of(
 def test_c_histogram_equals_the_torch_reference_bit_for_bit(
     heads: int, cols: int, seed: int, spread: float, values: list[float]
 ) -> None:
-    """The C pass (cpu_write.c `kvcal_hist_update`) and `histogram_ref` (log2 bins, three float64 bincounts):
+    """The C pass (histogram.c `kvcal_hist_update`) and `histogram_ref` (log2 bins, three float64 bincounts):
     identical counts and sums, bit for bit: log-normal |x| of any spread (every part of a bin in play), with the
     bins' edges and any float32 put in."""
     g = torch.Generator().manual_seed(seed)
@@ -208,3 +208,24 @@ def test_scale_file_is_the_same_with_the_c_histogram_off(
     on, off = runs
     assert all(torch.equal(a, b) for a, b in zip(on.k_scales + on.v_scales, off.k_scales + off.v_scales, strict=True))
     assert on.layer_stats == off.layer_stats
+
+
+def test_a_failed_build_warns_once_and_the_histogram_is_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A histogram.c that does not compile: one RuntimeWarning with the compiler's words and how to skip the
+    build, and the statistics computed with torch ops, the same values."""
+    broken = tmp_path / "histogram.c"
+    broken.write_text(hist.SOURCE.read_text().replace("#include <stdint.h>", "#include <stdint.h>\noops", 1))
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hist, "SOURCE", broken)
+    hist.library.cache_clear()
+    try:
+        a = torch.rand(2, 50) * 10
+        with pytest.warns(RuntimeWarning, match="KVCAL_C=0") as rec:
+            got = histogram(a)
+            histogram(a)
+        assert len(rec) == 1 and "oops" in str(rec[0].message)
+        assert all(torch.equal(g, w) for g, w in zip(got, histogram_ref(a), strict=True))
+    finally:
+        hist.library.cache_clear()
