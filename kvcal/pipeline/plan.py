@@ -52,7 +52,14 @@ from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
 from kvcal.models.real import resolve_real_name
-from kvcal.pipeline.plan_cost import Budget, check_reachable, integer_costs, parse_budget, plan_capacity
+from kvcal.pipeline.plan_cost import (
+    Budget,
+    check_reachable,
+    integer_costs,
+    meets_budget,
+    parse_budget,
+    plan_capacity,
+)
 from kvcal.pipeline.plan_export import SIXTEEN_BIT, canonical_layers, engine_commands
 from kvcal.pipeline.plan_solve import solve
 from kvcal.pipeline.replay import LayerReplay, first_quantized
@@ -481,17 +488,11 @@ def uniform_guard(
     [2, N, variants]: per_sample_kl), and the plan kept or the uniform configuration that loses less taken.
     -> per plan {"chosen": "plan" | configuration, "layers": the chosen layers, "calibration_kl": {name: KL}}."""
     configs = uniform_configurations(kv, cands)
-    formats = sorted(set(cands) | {SIXTEEN_BIT})  # a +sliding configuration's 16-bit layers cost bf16's bits
     kl = joint([*plans, *configs.values()], samples, "uniform guard")[0].mean(dim=0).tolist()  # [P + C]
     plan_kl, config_kl = kl[: len(plans)], dict(zip(configs, kl[len(plans) :], strict=True))
     out = []
     for budget, layers, own in zip(budgets, plans, plan_kl, strict=True):
-        costs, limit, _ = integer_costs(kv, formats, budget)
-        meets = [
-            name
-            for name, cfg in configs.items()
-            if sum(costs[i][formats.index(f)] for i, f in enumerate(cfg)) <= limit
-        ]
+        meets = [name for name, cfg in configs.items() if meets_budget(kv, cfg, budget)]
         record = {"plan": own, **{name: config_kl[name] for name in meets}}
         best = min(meets, key=lambda name: config_kl[name], default=None)
         if best is not None and config_kl[best] < own:
@@ -630,16 +631,11 @@ def _uniform(
     m = joint(list(configs.values()), windows, "uniform")  # [2, W, C]
     rows = []
     for j, (name, layers) in enumerate(configs.items()):
-        cap = plan_capacity(kv, layers, budget.context)
-        if budget.kind == "capacity":
-            meets = cap["multiplier_vs_bf16"] >= budget.value * (1 - 1e-12)
-        else:
-            meets = cap["bits_per_element"] <= budget.value * (1 + 1e-12)
         rows.append(
             {
                 "config": name,
-                "capacity": cap,
-                "meets_budget": meets,
+                "capacity": plan_capacity(kv, layers, budget.context),
+                "meets_budget": meets_budget(kv, layers, budget),
                 "measured": _measured(m[:, :, j]),
                 "plan_minus_uniform": interval((plan_kl - m[0, :, j]).tolist()),
             }

@@ -16,6 +16,7 @@ sliding share is min(C, w)/C) scaled by the common denominator.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -98,6 +99,14 @@ def integer_costs(kv: KVSpec, candidates: list[str], budget: Budget) -> tuple[li
     unit = Fraction(1, denom)
     costs = [[int(x * denom) for x in row] for row in exact]
     return costs, math.floor(limit * denom), unit
+
+
+def meets_budget(kv: KVSpec, layers: Sequence[str], budget: Budget) -> bool:
+    """Whether a per-layer plan (a format per layer) meets `budget` by the solver's exact integer costs: the test
+    the solver's constraint, the uniform guard and the plan report's uniform rows all apply (no float tolerance)."""
+    formats = sorted(set(layers))
+    costs, limit, _unit = integer_costs(kv, formats, budget)
+    return sum(costs[i][formats.index(f)] for i, f in enumerate(layers)) <= limit
 
 
 def check_reachable(kv: KVSpec, cands: list[str], budget: Budget) -> None:

@@ -113,6 +113,24 @@ def test_uniform_guard_takes_a_uniform_configuration_only_where_it_loses_less_wi
     assert [x["chosen"] for x in g] == ["fp8_e4m3", "plan", "plan"] and g[1]["layers"] == plan
 
 
+def test_meets_budget_is_exact_at_the_edge(tiny_llama_dir: Path) -> None:
+    """One exact test (integer costs, no float tolerance) for the solver, the guard and the report's uniform rows:
+    fp8_e4m3 stores exactly half of bf16's bits, so it meets 2.0x and not 2.0x plus the least float step; a plan
+    whose bits per element are exactly B meets B and not B less a step."""
+    import math
+
+    from kvcal.pipeline.plan_cost import Budget, meets_budget, plan_capacity
+
+    kv = kv_spec(load_model(str(tiny_llama_dir)).model.config)
+    fp8 = ["fp8_e4m3"] * kv.num_layers
+    assert meets_budget(kv, fp8, Budget("capacity", 2.0, None))
+    assert not meets_budget(kv, fp8, Budget("capacity", math.nextafter(2.0, 3.0), None))
+    mixed = ["bf16"] + ["nvfp4"] * (kv.num_layers - 1)
+    bits = plan_capacity(kv, mixed, None)["bits_per_element"]
+    assert meets_budget(kv, mixed, Budget("effective_bits", bits, None))
+    assert not meets_budget(kv, mixed, Budget("effective_bits", math.nextafter(bits, 0.0), None))
+
+
 def test_plan_file_is_refused_on_another_checkpoint(
     tiny_llama_dir: Path, tmp_path: Path, invoke: Invoke
 ) -> None:
