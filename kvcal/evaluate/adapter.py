@@ -36,7 +36,7 @@ from kvcal import parallel
 from kvcal.errors import UsageError
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
-from kvcal.evaluate.spec import SCORINGS
+from kvcal.evaluate.spec import check_scoring
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.loading import input_device, load_resolved
@@ -150,7 +150,7 @@ class KvcalLM(HFLM):
         self.generations = GenerationRecorder(self.tok_decode)
         self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
         # loglikelihood requests: "continuation" (kvcal.evaluate.scoring) or "full" (lm-eval's every-position path)
-        self.scoring = _check_scoring(str(scoring))
+        self.scoring = check_scoring(str(scoring), "model_args scoring=")
         # continuation scoring prefills a sequence longer than this chunk by chunk (kvcal.evaluate.scoring)
         self.prefill_chunk = check_prefill_chunk(int(prefill_chunk))
         self.runtime: Any = None
@@ -377,12 +377,6 @@ class GenerationRecorder:
     def take(self) -> dict[str, list[list[int]]]:
         out, self.by_context = self.by_context, {}
         return out
-
-
-def _check_scoring(name: str) -> str:
-    if name not in SCORINGS:
-        raise UsageError(f"scoring={name!r} is not one of {', '.join(SCORINGS)} (model_args scoring=...)")
-    return name
 
 
 def _name_of(pretrained: Any) -> str:

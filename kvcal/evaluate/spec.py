@@ -553,9 +553,10 @@ def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None, dict[st
 SCORINGS = ("full", "continuation", "continuation-whole")
 
 
-def _check_scoring(name: str) -> str:
+def check_scoring(name: str, flag: str = "--scoring") -> str:
+    """`name` if it is one of SCORINGS, else UsageError naming `flag` (the CLI's option or lm-eval's model_args)."""
     if name not in SCORINGS:
-        raise UsageError(f"--scoring must be one of {', '.join(SCORINGS)}, got '{name}'")
+        raise UsageError(f"{flag} must be one of {', '.join(SCORINGS)}, got '{name}'")
     return name
 
 
@@ -637,7 +638,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         passkey_depths=depths,
         plan_file=plan_file,
         plan=plan,
-        scoring=_check_scoring(config.scoring),
+        scoring=check_scoring(config.scoring),
         repeats=config.repeats,
         gen_kwargs=parse_gen_kwargs(config.gen_kwargs),
         prompts=_prompt_file(config.prompts, tasks),

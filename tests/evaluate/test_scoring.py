@@ -208,7 +208,7 @@ def test_a_head_it_cannot_reproduce_is_refused(tiny: dict[str, Path]) -> None:
 def test_unknown_scoring_is_a_usage_error(tiny: dict[str, Path]) -> None:
     from kvcal.errors import UsageError
 
-    with pytest.raises(UsageError, match="continuation-whole"):
+    with pytest.raises(UsageError, match="model_args scoring= must be one of .*continuation-whole, got 'rows'"):
         _lm(tiny["llama"], scoring="rows")
 
 
