@@ -62,6 +62,10 @@ from kvcal.errors import UsageError
 # Logit elements per chunk in the explicit (softcap / sinks) path: query rows are processed in chunks so the
 # [B, H, rows, Tk] float buffer stays near 2**25 elements (128 MiB in float32) whatever the batch and context.
 _LOGITS_BUDGET = 1 << 25
+# Mask elements per block of query rows in the masked SDPA path (a chunked prefill's queries against the whole
+# cache): the boolean mask and the float copy SDPA makes of it stay near 2**22 elements (16 MiB in float32) whatever
+# the context; each query row's attention is computed alone either way (the same bits: tests/kernels).
+_MASK_BUDGET = 1 << 22
 
 
 def visibility_mask(
@@ -140,24 +144,39 @@ def attention_dense(
     ):
         # Every query sees every key (e.g. a decode step): no mask at all.
         return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=group > 1)
-    mask = visibility_mask(
-        tq,
-        tk,
-        q_start=q_start,
-        k_start=k_start,
-        causal=causal,
-        sliding_window=sliding_window,
-        key_padding=key_padding,
-        device=q.device,
-    )  # [1|B, 1, Tq, Tk]
-    has_key = mask.any(dim=-1, keepdim=True)  # [1|B, 1, Tq, 1]
+
+    def visible(s0: int, s1: int) -> torch.Tensor:  # query rows s0..s1 -> [1|B, 1, s1 - s0, Tk]
+        return visibility_mask(
+            s1 - s0,
+            tk,
+            q_start=q_start + s0,
+            k_start=k_start,
+            causal=causal,
+            sliding_window=sliding_window,
+            key_padding=key_padding,
+            device=q.device,
+        )
 
     if softcap is None and sinks is None:
-        # Fast path: torch SDPA (math or flash backend on fp32/fp64) with a boolean mask. Empty rows get an all-True
-        # mask (so SDPA never sees a fully masked row) and are zeroed afterwards.
-        safe = mask | ~has_key
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=scaling, enable_gqa=group > 1)
-        return out.masked_fill(~has_key, 0.0)
+        # Fast path: torch SDPA (math or flash backend on fp32/fp64) with a boolean mask, in blocks of query rows
+        # (_MASK_BUDGET). Empty rows get an all-True mask (so SDPA never sees a fully masked row) and are zeroed.
+        out = q.new_empty(b, hq, tq, d)
+        rows = _MASK_BUDGET // (tk * (1 if key_padding is None else b))
+        # whole multiples of 256 rows (torch's CPU flash kernel splits queries in blocks of 256 from 768 rows on;
+        # blocks of whole splits give each row the bits one call over all rows gives it)
+        rows = min(tq, rows // 256 * 256 if rows >= 256 else max(1, rows))
+        for s0 in range(0, tq, rows):
+            s1 = min(tq, s0 + rows)
+            mask = visible(s0, s1)
+            has_key = mask.any(dim=-1, keepdim=True)  # [1|B, 1, rows, 1]
+            part = F.scaled_dot_product_attention(
+                q[:, :, s0:s1], k, v, attn_mask=mask | ~has_key, scale=scaling, enable_gqa=group > 1
+            )
+            out[:, :, s0:s1] = part.masked_fill(~has_key, 0.0)
+        return out
+
+    mask = visible(0, tq)  # [1|B, 1, Tq, Tk]
+    has_key = mask.any(dim=-1, keepdim=True)  # [1|B, 1, Tq, 1]
 
     # Explicit path (softcap and/or sinks), chunked over query rows. k/v are viewed per KV group instead of
     # repeated: q [B, H_kv, G, Tq, D] against k [B, H_kv, 1, Tk, D].

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -113,6 +114,45 @@ def test_explicit_path_chunks_query_rows(monkeypatch: pytest.MonkeyPatch) -> Non
     whole = attention_dense(q, k, v, **kw)
     monkeypatch.setattr(ref, "_LOGITS_BUDGET", 2 * 9 * 2)  # two query rows per chunk
     assert torch.allclose(attention_dense(q, k, v, **kw), whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_masked_sdpa_path_blocks_query_rows_within_the_mask_budget(
+    padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunked prefill's queries against the whole cache (the masked SDPA path) run in blocks of query rows whose
+    boolean mask (and SDPA's float copy of it) stays within _MASK_BUDGET elements whatever the context; the result
+    is the float64 truth within the float32 bound of test_reference_matches_float64_loop, empty rows zero."""
+    import kvcal.kernels.reference as ref
+
+    g = torch.Generator().manual_seed(11)
+    b, tq, tk, d = 2, 13, 40, 16
+    q64 = torch.randn(b, 6, tq, d, generator=g, dtype=torch.float64)
+    k64, v64 = (torch.randn(b, 2, tk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    kp = None
+    if padded:
+        kp = torch.ones(b, tk, dtype=torch.bool)
+        kp[1, :30] = False  # row 1's first queries see no key
+    kw = dict(scaling=d**-0.5, q_start=tk - tq + 3, k_start=3, causal=True, sliding_window=25, key_padding=kp)
+    want = naive_attention(q64, k64, v64, scaling=d**-0.5, q_start=tk - tq + 3, k_start=3, causal=True, window=25,
+                           softcap=None, sinks=None, key_padding=kp)  # fmt: skip
+    shapes: list[tuple[int, ...]] = []
+    real = ref.visibility_mask
+
+    def recorded(*a: Any, **k: Any) -> torch.Tensor:
+        mask = real(*a, **k)
+        shapes.append(tuple(mask.shape))
+        return mask
+
+    monkeypatch.setattr(ref, "visibility_mask", recorded)
+    budget = 3 * tk * (b if padded else 1)  # three query rows per block
+    monkeypatch.setattr(ref, "_MASK_BUDGET", budget)
+    got = attention_dense(q64.float(), k64.float(), v64.float(), **kw)
+    assert [s[2] for s in shapes] == [3, 3, 3, 3, 1] and all(math.prod(s) <= budget for s in shapes)
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max().clamp(min=1)
+    empty = ~real(tq, tk, q_start=tk - tq + 3, k_start=3, sliding_window=25, key_padding=kp).any(-1)
+    empty = empty.expand(b, 6, tq)
+    assert torch.equal(got[empty], torch.zeros_like(got[empty])) and bool(empty.any()) == padded
 
 
 def test_sdpa_path_equals_explicit_path() -> None:
