@@ -230,7 +230,7 @@ def _dequantize(q: QTensor, f: KVFormat, memo: ScaleMemo | None = None) -> torch
     else:
         eff = _lut("e8m0", c.device).index_select(0, bs.int().reshape(-1)).view(bs.shape)
         bound = None
-    y = (vals * eff.unsqueeze(-1)).flatten(-2)
+    y = vals.mul_(eff.unsqueeze(-1)).flatten(-2)  # in place: the gathered table values are this call's own
     if bound is None or not bound < _F32_HALF:
         bound = eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(())  # |E2M1| <= 6
     return _saturate(y, bound)
