@@ -64,7 +64,8 @@ from kvcal.errors import UsageError
 _LOGITS_BUDGET = 1 << 25
 # Mask elements per block of query rows in the masked SDPA path (a chunked prefill's queries against the whole
 # cache): the boolean mask and the float copy SDPA makes of it stay near 2**22 elements (16 MiB in float32) whatever
-# the context; each query row's attention is computed alone either way (the same bits: tests/kernels).
+# the context. Each query row's attention is its own either way: the same bits as one call over all rows in every
+# case measured (bench/RESULTS.md); tests/kernels/test_reference.py holds the blocks to the float64 truth.
 _MASK_BUDGET = 1 << 22
 
 
