@@ -102,8 +102,9 @@ def integer_costs(kv: KVSpec, candidates: list[str], budget: Budget) -> tuple[li
 
 
 def meets_budget(kv: KVSpec, layers: Sequence[str], budget: Budget) -> bool:
-    """Whether a per-layer plan (a format per layer) meets `budget` by the solver's exact integer costs: the test
-    the solver's constraint, the uniform guard and the plan report's uniform rows all apply (no float tolerance)."""
+    """Whether a per-layer plan (a format per layer) meets `budget` by the solver's exact integer costs (the
+    solver's own constraint): the test `check_reachable`, the uniform guard and the report's uniform rows apply
+    (no float tolerance)."""
     formats = sorted(set(layers))
     costs, limit, _unit = integer_costs(kv, formats, budget)
     return sum(costs[i][formats.index(f)] for i, f in enumerate(layers)) <= limit
@@ -111,11 +112,10 @@ def meets_budget(kv: KVSpec, layers: Sequence[str], budget: Budget) -> bool:
 
 def check_reachable(kv: KVSpec, cands: list[str], budget: Budget) -> None:
     """UsageError naming the largest reachable capacity (or least bits) when no plan of `cands` meets `budget`."""
-    costs, limit, _unit = integer_costs(kv, cands, budget)
-    cheapest = [min(range(len(cands)), key=lambda k: row[k]) for row in costs]
-    if sum(row[k] for row, k in zip(costs, cheapest, strict=True)) <= limit:
+    costs, _limit, _unit = integer_costs(kv, cands, budget)
+    layers = [cands[min(range(len(cands)), key=lambda k: row[k])] for row in costs]  # the cheapest per layer
+    if meets_budget(kv, layers, budget):
         return
-    layers = [cands[k] for k in cheapest]
     cap = plan_capacity(kv, layers, budget.context)
     names = ", ".join(sorted(set(layers)))
     if budget.kind == "capacity":
