@@ -88,8 +88,7 @@ class RunConfig:
     passkey_lengths: list[int] | None = None
     passkey_depths: list[float] | None = None
     # "continuation" / "continuation-whole" (`--scoring`: loglikelihood requests scored on their continuation rows
-    # only);
-    # None = lm-eval's own path. Written only when set, so every other run keeps its identity hash.
+    # only); None = lm-eval's own path. Written only when set, so every other run keeps its identity hash.
     scoring: str | None = None
     # Sampling for generative lm-eval tasks (`--repeats N`, `--gen-kwargs temperature=0.6,...`): each document
     # generated N times with a seed per (document, repeat), scored as the mean over its repeats. Written only

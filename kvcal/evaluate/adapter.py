@@ -149,7 +149,8 @@ class KvcalLM(HFLM):
         self.model_dir = bound.model_dir
         self.generations = GenerationRecorder(self.tok_decode)
         self.cache: CachePlan = bound.cache  # what the runtime installs (format auto: nothing)
-        # loglikelihood requests: "continuation" (kvcal.evaluate.scoring) or "full" (lm-eval's every-position path)
+        # loglikelihood requests: "continuation" / "continuation-whole" (kvcal.evaluate.scoring) or "full"
+        # (lm-eval's every-position path)
         self.scoring = check_scoring(str(scoring), "model_args scoring=")
         # continuation scoring prefills a sequence longer than this chunk by chunk (kvcal.evaluate.scoring)
         self.prefill_chunk = check_prefill_chunk(int(prefill_chunk))

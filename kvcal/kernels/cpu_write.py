@@ -16,13 +16,13 @@ at 1e-10), torch the log2 of those (one op per side, on a tensor of the shape `f
 it on), and the kernel the rest. int4_per_token_head's Hadamard rotation is `formats.hadamard`'s butterfly (the
 same float additions in the same order) with `formats.rht_signs` handed in as the side's `aux`.
 
-Build. The library is compiled once per source by `kvcal.clib` (`cc -O2 -ffp-contract=off`: no fused multiply-add,
-so every float32 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes. Before its first use the
-library's ABI is checked: it reports sizeof and the field offsets of its `side_t` and its format ids, which must
-equal ctypes' `_Side` and formats' `c_kernel` column. `library()` is None — and the cache writes with torch ops,
-same results, slower — with KVCAL_CPU_WRITE=0 (or KVCAL_C=0), without a C compiler (CC, cc or gcc on PATH), or when the build,
-the load or the ABI check fails; the last three warn once (RuntimeWarning with the compiler's message and how to
-silence it). `status()` says which, in one line (the kernel tests print it).
+Build. The library is compiled once per source by `kvcal.clib` (`cc -O2 -ffp-contract=off`: no fused
+multiply-add, so every float32 operation rounds as torch's does) into kvcal's cache folder, and loaded with ctypes.
+Before its first use the library's ABI is checked: it reports sizeof and the field offsets of its `side_t` and its
+format ids, which must equal ctypes' `_Side` and formats' `c_kernel` column. `library()` is None — and the cache
+writes with torch ops, same results, slower — with KVCAL_CPU_WRITE=0 (or KVCAL_C=0), without a C compiler (CC, cc
+or gcc on PATH), or when the build, the load or the ABI check fails; the last three warn once (RuntimeWarning with
+the compiler's message and how to silence it). `status()` says which, in one line (the kernel tests print it).
 """
 
 from __future__ import annotations
