@@ -255,7 +255,7 @@ class KvcalLM(HFLM):
         return not any(
             p.first_batch is not None
             or (
-                p.side_format(w).layout == "nvfp4"
+                p.side_format(w).codec.global_scale
                 and getattr(p, f"{w}_scale") is None
                 and p.nvfp4_global != "one"
             )

@@ -270,7 +270,7 @@ class EvalSpec:
     @property
     def any_nvfp4(self) -> bool:
         """A side of the format stores nvfp4's layout (nvfp4, nvfp4_4over6)."""
-        return any(f.layout == "nvfp4" for f in (self.cache.k_fmt, self.cache.v_fmt))
+        return any(f.codec.global_scale for f in (self.cache.k_fmt, self.cache.v_fmt))
 
     @property
     def recorded_kv_input_dtype(self) -> str | None:
@@ -589,7 +589,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         # bf16 rounding is idempotent: nothing rounds, config.yaml records none. With a prefix serde the K/V it
         # round-trips are the engine's (bf16) ones, so the input dtype stays: fp8(float32 K) is not fp8(bf16 K)
         cache = dataclasses.replace(cache, kv_input_dtype=None)
-    nvfp4 = any(f.layout == "nvfp4" for f in (cache.k_fmt, cache.v_fmt))
+    nvfp4 = any(f.codec.global_scale for f in (cache.k_fmt, cache.v_fmt))
     if cache.nvfp4_global != "one" and (not nvfp4 or config.scales):
         raise UsageError(
             "--nvfp4-global applies to --kv-format nvfp4 / nvfp4_4over6 without --scales (a scale file or "
