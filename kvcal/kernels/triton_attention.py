@@ -26,6 +26,13 @@ No dequantized copy of K or V is ever written; each K/V tile is dequantized in r
     the torch reference.
   - bf16 / auto: plain loads.
 
+Kernel shape. `_attn_fwd_impl` is one main loop (online softmax over key tiles) that asks K's family loader for
+the logits of a tile (`_k_scores_impl`: q . k and the logit-column factor) and V's for the P.V update
+(`_v_accumulate_impl`), each keyed by its format row's `triton_kernel` id, compared with the named constexprs
+`FAM_*` (no bare family numbers in the kernel). A new storage layout is a branch in those two loaders and its id in
+the format table; a format that shares a layout (nvfp4_4over6: nvfp4's) declares that id and adds nothing here.
+Triton's import and the interpreter flag come from `kvcal.kernels.triton_env`.
+
 One kernel serves decode and prefill. The query rows of one program are the (query token, query head) pairs of
 ONE KV head: row r of the flattened [Tq * G] rows is token r // G, head h_kv * G + r % G (G = H_q // H_kv), so all
 query heads of a KV group share each K/V tile load (GQA/MQA). Decode (few rows, long context) additionally splits
@@ -99,6 +106,12 @@ FMT_CODES: dict[str, int] = {
 
 # Rows (Tq * G) up to which the decode path (small BLOCK_M, split-K) is used.
 _DECODE_MAX_ROWS = 64
+# the jit helpers `_kernels()` installs (each from its `<name>_impl`): the tile loaders by family and their parts
+_JIT_HELPERS = (
+    "_e8m0", "_tanh", "_load_fp4_tile", "_to_dot", "_round_e4m3", "_load_tq_codes", "_is_half", "_is_token",
+    "_has_column", "_fold_scale", "_token_scale", "_load_q", "_load_full_tile", "_k_scores", "_v_accumulate",
+    "_store_rows", "_finish", "_key_range",
+)  # fmt: skip
 _LOG2E = 1.4426950408889634
 _CONFIG_ENV = "KVCAL_TRITON_CONFIG"
 _SPLITS_ENV = "KVCAL_TRITON_SPLITS"
@@ -694,15 +707,7 @@ def _kernels() -> _Kernels:
     if _KERNELS is None or _KERNELS.interpret != interp:
         g = globals()
         # helpers are looked up by name from this module's globals when a kernel is traced
-        g["_e8m0"] = triton.jit(_e8m0_impl)
-        g["_tanh"] = triton.jit(_tanh_impl)
-        g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
-        g["_to_dot"] = triton.jit(_to_dot_impl)
-        g["_round_e4m3"] = triton.jit(_round_e4m3_impl)
-        g["_load_tq_codes"] = triton.jit(_load_tq_codes_impl)
-        for name in ("_is_half", "_is_token", "_has_column", "_fold_scale", "_token_scale", "_load_q",
-                     "_load_full_tile", "_k_scores", "_v_accumulate", "_store_rows", "_finish",
-                     "_key_range"):  # fmt: skip
+        for name in _JIT_HELPERS:
             g[name] = triton.jit(g[f"{name}_impl"])
         _KERNELS = _Kernels(interp, triton.jit(_attn_fwd_impl), triton.jit(_combine_impl), {})
     return _KERNELS
