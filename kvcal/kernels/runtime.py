@@ -331,7 +331,7 @@ class KVRuntime:
             return
         mods = check_architecture(model, self.kv)
         sliding = [x.index for x in self.kv.layers if x.window and x.index not in self.skip_layers]
-        check_sliding(self.kv_format, sliding)
+        check_sliding((self.fmt, self.v_fmt), sliding)  # the plan's rows: nothing parsed here
         serde.check_serde_geometry(plan.prefix_serde, {x.index: x.head_dim for x in self.kv.layers})
         check_block_fits(self.fmt, self.kv)
         check_block_fits(self.v_fmt, self.kv)
