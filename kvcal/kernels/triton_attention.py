@@ -289,7 +289,7 @@ def _load_fp4_tile_impl(
     mask = n_mask[:, None] & i_mask[None, :]
     byte = tl.load(codes_base + offs_n[:, None] * stride_n + offs_i[None, :] * stride_c, mask=mask, other=0)
     byte = byte.to(tl.int32)
-    if FMT == 6:
+    if FMT == FAM_INT4_RHT:
         # int4_per_token_head: code - zero point (small integers, exact); the scale is applied per token outside
         word = tl.load(bs_base + offs_n * bs_stride_n, mask=n_mask, other=0.0).to(tl.int32, bitcast=True)
         zp = (word & 0xF).to(tl.float32)[:, None]
@@ -307,7 +307,7 @@ def _load_fp4_tile_impl(
     blk = offs_i // (BLOCK_SIZE // 2)
     # no `other`: a float8 block scale cannot take an integer fill value; masked lanes are zeroed after decoding
     bsv = tl.load(bs_base + offs_n[:, None] * bs_stride_n + blk[None, :] * bs_stride_c, mask=mask)
-    if FMT == 3:
+    if FMT == FAM_NVFP4:
         s = bsv.to(tl.float32)
     else:
         s = _e8m0(bsv)
