@@ -67,6 +67,7 @@ from kvcal.errors import UsageError
 from kvcal.formats import FORMATS, TQ_SIDES, tq_centroids
 from kvcal.kernels.triton_env import interpreting as _interpreting
 from kvcal.kernels.triton_env import load as _load_triton
+from kvcal.kernels.triton_env import triton_available  # noqa: F401  (re-exported: the one definition)
 
 # triton is a Linux-only dependency; the module imports without it and says so when called
 triton, tl, _TRITON_ERROR = _load_triton()
@@ -115,10 +116,6 @@ _JIT_HELPERS = (
 _LOG2E = 1.4426950408889634
 _CONFIG_ENV = "KVCAL_TRITON_CONFIG"
 _SPLITS_ENV = "KVCAL_TRITON_SPLITS"
-
-
-def triton_available() -> bool:
-    return triton is not None
 
 
 # ---------------------------------------------------------------------------------------------------------------
