@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -38,6 +39,7 @@ def tq_signs(d: int, layer: int, device: torch.device | str = "cpu") -> torch.Te
     return t
 
 
+@cache
 def tq_hadamard_entry(d: int) -> float:
     """|entry| of vLLM's orthonormal Hadamard matrix, the float32 `1 / sqrt(d)` its `H / math.sqrt(d)` stores (every
     entry of the d x d float32 division on CPU, where vLLM builds it)."""
