@@ -98,6 +98,9 @@ class EngineSetup:
     label: str = ""  # names the lm-eval output folder
     tq_boundary_layers: int | None = None  # a TurboQuant preset's --tq-boundary-layers (vLLM's is always 2)
     prefix_serde: str | None = None  # LMCache's storage tier (--prefix-serde): no engine command carries it
+    # kvcal eval --max-length (lm-eval's max_length, the rolling window): an engine's max_model_len; None = not
+    # given (the emulation ran lm-eval's default, the model's positions: results.json's max_length)
+    max_length: int | None = None
 
     @classmethod
     def from_run_config(cls, rc: RunConfig, label: str = "") -> EngineSetup:
@@ -121,6 +124,7 @@ class EngineSetup:
             label=label,
             tq_boundary_layers=rc.tq_boundary_layers,
             prefix_serde=rc.prefix_serde,
+            max_length=rc.max_length,
         )
 
     def merged_tasks(self, other: EngineSetup) -> EngineSetup:
