@@ -396,10 +396,14 @@ def _solve_n(effect: float, alpha: float, power: float) -> int | None:
     """Paired samples for a one-sided one-sample t test of this standardized effect (statsmodels)."""
     if not math.isfinite(effect) or effect <= 0:
         return None
+    import warnings
+
     from statsmodels.stats.power import TTestPower
 
     try:
-        n = TTestPower().solve_power(effect_size=effect, alpha=alpha, power=power, alternative="larger")
+        with warnings.catch_warnings():  # a root finder that does not converge returns nan: not known
+            warnings.simplefilter("ignore")
+            n = TTestPower().solve_power(effect_size=effect, alpha=alpha, power=power, alternative="larger")
     except Exception:  # noqa: BLE001 — statsmodels' root finder failed: not known
         return None
     n = float(np.asarray(n).ravel()[0])
@@ -466,6 +470,8 @@ def _judge(results: list[DamageResult], alpha: float) -> None:
             r.verdict = NOT_EQUIVALENT
         else:
             r.verdict = NOT_SHOWN
+        if r.verdict != NOT_SHOWN:
+            r.n_needed = None  # decided: no more samples needed
 
 
 def _agreement(task: str, spec: MetricSpec, eng: Run, emu: Run) -> float | None:
