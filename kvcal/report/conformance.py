@@ -224,6 +224,7 @@ FIXES = {
     "few-shot": "the same --num-fewshot N on both (lm_eval --num_fewshot N)",
     "chat template": "lm_eval --apply_chat_template on every run or on none (kvcal eval applies none)",
     "system instruction": "the same lm_eval --system_instruction on every run, or none",
+    "few-shot as multi-turn": "lm_eval --fewshot_as_multiturn on every run or on none (kvcal eval: none)",
     "generation kwargs": "the same kvcal eval --gen-kwargs / --max-gen-toks and lm_eval --gen_kwargs",
     "repeats": "the same kvcal eval --repeats (lm-eval task repeats)",
     "limit": "the same --limit N on every run (lm_eval --limit N)",
@@ -317,6 +318,7 @@ def run_settings(run: Run, task: str) -> dict[str, Any]:
         out["log-prob dtype"] = logprob_dtype(run)
     out["chat template"] = run.results.get("chat_template_sha") or run.results.get("chat_template") or "none"
     out["system instruction"] = run.results.get("system_instruction") or "none"
+    out["few-shot as multi-turn"] = bool(run.results.get("fewshot_as_multiturn"))
     named = {"num_fewshot": "few-shot", "generation_kwargs": "generation kwargs", "repeats": "repeats",
              "version": "task version", "scoring": "scoring"}  # fmt: skip
     for key, name in named.items():
@@ -330,34 +332,29 @@ def _shown(value: Any) -> str:
 
 
 def check_like_with_like(pairs: list[Pair]) -> None:
-    """UsageError naming every setting on which a pair's runs differ (with the flag that fixes each), before
-    anything is paired; a setting one run does not record is a difference too (it cannot be shown the same)."""
+    """UsageError naming every setting on which a pair's runs differ — per task and setting one line with each
+    run's value and the flag that fixes it — before anything is paired; a setting a run does not record is a
+    difference too (it cannot be shown the same). Task settings a record lacks (task_settings) are not compared."""
     diffs: list[str] = []
     for p in pairs:
-        runs = [c for c in (p.engine, p.emulation, p.engine_bf16, p.emulation_bf16) if c is not None]
+        configs = [c for c in (p.engine, p.emulation, p.engine_bf16, p.emulation_bf16) if c is not None]
         for task in p.engine.tasks:
-            if p.emulation.run_for(task) is None:
+            runs = [(c.label, c.run_for(task)) for c in configs]
+            present = [(label, r) for label, r in runs if r is not None]
+            if p.emulation.run_for(task) is None or len(present) < 2:
                 continue
-            ref_run = p.engine.run_for(task)
-            assert ref_run is not None
-            want = run_settings(ref_run, task)
-            for c in runs[1:]:
-                run = c.run_for(task)
-                if run is None:
-                    continue
-                have = run_settings(run, task)
-                for key in dict.fromkeys([*want, *have]):
-                    if key not in want or key not in have:
-                        if key in ("few-shot", "generation kwargs", "repeats", "task version", "scoring"):
-                            continue  # a task setting one record lacks: nothing to compare (task_settings)
-                    a, b = want.get(key), have.get(key)
-                    if a != b or a is None:
-                        diffs.append(f"{task} {key}: {p.engine.label} {_shown(a)} vs {c.label} {_shown(b)} "
-                                     f"({FIXES[key]})")  # fmt: skip
-                la, lb = task_limit(ref_run, task), task_limit(run, task)
-                if not same_documents(la, lb):
-                    diffs.append(f"{task} limit: {p.engine.label} {la.describe()} vs {c.label} {lb.describe()} "
-                                 f"({FIXES['limit']})")  # fmt: skip
+            settings = [(label, run_settings(r, task)) for label, r in present]
+            keys = list(dict.fromkeys(k for _, st in settings for k in st))
+            for key in keys:
+                have = [(label, st[key]) for label, st in settings if key in st]
+                values = [v for _, v in have]
+                if len(have) > 1 and (any(v is None for v in values) or any(v != values[0] for v in values)):
+                    shown = ", ".join(f"{label} {_shown(v)}" for label, v in have)
+                    diffs.append(f"{task} {key}: {shown} ({FIXES[key]})")
+            limits = [(label, task_limit(r, task)) for label, r in present]
+            if not all(same_documents(limits[0][1], lim) for _, lim in limits[1:]):
+                shown = ", ".join(f"{label} {lim.describe()}" for label, lim in limits)
+                diffs.append(f"{task} limit: {shown} ({FIXES['limit']})")
     if diffs:
         shown = list(dict.fromkeys(diffs))
         raise UsageError(

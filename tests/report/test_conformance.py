@@ -132,9 +132,13 @@ def test_unlike_configurations_are_refused_naming_each_difference(
     with pytest.raises(UsageError) as exc:
         _conformance(tmp_path, ["eng_ok=emu_fp8"], ["eng_bf16=emu_bf16"])
     msg = str(exc.value)
-    assert "wikitext model dtype: eng_ok bfloat16 vs emu_fp8 float32 (serve and emulate one dtype: kvcal eval --dtype" in msg
-    assert "wikitext log-prob dtype: eng_ok bfloat16 vs emu_fp8 float32 (kvcal eval --logprob-dtype float32" in msg
-    assert "wikitext max length: eng_ok 2048 vs eng_bf16 8192 (kvcal eval --max-length N" in msg
+    runs = "eng_ok {}, emu_fp8 {}, eng_bf16 {}, emu_bf16 {}"
+    assert msg.startswith("conformance compares like with like, and these runs differ in 3 setting(s): ")
+    assert ("wikitext model dtype: " + runs.format("bfloat16", "float32", "bfloat16", "bfloat16")
+            + " (serve and emulate one dtype: kvcal eval --dtype D") in msg  # fmt: skip
+    assert ("wikitext log-prob dtype: " + runs.format("bfloat16", "float32", "bfloat16", "bfloat16")
+            + " (kvcal eval --logprob-dtype float32") in msg  # fmt: skip
+    assert "wikitext max length: " + runs.format(2048, 8192, 8192, 8192) + " (kvcal eval --max-length N" in msg
     assert "vLLM: max_model_len=N" in msg
     code, _, err = invoke(["compare", str(tmp_path), "--baseline", "emu_bf16", "--conformance", "eng_ok=emu_fp8",
                            "--conformance-bf16", "eng_bf16=emu_bf16"])  # fmt: skip
