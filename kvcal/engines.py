@@ -486,8 +486,10 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
             "per-head scales (compressed_tensors.py _to_scalar @ v0.32.0): the engine serves per-tensor scales, not "
             "this run's per-head ones"
         )
-    flags = [*_dtype_flag(s), "--kv-cache-dtype", dtype]
-    model_args: dict[str, Any] = {"pretrained": model, "kv_cache_dtype": dtype, **_dtype_arg(s)}
+    # eager: vLLM's default torch.compile of the model takes minutes on a small CPU before the first token and
+    # changes no KV arithmetic (the cache write and attention are CPU_ATTN's own kernels either way)
+    flags = [*_dtype_flag(s), "--kv-cache-dtype", dtype, "--enforce-eager"]
+    model_args: dict[str, Any] = {"pretrained": model, "kv_cache_dtype": dtype, **_dtype_arg(s), "enforce_eager": True}
     if s.skip_layers and dtype != "auto":
         flags += ["--kv-cache-dtype-skip-layers", *(str(i) for i in s.skip_layers)]
         model_args["kv_cache_dtype_skip_layers"] = [str(i) for i in s.skip_layers]

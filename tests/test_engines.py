@@ -225,12 +225,12 @@ def test_vllm_cpu_build_commands_run_on_the_cpu_build() -> None:
                     data_dir="../shared/data", label="fp8")  # fmt: skip
     cpu = _by_engine(s)["vllm-cpu"]
     assert cpu["serve_argv"] == ["vllm", "serve", "ckpt", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
-                                 "--max-model-len", "8192", "--host", "127.0.0.1"]  # fmt: skip
+                                 "--enforce-eager", "--max-model-len", "8192", "--host", "127.0.0.1"]  # fmt: skip
     assert "--attention-backend" not in cpu["serve_argv"] and "attention_backend" not in cpu["lm_eval"]
     data, args = _kvcal_lm_eval_args(cpu["lm_eval_argv"])
     assert data.data_dir == "../shared/data" and args.model == "vllm" and args.tasks == ["wikitext"]
     assert args.model_args == {"pretrained": "ckpt", "kv_cache_dtype": "fp8", "dtype": "bfloat16",
-                               "max_model_len": 8192}  # fmt: skip
+                               "enforce_eager": True, "max_model_len": 8192}  # fmt: skip
     assert any("AVX-512" in n for n in cpu["notes"])
     # the GPU line keeps its backend (Hopper's default FA3 would quantize Q too) and gets the window as well
     gpu = _by_engine(s)["vllm"]
@@ -242,7 +242,7 @@ def test_vllm_cpu_build_refusals_and_warnings() -> None:
     assert "CPU_ATTN" in _by_engine(EngineSetup("ckpt", "int8_per_token_head"))["vllm-cpu"]["refused"]
     assert "Hopper" in _by_engine(EngineSetup("ckpt", "fp8_e4m3", attention="fp8"))["vllm-cpu"]["refused"]
     bf16 = _by_engine(EngineSetup("ckpt", "bf16", dtype="bfloat16"))["vllm-cpu"]
-    assert bf16["serve_argv"][-3:] == ["auto", "--host", "127.0.0.1"]  # CPU_ATTN lists no 'bfloat16'
+    assert bf16["serve_argv"][-4:] == ["auto", "--enforce-eager", "--host", "127.0.0.1"]  # CPU_ATTN: no 'bfloat16'
     head = _by_engine(EngineSetup("ckpt", "fp8_e4m3", scales_path="s.safetensors", granularity="head"))
     assert any(n.startswith("WARNING") and "maximum of the per-head" in n for n in head["vllm-cpu"]["notes"])
     f32 = _by_engine(EngineSetup("ckpt", "fp8_e4m3", dtype="float32"))
