@@ -52,13 +52,14 @@ Rounding and scales per format
 ------------------------------
 - fp8_*: `(x / scale).clamp(+-max).to(float8)` — torch's cast, round-to-nearest-even. `scale` is the number a scale
   file stores as k_scale/v_scale (x ~ codes * scale); default 1.0 = what vLLM/SGLang use uncalibrated.
-- int8_per_token_head: vLLM's `_reshape_cache_per_token_head_kernel` with QUANT_MAX 127, QUANT_MIN -128
-  (vllm/v1/attention/ops/triton_quant_kv/int8_fp8_per_token_head.py @ f51ccb3e03634773babf356c896bb101ac5d696a,
-  the same arithmetic as the FP8 kernel below): per (token, KV head) `scale = max(amax / 127, 1e-6)` (fp32),
-  codes `trunc(clamp(x * (1 / scale), -128, 127))`: the kernel stores the float32 product into the int8 cache
-  with `tl.store`, whose float -> int conversion truncates toward zero (Triton's fptosi; PTX cvt.rzi), so a
-  code is never rounded up (its module docstring says `round`; the kernel does not). Dequantized `codes * scale`.
-  The finite codes stay within +-127 (|x * (1 / scale)| <= 127 * (1 + 2**-23)); -128 is kvcal's NaN marker.
+- int8_per_token_head: vLLM 0.32.0 and 0.33.0's `_reshape_cache_per_token_head` with QUANT_MAX 127, QUANT_MIN -128,
+  IS_INT_QUANT (vllm/v1/attention/ops/triton_reshape_and_cache_flash.py of both releases' wheels; run under the
+  Triton interpreter by tests/conformance): per (token, KV head) `scale = max(amax / 127, 1e-6)` (fp32), codes
+  `trunc(clamp(where(y >= 0, y + 0.5, y - 0.5), -128, 127))` with y = x * (1 / scale) in float32: "Round half away
+  from zero before the int8 store truncates" (Triton's float -> int store is fptosi; PTX cvt.rzi). Dequantized
+  `codes * scale`. The finite codes stay within +-127 (|y| <= 127 * (1 + 2**-23)); -128 is kvcal's NaN marker.
+  (kvcal before issue 40 truncated without the +-0.5, transcribed from a development commit f51ccb3e whose file
+  triton_quant_kv/int8_fp8_per_token_head.py no release ships.)
 - int8_per_tensor: TensorRT-LLM's INT8 KV cache (`kv_cache_quant_algo` INT8): a static fp32 scale s (0-d, [H_kv]
   or [B, 1, 1, 1]; a scale file's k_scale / v_scale = amax / 127, ModelOpt's convention; default 1.0), codes
   `cvt.rni.sat.s8.f32(x * (1 / s))` (TensorRT-LLM's `cuda_cast<int8_t, float>`): round half to even, saturate to
@@ -748,14 +749,14 @@ def _quantize_fp8(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
 
 
 def _quantize_int8(xf: torch.Tensor) -> QTensor:
-    """vLLM's int8_per_token_head write (`_reshape_cache_per_token_head_kernel`, see the per-token-head section):
-    scale = max(amax / 127, 1e-6) over the finite values [..., 1]; codes = the float32 `clamp(x * (1 / scale),
-    -128, 127)` stored through Triton's float -> int8 conversion, which truncates toward zero (fptosi), not a
-    rounding. +-Inf -> +-127 and NaN -> INT8_NAN are kvcal's non-finite policy (the engine's are undefined)."""
+    """vLLM 0.32.0 / 0.33.0's int8_per_token_head write (`_reshape_cache_per_token_head`, see the per-token-head
+    section): scale = max(amax / 127, 1e-6) over the finite values [..., 1]; codes = the float32 `x * (1 / scale)`
+    rounded half away from zero (`where(y >= 0, y + 0.5, y - 0.5)`, then the truncating int8 store). +-Inf -> +-127 and NaN -> INT8_NAN are kvcal's non-finite policy (the engine's are undefined)."""
     s = (finite_abs(xf).amax(dim=-1, keepdim=True) / INT8_MAX).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
-    # vLLM clamps to [-128, 127]; a finite x never goes below -127 (|x * (1 / scale)| <= 127 (1 + 2**-23)), so
-    # +-127 is the same clamp for it and keeps -Inf off the NaN marker
-    codes = torch.trunc((xf * (1.0 / s)).clamp_(-INT8_MAX, INT8_MAX))
+    # vLLM adds +-0.5 (round half away from zero), clamps to [-128, 127], and the store truncates; a finite x never
+    # goes below -127.5 (|x * (1 / scale)| <= 127 (1 + 2**-23)), so +-127 is the same clamp for it and keeps -Inf
+    # off the NaN marker
+    codes = _round_half_away((xf * (1.0 / s)).clamp_(-INT8_MAX, INT8_MAX))
     codes = torch.where(torch.isnan(xf), float(INT8_NAN), codes).to(torch.int8)
     return QTensor(codes=codes, block_scales=s)
 
