@@ -36,7 +36,7 @@ _REPO = Path(__file__).resolve().parents[1]
 _PTH = "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py::_reshape_cache_per_token_head"
 _FLASH = "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py::reshape_and_cache_kernel_flash"
 _INT4 = "vllm/v1/attention/ops/int4_per_token_head.py::_reshape_cache_int4_kernel"
-_TQ = "vllm/v1/attention/ops/triton_turboquant_store.py::_tq_fused_store_mse, _tq_fused_store_fp8"
+_TQ = "vllm/v1/attention/ops/triton_turboquant_store.py::_tq_fused_store_mse, _tq_fused_store_fp8, _store_quantized_value"
 _NVFP4_CU = "csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu (CUDA only)"
 _CPU_FP8 = (
     "csrc/cpu/cpu_attn_fp8.hpp::float_to_fp8e4m3_scalar via vllm._custom_ops.cpu_attn_reshape_and_cache"
@@ -95,13 +95,24 @@ _MATCHES: dict[str, Match] = {
         f"CPU build stores another encoding: {_CPU_FP8} (truncating), run by tests/conformance on AVX-512",
     ),
     "fp8_e5m2": Match("run", _FLASH, "x / k_scale under the interpreter, e5m2 conversion (RNE) outside it"),
-    "float16": Match("run", _FLASH, "tl.store of a bf16/float32 value into a float16 cache"),
-    "bf16": Match("run", _FLASH, "the model's own dtype copied"),
-    "int4_per_token_head": Match("run", _INT4, "the rotation is kvcal's (single_rht's PyTorch butterfly)"),
-    "turboquant_k8v4": Match("run", _TQ),
-    "turboquant_4bit_nc": Match("run", _TQ),
-    "turboquant_k3v4_nc": Match("run", _TQ),
-    "turboquant_3bit_nc": Match("run", _TQ),
+    "float16": Match("run", _FLASH, "the kernel's own store into a float16 cache"),
+    "bf16": Match("run", _FLASH, "the kernel's own store into a bfloat16 cache"),
+    "int4_per_token_head": Match(
+        "run",
+        _INT4,
+        "with the release's single_rht (its PyTorch butterfly: CPU; CUDA rotates with hadacore in bf16, "
+        "a GPU-only comparison); power-of-two head_dim only (the release also rotates other head_dims "
+        "block-diagonally, which kvcal refuses)",
+    ),
+    **{
+        name: Match(
+            "transcribed",
+            _TQ,
+            "tests/test_formats_turboquant.py holds kvcal to a transcription of this file (the "
+            "same in 0.32.0 and 0.33.0); its Triton kernels run on CPU but tests/conformance does not run them yet",
+        )
+        for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+    },
     "nvfp4": Match("transcribed", _NVFP4_CU),
     "nvfp4_4over6": Match("transcribed", _NVFP4_CU),
 }
@@ -244,7 +255,19 @@ def verified_kernels() -> set[str]:
 
 # store kernels of the releases kvcal knows that store what no kvcal format emulates, with why (so the check
 # lists only what is new): MLA latents, ROCm-only caches, and the dequantize / decode helpers named *store*
-KNOWN_UNEMULATED_KERNELS: dict[str, str] = {}
+_OPS = "vllm/v1/attention/ops/"
+KNOWN_UNEMULATED_KERNELS: dict[str, str] = {
+    f"{_OPS}triton_attention_helpers.py::store_segm_reduce_scalars": "stores attention partials, not K/V",
+    f"{_OPS}triton_unified_attention.py::_store_output_td": "stores attention output, not K/V",
+    f"{_OPS}triton_reshape_and_cache_flash.py::reshape_and_cache_kernel_flash_diffkv": "K and V of different head "
+    "sizes in one cache (models whose V head_dim differs from K's); kvcal's caches have one head_dim",
+    **{
+        f"{_OPS}turboquant_soa/triton_turboquant_store.py::{k}": "TurboQuant's struct-of-arrays layout, used only with "
+        "the FlyDSL (ROCm) decode; same presets, another byte layout"
+        for k in ("_tq_fused_store_fp8", "_tq_fused_store_mse", "_store_quantized_value")
+    },
+    f"{_OPS}ultraquant/triton_store.py::_ultraquant_store_kernel": "ultraquant_4bit: ROCm-only (see refused)",
+}
 
 
 def unverified(pkg: Path) -> dict[str, list[str]]:
@@ -262,3 +285,70 @@ def unverified(pkg: Path) -> dict[str, list[str]]:
 
 
 _ALIASES = {"bfloat16": "bf16"}  # vLLM names kvcal canonicalises
+
+
+def emulated_release(kv_format: str, engine: str = "vllm", version: str | None = None) -> str | None:
+    """'vllm==0.33.0' when every side of `kv_format` (a format, a TurboQuant preset or k=A,v=B) is a store of that
+    release kvcal matches (the newest by default); None for a format no vLLM release stores (SGLang's fp4_e2m1,
+    TensorRT-LLM's int8_per_tensor, mxfp4) or one kvcal cannot parse here (a plan's per-layer formats)."""
+    from kvcal import formats
+
+    release = parse_release(engine, version)
+    try:
+        if formats.is_tq_preset(kv_format):
+            names = {kv_format.strip().lower()}
+        else:
+            k, v = formats.kv_pair(kv_format)
+            names = {k.name, v.name} - {"auto"}
+    except (UsageError, ValueError):
+        return None
+    if not names or not names <= set(release.matches):
+        return None
+    return f"{engine}=={release.version}"
+
+
+# ------------------------------------------------------------- bytes of the caches kvcal counts but does not run
+
+OCTAVE_BLOCK = 64  # rocm_octave.py HADAMARD_BLOCK: K rotated in 64-dim blocks, one fp16 scale each
+_OCTAVE = {"octave_k3v4": (4, False), "octave_k3v3": (3, False), "octave_k3v3_compact": (3, True)}
+
+
+def _octave_slot_bytes(name: str, head_dim: int, rope_dim: int) -> int:
+    """vllm/v1/attention/ops/rocm_octave.py (0.33.0) `OctaveFormat.slot_bytes`: [4-bit RoPE K codes][3-bit NoPE K
+    codes][V codes][fp16 scales: one per 64-dim K block (one for compact K), one for V], padded to 8 bytes (4 for
+    compact K)."""
+    v_bits, compact = _OCTAVE[name]
+    if head_dim % OCTAVE_BLOCK or rope_dim % OCTAVE_BLOCK:
+        raise UsageError(
+            f"{name}: vLLM's Octave cache needs head_dim and rotary dims in multiples of {OCTAVE_BLOCK}, got "
+            f"head_dim {head_dim}, rotary dims {rope_dim}"
+        )
+    wide = 0 if compact else rope_dim
+    raw = wide * 4 // 8 + (head_dim - wide) * 3 // 8 + head_dim * v_bits // 8
+    raw += 2 * ((1 if compact else head_dim // OCTAVE_BLOCK) + 1)
+    align = 4 if compact else 8
+    return (raw + align - 1) // align * align
+
+
+def _ultraquant_slot_bytes(head_dim: int) -> int:
+    """vllm/v1/attention/ops/ultraquant/format.py (0.32.0 and 0.33.0) `slot_size`: K and V as FP4 codes (two per
+    byte) plus one UE8M0 byte per 32-element group each."""
+    if head_dim % 32:
+        raise UsageError(f"ultraquant_4bit: vLLM's UltraQuant cache needs head_dim in multiples of 32, got {head_dim}")
+    return 2 * (head_dim // 2 + head_dim // 32)
+
+
+def counted_slot_bytes(name: str, head_dim: int, rope_dim: int | None = None) -> int | None:
+    """Bytes per (token, KV head), K and V together, of a cache dtype kvcal refuses to evaluate but counts
+    (`kvcal capacity`) from the release's own layout; None for any other name."""
+    if name == "ultraquant_4bit":
+        return _ultraquant_slot_bytes(head_dim)
+    if name in _OCTAVE:
+        return _octave_slot_bytes(name, head_dim, head_dim if rope_dim is None else rope_dim)
+    return None
+
+
+# the packed K|V backends keep vLLM's boundary layers (first and last 2) in the model dtype, as TurboQuant's
+# (vllm/engine/arg_utils.py: `uses_packed_kv_backend`); Octave does not
+COUNTED_WITH_BOUNDARY = frozenset({"ultraquant_4bit"})
+COUNTED = frozenset({"ultraquant_4bit", *_OCTAVE})

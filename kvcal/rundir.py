@@ -108,6 +108,9 @@ class RunConfig:
     # prefix_tokens K/V round-tripped through. Written only when set, so every other run keeps its identity hash.
     prefix_serde: str | None = None
     prefix_tokens: int | None = None
+    # the engine release whose store the run's format matches bit for bit ('vllm==0.33.0', kvcal.releases), for
+    # a format a vLLM release stores; written only when set (formats no vLLM release stores keep their hash)
+    engine_release: str | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -120,7 +123,7 @@ class RunConfig:
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
             "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan", "tq_boundary_layers",
-            "prefix_serde", "prefix_tokens",
+            "prefix_serde", "prefix_tokens", "engine_release",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]
