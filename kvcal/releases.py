@@ -188,9 +188,11 @@ def releases_of(fmt: str, engine: str = "vllm") -> list[str]:
 
 
 def engine_package(engine: str = "vllm") -> Path | None:
-    """The installed engine's package folder: `$KVCAL_VLLM_VENV` (a venv, or a folder holding `vllm/`), else
-    `<repo>/.venv-vllm` (what `make engine` creates). None when neither holds it."""
-    root = Path(os.environ.get(VENV_ENV) or _REPO / ".venv-vllm")
+    """The installed engine's package folder: `$KVCAL_VLLM_VENV` (a venv, or a folder holding `vllm/`), else the
+    venv of `$KVCAL_VLLM_PYTHON` (kvcal.engine_env's override), else `<repo>/.venv-vllm` (what `make engine`
+    creates). None when none holds it."""
+    python = os.environ.get("KVCAL_VLLM_PYTHON")  # kvcal.engine_env's override: <venv>/bin/python
+    root = Path(os.environ.get(VENV_ENV) or (Path(python).parents[1] if python else _REPO / ".venv-vllm"))
     for cand in [root / engine, *sorted(root.glob(f"lib/python3*/site-packages/{engine}"))]:
         if (cand / "__init__.py").is_file():
             return cand
