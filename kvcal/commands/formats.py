@@ -42,6 +42,8 @@ def _rows(version: str | None) -> list[dict[str, Any]]:
         if key in release.matches:
             row.update(kvcal_format=key, matched_by=release.matches[key].to_dict(),
                        releases=releases.releases_of(key))  # fmt: skip
+        elif name in release.mismatched:
+            row.update(kvcal_format=name, mismatch=release.mismatched[name])
         elif name in release.refused:
             row["refused"] = release.refused[name]
         elif name == "auto":
@@ -71,6 +73,10 @@ def formats_cmd(engine_release: EngineReleaseOpt = None, check_engine: CheckEngi
             console.print(f"vLLM {found['version'][0]} at {pkg}")
             for key in ("kv_cache_dtypes", "store_kernels"):
                 console.print(f"{key} without a verified match: {', '.join(found[key]) or 'none'}")
+            release = releases.RELEASES["vllm"].get(found["version"][0])
+            for name in found["kv_cache_dtypes"]:
+                if release is not None and name in release.mismatched:
+                    console.print(f"  {name}: {release.mismatched[name]}")
         if found["kv_cache_dtypes"] or found["store_kernels"]:
             raise typer.Exit(1)
         return
@@ -83,7 +89,7 @@ def formats_cmd(engine_release: EngineReleaseOpt = None, check_engine: CheckEngi
         table.add_column(col)
     for r in rows:
         how = r.get("matched_by", {})
-        verdict = r.get("refused") or ("UNVERIFIED" if r.get("unverified") else
+        verdict = r.get("refused") or (f"MISMATCH: {r['mismatch']}" if r.get("mismatch") else None) or ("UNVERIFIED" if r.get("unverified") else
                                        f"{', '.join(r.get('releases', []))} ({how.get('how', 'model dtype')})")  # fmt: skip
         table.add_row(r["kv_cache_dtype"], r.get("kvcal_format", "-"), verdict)
     console.print(table)
