@@ -103,3 +103,18 @@ def test_counted_slot_bytes_are_the_releases_layouts() -> None:
     assert releases.counted_slot_bytes("octave_k3v3_compact", 256, 64) == (96 + 96 + 4 + 3) // 4 * 4
     with pytest.raises(UsageError, match="multiples of 64"):
         releases.counted_slot_bytes("octave_k3v3", 80)
+
+
+def test_run_config_and_vllm_command_carry_the_release() -> None:
+    from kvcal.engines import EngineSetup, command_lines, commands_dict
+    from kvcal.evaluate.spec import EvalConfig, eval_spec
+    from kvcal.rundir import RunConfig
+
+    fields = eval_spec(EvalConfig(model="m", kv_format="int8_per_token_head", tasks="kl")).recorded_fields()
+    assert fields["engine_release"] == "vllm==0.33.0"
+    rc = RunConfig.from_dict({**fields, "model_dir": "m"})
+    assert rc.to_dict()["engine_release"] == "vllm==0.33.0" and "engine_release" in rc.identity()
+    assert "engine_release" not in RunConfig(model="m", model_dir="m", kv_format="mxfp4", tasks=[]).to_dict()
+    d = commands_dict(EngineSetup.from_run_config(rc))["vllm"]
+    assert d["release"] == "vllm==0.33.0"
+    assert "vllm release: the run emulated vllm==0.33.0's store (kvcal formats)" in command_lines(d)
