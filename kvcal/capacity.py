@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvcal import releases
 from kvcal.errors import UsageError
 from kvcal.formats import (
     FORMATS,
@@ -36,6 +37,7 @@ from kvcal.formats import (
     is_tq_preset,
     kv_pair,
     parse_kv_format,
+    tq_boundary_layers,
     tq_slot_bytes,
 )
 from kvcal.formats.geometry import boundary_layers, check_rotation_head_dims, check_sliding
@@ -63,9 +65,11 @@ def kv_bytes_per_token(
     serve in 16 bits whatever the checkpoint stores (vLLM's `--dtype auto` serves float32 and float16
     checkpoints in float16, bfloat16 ones in bfloat16), so a float32 checkpoint such as a converted GGUF, evaluated
     in float32 by `kvcal eval`, is still counted as the 16-bit cache it gets in serving."""
-    fk, fv = kv_pair(fmt)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens, got {context}")
+    if isinstance(fmt, str) and fmt.strip().lower() in releases.COUNTED:
+        return _counted_bytes_per_token(kv, fmt.strip().lower(), skip_layers, context, tq_boundary)
+    fk, fv = kv_pair(fmt)
     name = _format_name(fmt)
     preset = name if is_tq_preset(name) else None
     # vLLM adds a TurboQuant preset's boundary layers to kv_cache_dtype_skip_layers; the families' geometry rules
@@ -89,8 +93,26 @@ def kv_bytes_per_token(
     return total
 
 
+def _counted_bytes_per_token(
+    kv: KVSpec, name: str, skip_layers: frozenset[int], context: int | None, tq_boundary: int
+) -> float:
+    """A vLLM cache dtype kvcal does not evaluate (ROCm-only: kvcal.releases.COUNTED), counted from the release's
+    own slot layout (bytes per token and KV head, K and V together); skipped layers at 16 bits."""
+    if name in releases.COUNTED_WITH_BOUNDARY:
+        skip_layers = skip_layers | tq_boundary_layers(kv.num_layers, tq_boundary)
+    total = 0.0
+    for layer in kv.layers:
+        slot = 2 * 2 * layer.head_dim if layer.index in skip_layers else releases.counted_slot_bytes(name, layer.head_dim)
+        share = min(context, layer.window) / context if context and layer.type == SLIDING and layer.window else 1.0
+        total += layer.kv_heads * float(slot or 0) * share
+    return total
+
+
 def _format_name(f: str | KVFormat) -> str:
-    """Canonical name of a format or a K/V pair (UsageError for an unknown one)."""
+    """Canonical name of a format or a K/V pair (UsageError for an unknown one); a cache dtype kvcal counts but does
+    not evaluate (kvcal.releases.COUNTED) by its vLLM name."""
+    if isinstance(f, str) and f.strip().lower() in releases.COUNTED:
+        return f.strip().lower()
     return f.name if isinstance(f, KVFormat) else parse_kv_format(f)
 
 

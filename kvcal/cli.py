@@ -23,6 +23,7 @@ from kvcal.commands.capacity import capacity_cmd
 from kvcal.commands.compare import compare_cmd, sweep_cmd
 from kvcal.commands.drift import drift_cmd
 from kvcal.commands.evaluate import eval_cmd
+from kvcal.commands.formats import formats_cmd
 from kvcal.commands.models import models_install, models_list, models_path
 from kvcal.commands.output import route_library_warnings
 from kvcal.commands.plan import plan_cmd, plan_export_cmd
@@ -143,6 +144,7 @@ app.command("eval")(eval_cmd)
 app.command("sweep")(sweep_cmd)
 app.command("compare")(compare_cmd)
 app.command("release")(release_cmd)
+app.command("formats")(formats_cmd)
 
 models_app = typer.Typer(
     help="The two real models of kvcal's demos: install, list, locate/convert.", no_args_is_help=True

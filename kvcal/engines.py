@@ -66,6 +66,7 @@ KV_CACHE_DTYPES: dict[str, frozenset[str]] = {
         "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla",
         "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "int4_per_token_head",
         "int8_per_token_head", "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
+        "ultraquant_4bit", "octave_k3v4", "octave_k3v3", "octave_k3v3_compact",  # vLLM 0.33.0 (kvcal.releases)
     }),
     "sglang": frozenset({
         "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16", "fp4_e2m1",
@@ -98,6 +99,7 @@ class EngineSetup:
     label: str = ""  # names the lm-eval output folder
     tq_boundary_layers: int | None = None  # a TurboQuant preset's --tq-boundary-layers (vLLM's is always 2)
     prefix_serde: str | None = None  # LMCache's storage tier (--prefix-serde): no engine command carries it
+    engine_release: str | None = None  # 'vllm==0.33.0': the release whose store the run matched (kvcal.releases)
     max_length: int | None = None  # the run's window (lm-eval max_length): the engine's max_model_len
     data_dir: str | None = None  # --data-dir: kvcal-lm-eval reads the same offline task data
 
@@ -123,6 +125,7 @@ class EngineSetup:
             label=label,
             tq_boundary_layers=rc.tq_boundary_layers,
             prefix_serde=rc.prefix_serde,
+            engine_release=rc.engine_release,
             max_length=getattr(rc, "max_length", None) or (rc.extra or {}).get("max_length"),
             data_dir=rc.data_dir,
         )
@@ -147,9 +150,12 @@ class EngineCommand:
     files: dict[str, str] = field(default_factory=dict)  # file name -> contents the commands read
     refused: str | None = None  # why the engine cannot run this configuration (then no commands)
     notes: tuple[str, ...] = ()
+    release: str | None = None  # the engine release the run emulated ('vllm==0.33.0'; kvcal.releases)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine}
+        if self.release:
+            out["release"] = self.release
         if self.refused:
             out["refused"] = self.refused
         for key in ("export", "serve", "lm_eval"):
@@ -177,6 +183,8 @@ def command_lines(d: dict[str, Any]) -> list[str]:
     out += [
         f"{engine} {key.replace('_', '-')}: {d[key]}" for key in ("export", "serve", "lm_eval") if key in d
     ]
+    if d.get("release"):
+        out.append(f"{engine} release: the run emulated {d['release']}'s store (kvcal formats)")
     return out + [f"{engine} note: {n}" for n in d.get("notes", [])]
 
 
@@ -440,7 +448,9 @@ def _vllm(s: EngineSetup) -> EngineCommand:
     tasks, task_notes = _engine_tasks(s)
     lm = _lm_eval("vllm", model_args, s, "vllm") if tasks else None
     notes += _float32_note(s)
-    return EngineCommand("vllm", serve=serve, export=export, lm_eval=lm, notes=tuple(notes + task_notes))
+    return EngineCommand(
+        "vllm", serve=serve, export=export, lm_eval=lm, notes=tuple(notes + task_notes), release=s.engine_release
+    )
 
 
 # ---- vLLM's CPU build -------------------------------------------------------------------------------------------

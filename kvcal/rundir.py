@@ -115,6 +115,9 @@ class RunConfig:
     # lm-eval's max_length (`--max-length`: rolling window and truncation) when given; None = lm-eval's default
     # (the model's positions; results.json's `max_length` holds the one used). Written only when set.
     max_length: int | None = None
+    # the engine release whose store the run's format matches bit for bit ('vllm==0.33.0', kvcal.releases), for
+    # a format a vLLM release stores; written only when set (formats no vLLM release stores keep their hash)
+    engine_release: str | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -127,7 +130,7 @@ class RunConfig:
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
             "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan", "tq_boundary_layers",
-            "prefix_serde", "prefix_tokens", "logprob_dtype", "max_length",
+            "prefix_serde", "prefix_tokens", "logprob_dtype", "max_length", "engine_release",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]

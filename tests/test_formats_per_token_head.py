@@ -1,9 +1,9 @@
 """fp8_per_token_head, int8_per_token_head, int4_per_token_head and float16 against transcriptions of vLLM's kernels.
 
 The transcriptions follow the Triton kernels line by line, one (token, head) row at a time in float32 scalars:
-vllm/v1/attention/ops/triton_quant_kv/_per_token_head_kernel.py @ 8940d7db4a47a9d9700bad90f1142130f699950c
-(`_reshape_cache_per_token_head_kernel`; INT8's launch constants 127 / -128 from
-vllm/v1/attention/ops/triton_quant_kv/int8_fp8_per_token_head.py @ f51ccb3e03634773babf356c896bb101ac5d696a) and vllm/v1/attention/ops/int4_per_token_head.py @
+vllm/v1/attention/ops/triton_reshape_and_cache_flash.py of vLLM 0.32.0 and 0.33.0 (`_reshape_cache_per_token_head`;
+INT8: launch constants 127 / -128 and IS_INT_QUANT, round half away from zero before the truncating store; the
+release's own kernel runs in tests/conformance) and vllm/v1/attention/ops/int4_per_token_head.py @
 055e47c28003156421365af985d676fc921cb075 (`_reshape_cache_int4_kernel`, `single_rht`, `_get_rht_signs`, the
 PyTorch butterfly of `fast_hadamard_transform`, `unified_attention_int4`). kvcal's versions are vectorised over rows.
 """
@@ -29,16 +29,21 @@ F32 = np.float32
 # ---- transcriptions (one row at a time, numpy float32 scalars: every op rounds to float32 as the kernel's) ----
 
 
-def vllm_pth_row(x: np.ndarray, quant_max: float, quant_min: float) -> tuple[list[np.float32], np.float32]:
-    """`_reshape_cache_per_token_head_kernel` for one (token, head), up to its store: (the clamped float32 values
-    `tl.store` is handed, scale). One kernel for FP8 (+-448) and INT8 (127 / -128): only the constants and the
-    cache pointer's dtype differ."""
+def vllm_pth_row(
+    x: np.ndarray, quant_max: float, quant_min: float, is_int: bool = False
+) -> tuple[list[np.float32], np.float32]:
+    """`_reshape_cache_per_token_head` for one (token, head), up to its store: (the clamped float32 values
+    `tl.store` is handed, scale). One kernel for FP8 (+-448) and INT8 (127 / -128, IS_INT_QUANT: +-0.5 first):
+    only the constants and the cache pointer's dtype differ."""
     amax = F32(0.0)
     for e in x:
         amax = max(amax, F32(abs(e)))
     k_scale = max(F32(amax / F32(quant_max)), F32(1e-6))
     inv = F32(F32(1.0) / k_scale)
-    return [min(max(F32(e * inv), F32(quant_min)), F32(quant_max)) for e in x], k_scale
+    q = [F32(e * inv) for e in x]
+    if is_int:  # "Round half away from zero before the int8 store truncates."
+        q = [F32(v + F32(0.5)) if v >= 0 else F32(v - F32(0.5)) for v in q]
+    return [min(max(v, F32(quant_min)), F32(quant_max)) for v in q], k_scale
 
 
 def triton_store_to_int8(y: np.float32) -> int:
@@ -56,7 +61,7 @@ def vllm_fp8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
 
 def vllm_int8_pth_row(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
     """INT8 per-token-head: (int8 codes, scale)."""
-    q, s = vllm_pth_row(x, 127.0, -128.0)
+    q, s = vllm_pth_row(x, 127.0, -128.0, is_int=True)
     return np.array([triton_store_to_int8(v) for v in q], dtype=np.int8), s
 
 
@@ -144,7 +149,7 @@ PTH_ROWS = {
     fmt=st.sampled_from(sorted(PTH_ROWS)),
 )
 def test_per_token_head_equals_vllm(seed: int, d: int, dtype: str, fmt: str) -> None:
-    """FP8 and INT8 per-token-head codes and scales bit for bit against vLLM's write (INT8: its truncating store),
+    """FP8 and INT8 per-token-head codes and scales bit for bit against vLLM's write (INT8: rounded half away from zero),
     any head_dim (vLLM masks a padded power-of-two tile: odd D works)."""
     row, code_dtype = PTH_ROWS[fmt]
     x = _rows(seed, d, 3, torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -179,18 +184,19 @@ def test_fp8_per_token_head_saturation_zero_rows_and_nonfinite() -> None:
 # ---- int8_per_token_head ----
 
 
-def test_int8_per_token_head_truncates_hand_computed() -> None:
+def test_int8_per_token_head_rounds_half_away_hand_computed() -> None:
     # amax 7.9375 = 127 / 16: scale 1/16 and its reciprocal 16 exact; x * 16 = 127, -0.5, 1.5, 2.5, -3.5, 1.6, -127
     x = torch.tensor([7.9375, -0.03125, 0.09375, 0.15625, -0.21875, 0.1, -7.9375, 0.0]).reshape(1, 1, 1, 8)
     q = formats.quantize(x, "int8_per_token_head")
     assert q.block_scales.item() == 0.0625
-    assert q.codes.flatten().tolist() == [127, 0, 1, 2, -3, 1, -127, 0]  # toward zero, never rounded up
-    # the row maximum itself: amax 0.5 -> scale 0.5/127 rounded to float32; 0.5 * float32(1 / scale) lands
-    # just under 127 and is stored as 126 (what the engine's cache holds)
+    assert q.codes.flatten().tolist() == [127, -1, 2, 3, -4, 2, -127, 0]  # ties away from zero (not to even)
+    # the row maximum itself is stored as +-127: amax 0.5 -> scale 0.5/127 rounded to float32, 0.5 * float32(1 /
+    # scale) within half a code of 127
     y = torch.tensor([0.5, -0.5, 0.25, 0.0]).reshape(1, 1, 1, 4)
     s = np.float32(np.float32(0.5) / np.float32(127.0))
     top = np.float32(np.float32(0.5) * np.float32(np.float32(1.0) / s))
-    assert formats.quantize(y, "int8_per_token_head").codes.flatten().tolist()[:2] == [int(top), -int(top)]
+    assert abs(float(top) - 127.0) < 0.5
+    assert formats.quantize(y, "int8_per_token_head").codes.flatten().tolist() == [127, -127, 64, 0]
 
 
 def test_int8_per_token_head_zero_rows_and_nonfinite() -> None:
@@ -203,7 +209,7 @@ def test_int8_per_token_head_zero_rows_and_nonfinite() -> None:
     assert q.codes[0, 0, 0].tolist() == [0] * 6 and q.codes[0, 0, 2].tolist() == [0] * 6
     # kvcal's non-finite policy: the scale from the finite values, NaN -> the NaN marker, +-Inf -> +-127
     assert s[1] == torch.tensor(2.0) / 127.0
-    assert q.codes[0, 0, 1].tolist() == [formats.INT8_NAN, 127, -63, 127, -127, 0]
+    assert q.codes[0, 0, 1].tolist() == [formats.INT8_NAN, 127, -64, 127, -127, 0]  # -63.5 away from zero
     y = formats.dequantize(q, "int8_per_token_head")[0, 0, 1]
     assert math.isnan(y[0]) and torch.isfinite(y[1:]).all()
 

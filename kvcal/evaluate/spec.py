@@ -31,6 +31,7 @@ from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, TQ_BOUNDARY_LAYERS, is_tq_pres
 from kvcal.kernels.plan import CachePlan, parse_cache_plan
 from kvcal.models.loading import DTYPES, check_device, resolve_dtype
 from kvcal.placement import Placement
+from kvcal.releases import emulated_release
 from kvcal.rundir import RunConfig
 
 if TYPE_CHECKING:
@@ -349,6 +350,7 @@ class EvalSpec:
             "tq_boundary_layers": self.tq_boundary_layers if is_tq_preset(self.kv_format) else None,
             "prefix_serde": self.prefix_serde,  # None (not written) without a storage tier
             "prefix_tokens": self.prefix_tokens,
+            "engine_release": emulated_release(self.kv_format) if self.plan is None else None,
         }
 
     @property

@@ -9,6 +9,7 @@ import torch
 from kvcal.formats.codec import Codec, register
 from kvcal.formats.constants import INT8_MAX, INT8_NAN, PTH_SCALE_MIN
 from kvcal.formats.fp8 import byte_bits, full_width, per_token_bits, per_token_widths
+from kvcal.formats.int4 import _round_half_away
 from kvcal.formats.qtensor import QTensor, _bcast, _to, dequantize_static, finite_abs
 
 if TYPE_CHECKING:
@@ -16,14 +17,15 @@ if TYPE_CHECKING:
 
 
 def _quantize_int8(xf: torch.Tensor) -> QTensor:
-    """vLLM's int8_per_token_head write (`_reshape_cache_per_token_head_kernel`, see the per-token-head section):
-    scale = max(amax / 127, 1e-6) over the finite values [..., 1]; codes = the float32 `clamp(x * (1 / scale),
-    -128, 127)` stored through Triton's float -> int8 conversion, which truncates toward zero (fptosi), not a
-    rounding. +-Inf -> +-127 and NaN -> INT8_NAN are kvcal's non-finite policy (the engine's are undefined)."""
+    """vLLM 0.32.0 / 0.33.0's int8_per_token_head write (`_reshape_cache_per_token_head`, see the per-token-head
+    section of docs/formats.md): scale = max(amax / 127, 1e-6) over the finite values [..., 1]; codes = the float32
+    `x * (1 / scale)` rounded half away from zero (`where(y >= 0, y + 0.5, y - 0.5)`, then the truncating int8
+    store). +-Inf -> +-127 and NaN -> INT8_NAN are kvcal's non-finite policy (the engine's are undefined)."""
     s = (finite_abs(xf).amax(dim=-1, keepdim=True) / INT8_MAX).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
-    # vLLM clamps to [-128, 127]; a finite x never goes below -127 (|x * (1 / scale)| <= 127 (1 + 2**-23)), so
-    # +-127 is the same clamp for it and keeps -Inf off the NaN marker
-    codes = torch.trunc((xf * (1.0 / s)).clamp_(-INT8_MAX, INT8_MAX))
+    # vLLM adds +-0.5 (round half away from zero), clamps to [-128, 127], and the store truncates; a finite x never
+    # goes below -127.5 (|x * (1 / scale)| <= 127 (1 + 2**-23)), so +-127 is the same clamp for it and keeps -Inf
+    # off the NaN marker
+    codes = _round_half_away((xf * (1.0 / s)).clamp_(-INT8_MAX, INT8_MAX))
     codes = torch.where(torch.isnan(xf), float(INT8_NAN), codes).to(torch.int8)
     return QTensor(codes=codes, block_scales=s)
 

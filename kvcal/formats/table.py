@@ -75,6 +75,16 @@ NOT_EMULATED: dict[str, str] = {
     # vLLM maps the name to float8_e4m3fn storage and nothing else (vllm/utils/torch_utils.py
     # STR_DTYPE_TO_TORCH_DTYPE); what is stored is computed on Intel Gaudi by Intel Neural Compressor in the
     # out-of-tree HPU plugin, from INC's measured scales, so vLLM's source does not show the arithmetic
+    # vLLM 0.32.0 / 0.33.0 (kvcal.releases): caches only a ROCm backend stores; `kvcal capacity` counts their bytes
+    "ultraquant_4bit": "vLLM's UltraQuant 4-bit cache (FP4 E2M1 codes, UE8M0 scale per 32, Hadamard-rotated K), "
+    "which only its ROCm platform selects (vllm/platforms/rocm.py: ULTRAQUANT backend, vLLM 0.32.0 and 0.33.0): no "
+    "CUDA or CPU build stores it and kvcal does not emulate it (kvcal capacity counts its bytes)",
+    **{
+        name: "vLLM 0.33.0's Octave cache (block-Hadamard-rotated Lloyd-Max codes, fp16 scales), stored only by its "
+        "ROCm backend ROCM_OCTAVE (vllm/v1/attention/ops/rocm_octave.py, selected in vllm/platforms/rocm.py): no "
+        "CUDA or CPU build stores it and kvcal does not emulate it (kvcal capacity counts its bytes)"
+        for name in ("octave_k3v4", "octave_k3v3", "octave_k3v3_compact")
+    },
     "fp8_inc": "Intel Gaudi's FP8 KV cache through Intel Neural Compressor: vLLM only maps the name to E4M3 "
     "storage, the quantization runs in the out-of-tree HPU plugin with INC's measured scales, which vLLM's source "
     "does not show; for the same E4M3 storage with a calibrated scale use fp8_e4m3 --scales",

@@ -348,14 +348,15 @@ static void write_row(int fmt, const float *x, int D, float g, const float *aux,
         break;
     }
     case F_INT8: {
-        /* vLLM: scale = max(amax / 127, 1e-6); code = (int8) clamp(x * (1 / scale)), truncated toward zero */
+        /* vLLM 0.32.0 / 0.33.0: scale = max(amax / 127, 1e-6); code = x * (1 / scale) rounded half away from
+           zero (+-0.5, then the truncating int8 store) */
         float s = pth_scale(x, D, 127.0f), inv = 1.0f / s;
         for (int d = 0; d < D; d++) {
             int8_t c;
             if (isnan(x[d])) c = -128;
             else {
                 float r = x[d] * inv;
-                c = (int8_t)truncf(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+                c = (int8_t)round_half_away(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
             }
             ((int8_t *)codes)[d] = c;
             vals[d] = c == -128 ? NAN : sat((float)c * s);

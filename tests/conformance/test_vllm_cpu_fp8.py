@@ -1,0 +1,134 @@
+"""vLLM's CPU build's FP8 KV cache write (`vllm._custom_ops.cpu_attn_reshape_and_cache`, kv_cache_dtype 'fp8'),
+the compiled op of the installed release, run in the engine's own Python (<repo>/.venv-vllm/bin/python, tensors
+exchanged as safetensors files). vLLM allows it only on x86 with AVX-512 or AMX (`_get_attn_isa`: "FP8 KV cache on
+CPU requires x86 with AVX-512 or AMX"; the AVX2 build has no FP8 dispatch): elsewhere the test skips, saying so.
+
+What the op stores (csrc/cpu/cpu_attn_fp8.hpp `float_to_fp8e4m3_scalar`, called per element by
+`reshape_and_cache_fp8_vec_impl` / `_amx_impl`; csrc/cpu/cpu_attn.cpp passes `k_inv = 1.0f / (float)k_scale`):
+v = x * k_inv (float32), clamped to +-448 (NaN -> +448: std::min/std::max keep the bound), 0 -> byte 0, else the
+float32 bits of v * 2**-120 with the sign and bits 26..20 kept: the E4M3 mantissa TRUNCATED toward zero, not
+rounded (subnormals included, through the float32 subnormal of v * 2**-120). kvcal's fp8_e4m3 is the CUDA/Triton
+store (x / k_scale, RNE): on the same values the CPU build's bytes differ wherever RNE rounds up. This test holds
+the transcription below (`cpu_e4m3`) to the engine's bytes and counts how many of kvcal's fp8_e4m3 codes differ.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvcal import formats
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from safetensors.torch import load_file, save_file
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        print(json.dumps({"skip": "this CPU has neither AVX-512 nor AMX: vLLM's CPU build refuses an FP8 KV cache "
+                          "here (FP8 KV cache on CPU requires x86 with AVX-512 or AMX)"}))
+        sys.exit(0)
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    t = load_file(sys.argv[1]); cfg = json.loads(sys.argv[3])
+    k, v, slots = t["key"], t["value"], t["slots"]
+    isa = _get_attn_isa(k.dtype, cfg["block_size"], k.shape[2], "fp8")
+    h, d, bs = k.shape[1], k.shape[2], cfg["block_size"]
+    kc = torch.zeros(cfg["blocks"], h, bs, d, dtype=torch.uint8); vc = torch.zeros_like(kc)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=cfg["k_scale"], v_scale=cfg["v_scale"],
+                                   kv_cache_dtype="fp8")
+    save_file({"kc": kc, "vc": vc}, sys.argv[2])
+    print(json.dumps({"isa": isa}))
+""")
+
+
+def cpu_e4m3(x: torch.Tensor, inv: float) -> torch.Tensor:
+    """Transcription of float_to_fp8e4m3_scalar (csrc/cpu/cpu_attn_fp8.hpp, vLLM 0.32.0's CPU build): x float32,
+    inv = float32(1 / scale) -> uint8 E4M3 bytes, mantissa truncated."""
+    v = x.float() * torch.tensor(inv, dtype=torch.float32)
+    v = torch.where(torch.isnan(v), torch.tensor(448.0), v.clamp(-448.0, 448.0))
+    bits = (v * 2.0**-120).view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    payload = ((bits >> 20) & 0x7F).clamp(max=0x7E)
+    out = torch.where(payload == 0, sign, sign | payload)
+    return torch.where(v == 0, torch.zeros_like(out), out).to(torch.uint8)
+
+
+def _unpack(cache: torch.Tensor, isa: str, side: str, slots: torch.Tensor) -> torch.Tensor:
+    """The engine's [blocks, H, block_size, D] uint8 cache -> [T, H, D] in token order, per its layout: VEC keys
+    column-major within a block ([D, block_size]), VEC values row-major; AMX keys as uint16 pairs of 16-token groups,
+    AMX values in 2-token sub-groups of 16 elements."""
+    nb, h, bs, d = cache.shape
+    flat = cache.reshape(nb, h, bs * d)
+    blk, off = slots // bs, slots % bs
+    i = torch.arange(d)
+    if isa == "amx" and side == "k":
+        idx = (
+            2 * ((off // 16).view(-1, 1) * 16 * (d // 2) + (i // 2).view(1, -1) * 16 + (off % 16).view(-1, 1))
+            + i % 2
+        )
+    elif isa == "amx":
+        idx = (i // 16) * bs * 16 + ((off // 2) * 32 + off % 2).view(-1, 1) + 2 * (i % 16)
+    elif side == "k":
+        idx = i.view(1, -1) * bs + off.view(-1, 1)
+    else:
+        idx = off.view(-1, 1) * d + i.view(1, -1)
+    return torch.stack([flat[blk[t], :, idx[t]] for t in range(len(slots))])  # [T, H, D]
+
+
+def _engine_python(vllm_pkg: Path) -> Path:
+    for cand in (vllm_pkg.parents[3] / "bin" / "python", vllm_pkg.parents[3] / "bin" / "python3"):
+        if cand.exists():
+            return cand
+    pytest.skip(f"no engine interpreter beside {vllm_pkg} (a venv's bin/python)")
+
+
+@pytest.mark.slow
+def test_cpu_fp8_store_bytes(vllm_pkg: Path, vllm_version: str, tmp_path: Path) -> None:
+    t, h, d, bs = 45, 2, 64, 32
+    g = torch.Generator().manual_seed(7)
+    key = (torch.randn(t, h, d, generator=g) * 40).to(torch.bfloat16)
+    value = (torch.randn(t, h, d, generator=g) * 0.01).to(torch.bfloat16)  # subnormal E4M3 codes too
+    blocks = 4
+    slots = torch.randperm(blocks * bs, generator=g)[:t].to(torch.int64)
+    save_file({"key": key, "value": value, "slots": slots}, str(tmp_path / "in.safetensors"))
+    cfg = {"block_size": bs, "blocks": blocks, "k_scale": 0.37, "v_scale": 1.0}
+    out = subprocess.run(
+        [str(_engine_python(vllm_pkg)), "-c", ENGINE_SCRIPT, str(tmp_path / "in.safetensors"),
+         str(tmp_path / "out.safetensors"), json.dumps(cfg)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in info:
+        pytest.skip(info["skip"])
+    got = load_file(str(tmp_path / "out.safetensors"))
+    for side, x, scale, cache in (("k", key, 0.37, got["kc"]), ("v", value, 1.0, got["vc"])):
+        engine = _unpack(cache, info["isa"], side, slots)
+        inv = float(torch.tensor(1.0) / torch.tensor(scale, dtype=torch.float32))
+        assert torch.equal(engine, cpu_e4m3(x, inv)), (
+            f"{side}: the CPU store's bytes are not the transcription's"
+        )
+        rne = formats.quantize(x.float(), "fp8_e4m3", scale).codes.view(torch.uint8)
+        print(
+            f"{side}: kvcal fp8_e4m3 (RNE) differs from vLLM's CPU store in {(rne != engine).float().mean():.1%}",
+            file=sys.stderr,
+        )
+
+
+def test_cpu_e4m3_transcription_truncates() -> None:
+    """What the transcription does, on values a RNE cast rounds up (runs anywhere): 124.3 -> 120 (RNE 128),
+    0.0137 (a subnormal, 7.01 * 2**-9) -> 7 * 2**-9, NaN -> 448, -1e-9 -> -0, 500 -> 448."""
+    x = torch.tensor([124.3, 0.0137, float("nan"), -1e-9, 500.0, -3.0])
+    got = cpu_e4m3(x, 1.0).view(torch.float8_e4m3fn).float().tolist()
+    assert (
+        got[0] == 120.0 and got[1] == 7 * 2.0**-9 and got[2] == 448.0 and got[4] == 448.0 and got[5] == -3.0
+    )
+    assert cpu_e4m3(x, 1.0)[3].item() == 0x80  # the sign kept: -0
+    assert x[:1].to(torch.float8_e4m3fn).float().item() == 128.0  # kvcal's fp8_e4m3 (RNE) stores 128
