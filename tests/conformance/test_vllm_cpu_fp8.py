@@ -49,15 +49,9 @@ ENGINE_SCRIPT = textwrap.dedent("""
 
 
 def cpu_e4m3(x: torch.Tensor, inv: float) -> torch.Tensor:
-    """Transcription of float_to_fp8e4m3_scalar (csrc/cpu/cpu_attn_fp8.hpp, vLLM 0.32.0's CPU build): x float32,
-    inv = float32(1 / scale) -> uint8 E4M3 bytes, mantissa truncated."""
-    v = x.float() * torch.tensor(inv, dtype=torch.float32)
-    v = torch.where(torch.isnan(v), torch.tensor(448.0), v.clamp(-448.0, 448.0))
-    bits = (v * 2.0**-120).view(torch.int32)
-    sign = (bits >> 24) & 0x80
-    payload = ((bits >> 20) & 0x7F).clamp(max=0x7E)
-    out = torch.where(payload == 0, sign, sign | payload)
-    return torch.where(v == 0, torch.zeros_like(out), out).to(torch.uint8)
+    """kvcal's emulation of the CPU build's store (formats `fp8_e4m3_cpu`'s conversion): x float32, inv =
+    float32(1 / scale) -> uint8 E4M3 bytes, mantissa truncated."""
+    return formats.cpu_e4m3_bytes(x.float() * torch.tensor(inv, dtype=torch.float32))
 
 
 def _unpack(cache: torch.Tensor, isa: str, side: str, slots: torch.Tensor) -> torch.Tensor:
@@ -115,6 +109,8 @@ def test_cpu_fp8_store_bytes(vllm_pkg: Path, vllm_version: str, tmp_path: Path) 
         assert torch.equal(engine, cpu_e4m3(x, inv)), (
             f"{side}: the CPU store's bytes are not the transcription's"
         )
+        emulated = formats.quantize(x.float(), "fp8_e4m3_cpu", scale).codes.view(torch.uint8)
+        assert torch.equal(engine, emulated), f"{side}: kvcal's fp8_e4m3_cpu is not the CPU build's store"
         rne = formats.quantize(x.float(), "fp8_e4m3", scale).codes.view(torch.uint8)
         print(
             f"{side}: kvcal fp8_e4m3 (RNE) differs from vLLM's CPU store in {(rne != engine).float().mean():.1%}",
