@@ -138,7 +138,9 @@ def prefilled(forward: ChunkForward, ids: torch.Tensor, first: int, chunk: int) 
     out = []
     for s in range(0, T, chunk):
         piece = ids[:, s : min(T, s + chunk)]
-        keep = torch.arange(min(max(first - s, 0), piece.shape[1]), piece.shape[1])  # none before `first`'s chunk
+        keep = torch.arange(
+            min(max(first - s, 0), piece.shape[1]), piece.shape[1]
+        )  # none before `first`'s chunk
         if keep.numel() == 0:
             forward(piece, torch.tensor([piece.shape[1] - 1], device=ids.device))  # fills the cache only
             continue
@@ -276,7 +278,9 @@ def prefilled_batch(
         s1 = min(T, s0 + chunk)
         pos = torch.arange(s0, s1, device=device).expand(B, -1)
         with head.active(keep_last=True):  # the head computes one row; the rows wanted are projected below
-            forward(ids[:, s0:s1], None, attention_mask=None if full is None else full[:, :s1], position_ids=pos)
+            forward(
+                ids[:, s0:s1], None, attention_mask=None if full is None else full[:, :s1], position_ids=pos
+            )
         hidden = head.hidden  # [B, s1 - s0, d]
         assert hidden is not None
         for i, s in enumerate(seqs):
@@ -526,7 +530,9 @@ def run_divergence(
     keys: list[str] = [""] * len(prompts)
     for g in groups:
         for i in g:
-            keys[i] = trajectory_key(fingerprint, baseline_desc, prompts[i], gen_len, eos, [prompts[j] for j in g])
+            keys[i] = trajectory_key(
+                fingerprint, baseline_desc, prompts[i], gen_len, eos, [prompts[j] for j in g]
+            )
     hits = _baseline_trajectories(baseline, prompts, keys, groups, root, gen_len, eos, device)
 
     samples: list[dict[str, Any] | None] = [None] * len(prompts)
@@ -568,7 +574,9 @@ def run_divergence(
         "baseline_cache_hits": hits,
     }
     results = _results(task, done, config, len(lm_task.eval_docs) if lm_task else len(user_prompts.texts))
-    results["divergence_by_position"] = {task: by_position([p for p in per_prompt if p is not None], edges, gen_len)}
+    results["divergence_by_position"] = {
+        task: by_position([p for p in per_prompt if p is not None], edges, gen_len)
+    }
     return results, done
 
 
@@ -653,7 +661,12 @@ def _one_batch(
         p_kl = torch.cat([x[0] for x in pre[j]])
         base_top = base_lp16[j].float().topk(TOP_K, dim=-1).indices
         t, event = first_divergence(b_tok, q_tok)
-        stats = {"decode_kl": d_kl, "prefill_kl": p_kl, "decode_top1": d_top1, "margin": margins(base_lp16[j])}
+        stats = {
+            "decode_kl": d_kl,
+            "prefill_kl": p_kl,
+            "decode_top1": d_top1,
+            "margin": margins(base_lp16[j]),
+        }
         rec = {
             "filter": "none",
             "metrics": list(METRICS),

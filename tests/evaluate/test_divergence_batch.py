@@ -129,13 +129,17 @@ def test_first_batch_scales_depend_on_the_batch(tiny_model: Callable[[str], Any]
 
     def gap(first_batch: bool) -> float:
         with torch.no_grad():
-            traj = greedy(_runtime(model, "fp8_e4m3", "one", first_batch)(), torch.tensor([PROMPTS[1]]), GEN, set())[0]
+            traj = greedy(
+                _runtime(model, "fp8_e4m3", "one", first_batch)(), torch.tensor([PROMPTS[1]]), GEN, set()
+            )[0]
             rows: list[torch.Tensor] = []
             teacher_forced_batch(
                 _runtime(model, "fp8_e4m3", "one", first_batch)(), PROMPTS, [traj] * 4, "cpu",
                 lambda i, _r, x: rows.append(x) if i == 1 else None,
             )  # fmt: skip
-            alone = teacher_forced(_runtime(model, "fp8_e4m3", "one", first_batch)(), torch.tensor([PROMPTS[1]]), traj)
+            alone = teacher_forced(
+                _runtime(model, "fp8_e4m3", "one", first_batch)(), torch.tensor([PROMPTS[1]]), traj
+            )
         return float((torch.cat(rows) - alone).abs().max() / alone.abs().max())
 
     assert gap(False) < 1e-6 < 1e-4 < gap(True)
