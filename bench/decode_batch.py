@@ -44,9 +44,13 @@ def _generated(out: Path, task: str) -> int:
     return sum(len(s["gen_token_ids"][0]) for s in samples if s.get("filter") == first and s.get("gen_token_ids"))
 
 
+def _fewshot(args: argparse.Namespace) -> list[str]:
+    return [] if args.num_fewshot is None else ["--num-fewshot", str(args.num_fewshot)]
+
+
 def _cell(args: argparse.Namespace, task: str, fmt: str, batch: int, out: Path, data: list[str]) -> dict[str, Any]:
     cmd = [args.model, "-f", fmt, "--tasks", task, "--batch-size", str(batch), "--limit", str(args.limit),
-           "--max-gen-toks", str(args.max_gen_toks), *data]  # fmt: skip
+           "--max-gen-toks", str(args.max_gen_toks), *_fewshot(args), *data]  # fmt: skip
     load0 = os.getloadavg()
     res = run_eval(cmd, args.code, out, args.threads)
     per = res["metrics"]["per_task"][task]
@@ -70,6 +74,7 @@ def main() -> None:
     p.add_argument("--formats", default="auto,bf16,fp8_e4m3,nvfp4", help="comma-separated; the first is the reference")
     p.add_argument("--limit", type=int, default=32, help="prompts per cell (at least the largest batch)")
     p.add_argument("--max-gen-toks", type=int, default=64)
+    p.add_argument("--num-fewshot", type=int, default=None, help="default: the task's own (gsm8k: 5)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1)
@@ -88,8 +93,8 @@ def main() -> None:
     for task in (t for t in tasks if t.startswith("divergence")):
         for b in batches:  # untimed: the BF16 trajectories of each batch size, as a sweep decodes them once
             run_eval([args.model, "-f", "bf16", "--tasks", task, "--batch-size", str(b), "--limit", str(args.limit),
-                      "--max-gen-toks", str(args.max_gen_toks), *data], args.code, work / f"warm-{task}-b{b}",
-                     args.threads)  # fmt: skip
+                      "--max-gen-toks", str(args.max_gen_toks), *_fewshot(args), *data], args.code,
+                     work / f"warm-{task}-b{b}", args.threads)  # fmt: skip
     for r in range(args.rounds):
         for task in tasks:
             for i, b in enumerate(batches):
@@ -115,7 +120,8 @@ def main() -> None:
     }  # fmt: skip
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\n{args.model} --limit {args.limit} --max-gen-toks {args.max_gen_toks}, {args.rounds} round(s), "
+    shots = "" if args.num_fewshot is None else f" --num-fewshot {args.num_fewshot}"
+    print(f"\n{args.model} --limit {args.limit} --max-gen-toks {args.max_gen_toks}{shots}, {args.rounds} round(s), "
           f"{args.threads} thread(s){'; ' + args.note if args.note else ''}")  # fmt: skip
     print(f"| task | format | batch | generated tok/s | scaling vs batch {batches[0]} | scaling / {ref}'s | "
           f"tok/s / {ref}'s |")  # fmt: skip

@@ -155,3 +155,15 @@ def test_divergence_rows_compare_against_the_runs_own_bf16_trajectory(
     (row,) = length_rows([("int8", [load_run(d)])], threshold=0.2)
     assert row.baseline == "BF16 trajectory" and row.n == N and row.status == FAIL
     assert row.rel_ci_low is not None and row.rel_ci_high is not None and row.rel_ci_low < 0.5 < row.rel_ci_high
+
+
+def test_a_bad_max_length_change_is_one_error_line(
+    write_run: Callable[..., Path], tmp_path: Path, invoke: Callable[[list[str]], tuple[int, str, str]]
+) -> None:
+    base, other = _planted(0.30)
+    dirs = [str(_generative_run(write_run, tmp_path, n, n, x)) for n, x in (("bf16", base), ("nvfp4", other))]
+    for bad in ("0", "-0.1", "nan"):
+        code, _, err = invoke(["compare", *dirs, "--max-length-change", bad])
+        assert code == 2 and err.startswith("Error: ") and err.count("\n") == 1 and "--max-length-change" in err
+    code, _, err = invoke(["compare", *dirs, "--max-length-change", "0.2", "--fail-on-regression"])
+    assert code == 1 and "Length change FAIL: nvfp4 on gsm8k" in err
