@@ -33,15 +33,12 @@ from kvcal.formats import (
     TQ_BOUNDARY_LAYERS,
     TQ_PRESETS,
     KVFormat,
-    check_int4_head_dim,
-    check_tq_head_dim,
-    check_tq_sliding,
     is_tq_preset,
     kv_pair,
     parse_kv_format,
-    tq_boundary_layers,
     tq_slot_bytes,
 )
+from kvcal.formats.geometry import boundary_layers, check_rotation_head_dims, check_sliding
 from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.gguf import is_gguf
@@ -69,22 +66,21 @@ def kv_bytes_per_token(
     fk, fv = kv_pair(fmt)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens, got {context}")
-    preset = _format_name(fmt) if is_tq_preset(_format_name(fmt)) else None
-    if preset is not None:  # vLLM adds its boundary layers to kv_cache_dtype_skip_layers
-        skip_layers = skip_layers | tq_boundary_layers(kv.num_layers, tq_boundary)
-        check_tq_sliding(preset, [x.index for x in kv.layers if x.type == SLIDING and x.index not in skip_layers])
+    name = _format_name(fmt)
+    preset = name if is_tq_preset(name) else None
+    # vLLM adds a TurboQuant preset's boundary layers to kv_cache_dtype_skip_layers; the families' geometry rules
+    # on the layers the format holds (sliding windows, a rotation's power-of-two head_dim)
+    skip_layers = skip_layers | boundary_layers(name, kv.num_layers, tq_boundary)
+    check_sliding(name, [x.index for x in kv.layers if x.type == SLIDING and x.index not in skip_layers])
+    check_rotation_head_dims(name, [x.head_dim for x in kv.layers if x.index not in skip_layers])
     total = 0.0
     for layer in kv.layers:
         if layer.index in skip_layers:
             bits = 2 * 16.0  # K and V
         elif preset is not None:
             # TQFullAttentionSpec: page = block_size x kv_heads x slot_size_aligned (K and V in one slot)
-            check_tq_head_dim(preset, layer.head_dim)
             bits = 8.0 * tq_slot_bytes(preset, layer.head_dim) / layer.head_dim
         else:
-            for f in (fk, fv):
-                if f.element == "int4_rht":  # the engine cannot build this cache: say why rather than count it
-                    check_int4_head_dim(layer.head_dim)
             bits = fk.bits_per_element(layer.head_dim, auto_bits) + fv.bits_per_element(layer.head_dim, auto_bits)
         share = 1.0
         if context is not None and layer.type == SLIDING and layer.window:
@@ -212,7 +208,7 @@ def capacity_table(
         fmts = []
     else:  # every format this model's engine could build (int4_per_token_head needs a power-of-two head_dim)
         pow2 = all(layer.head_dim & (layer.head_dim - 1) == 0 for layer in kv.layers)
-        fmts = [n for n, f in FORMATS.items() if pow2 or f.element != "int4_rht"]
+        fmts = [n for n, f in FORMATS.items() if pow2 or not f.codec.pow2_head_dim]
         if pow2 and not any(layer.type == SLIDING for layer in kv.layers):
             fmts += list(TQ_PRESETS)
     fmts = list(dict.fromkeys(fmts))  # drop repeats, keep order

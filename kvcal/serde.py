@@ -207,8 +207,8 @@ def _tq_round_trip(preset: str, x: torch.Tensor, side: str, layer: int) -> torch
     k_side, v_side = TQ_PRESETS[preset]
     f = k_side if side == "k" else v_side
     d = x.shape[-1]
-    if f.element == "tq_mse":
-        signs = formats.tq_signs(d, layer, x.device)  # seed 42 + 1337 * layer (the absolute index)
+    if f.codec.has_state:  # an MSE key side: its layer's rotation signs
+        signs = f.layer_state(d, layer, x.device)  # seed 42 + 1337 * layer (the absolute index)
         q = formats.quantize(x, f, scale=signs)
         k_rot = formats.tq_mse_rotated(q, f, d).to(torch.float16)  # the kernel's K_out store
         # turboquant.py: torch.matmul(k_layer.to(float32), pi_t.T).to(k_out.dtype)

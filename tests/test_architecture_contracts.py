@@ -60,7 +60,7 @@ def _plant(path: Path, line: str) -> None:
     ("module", "line", "messages"),
     [
         pytest.param(
-            "formats.py",
+            "formats/__init__.py",
             "from kvcal.report import stats  # noqa: F401",
             ["kvcal.formats is not allowed to import kvcal.report", "kvcal.formats -> kvcal.report.stats"],
             id="upward-import-breaks-the-layers",

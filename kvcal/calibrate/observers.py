@@ -40,7 +40,7 @@ from kvcal.scales import GRANULARITIES
 
 def format_range(fmt: KVFormat) -> float:
     """The |x| / scale that maps to the largest code: fp8 max_value; nvfp4 448 (E4M3 block scale) * 6 (E2M1)."""
-    if fmt.layout == "nvfp4":  # nvfp4, nvfp4_4over6: the global scale's range
+    if fmt.codec.global_scale:  # nvfp4, nvfp4_4over6: the global scale's range
         return FP8_E4M3_MAX * float(fmt.max_value)
     return float(fmt.max_value)
 

@@ -19,7 +19,7 @@ from kvcal import __version__
 from kvcal.errors import UsageError
 from kvcal.evaluate.spec import EvalSpec
 from kvcal.evaluate.tasks import TaskPlan
-from kvcal.formats import check_tq_head_dim, check_tq_sliding, is_tq_preset, tq_boundary_layers
+from kvcal.formats.geometry import boundary_layers, check_rotation_head_dims, check_sliding
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.config import folder_config
 from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
@@ -64,13 +64,11 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
         hf_config = folder_config(model_dir, spec.trust_remote_code, spec.model)
     kv = kv_spec(hf_config)
     skip = parse_skip_layers(spec.skip_layers, kv)
-    if is_tq_preset(spec.kv_format):  # vLLM adds its boundary layers to kv_cache_dtype_skip_layers
-        skip |= tq_boundary_layers(kv.num_layers, spec.tq_boundary_layers)
-        # before any weight is loaded: the refusals the runtime would raise
-        check_tq_sliding(spec.kv_format, [x.index for x in kv.layers if x.window and x.index not in skip])
-        for layer in kv.layers:
-            if layer.index not in skip:
-                check_tq_head_dim(spec.kv_format, layer.head_dim)
+    # vLLM adds a TurboQuant preset's boundary layers to kv_cache_dtype_skip_layers
+    skip |= boundary_layers(spec.kv_format, kv.num_layers, spec.tq_boundary_layers)
+    # before any weight is loaded: the refusals the runtime would raise (the format's families' geometry rules)
+    check_sliding(spec.kv_format, [x.index for x in kv.layers if x.window and x.index not in skip])
+    check_rotation_head_dims(spec.kv_format, [x.head_dim for x in kv.layers if x.index not in skip])
     # LMCache's TurboQuant serdes need a power-of-two head_dim on the layers they quantize: refused before weights load
     check_serde_geometry(spec.prefix_serde, {x.index: x.head_dim for x in kv.layers})
     # 'auto' resolved from the folder (kvcal eval's run records it); lm-eval's model leaves the dtype to HFLM
@@ -80,6 +78,13 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
 
         load_plan_for_model(spec.plan_file, spec.model, model_dir, kv)
     limit = kv.max_position_embeddings  # the lengths the config bounds: kl windows, generated tokens, prompts
+    if limit and spec.max_length is not None and spec.max_length > limit:
+        raise UsageError(
+            f"--max-length {spec.max_length} is longer than the model's {limit} positions "
+            f"(max_position_embeddings); use --max-length {limit} or less"
+        )
+    if dtype == "float32":  # log-softmax in the model's dtype is float32 too: the same numbers, the same hash
+        fields["logprob_dtype"] = None
     if limit and spec.has_kl and spec.kl_seq_len > limit:
         raise UsageError(
             f"--kl-seq-len {spec.kl_seq_len} is longer than the model's {limit} positions "

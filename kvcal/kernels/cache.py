@@ -26,6 +26,12 @@ padding for scoring); `KVRuntime` hands each forward's 2-D attention mask to the
 a write stores the padding positions as zeros — an engine stores no padding at all — so no padding value (NaN or
 Inf included) reaches a scale or, through attention's P.V, a real token. Every dynamic quantity is per sequence.
 
+Roles of a layer (`QuantizedLayer`): storage per side (`_Side`: codes and block scales in TokenBuffers, the torch
+path's workspace), a scale policy per side (`kvcal.kernels.scale_policy`: static, first-batch, one, per-sequence;
+chosen from the plan when the layer is built) and a writer: the C kernel (`kvcal.kernels.cpu_write`) for decode
+steps where the layer's formats, K/V dtype, head_dim and state suit it — decided once, at the layer's first write —
+else torch ops (the same bits).
+
 Scales:
 - fp8_*: static `scale` per layer (0-d or [H_kv]) from a ScaleSet, else None -> formats' default 1.0
   (vLLM's and SGLang's uncalibrated configuration).
@@ -64,6 +70,16 @@ from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels import cpu_write, fast
 from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.fast import Workspace, same_scale
+from kvcal.kernels.scale_policy import (  # noqa: F401  (FirstBatchScales and its constants: re-exported)
+    FIRST_BATCH,
+    K_SCALE_CONSTANT,
+    V_SCALE_CONSTANT,
+    FirstBatchScales,
+    ScalePolicy,
+    SequencesFixed,
+    per_sequence,
+    side_policies,
+)
 
 # nvfp4 global scale when no scale file is given: name -> what it is (LayerPlan.nvfp4_global)
 NVFP4_GLOBALS: dict[str, str] = {
@@ -78,50 +94,6 @@ def check_nvfp4_global(name: str) -> str:
     return name
 
 
-# vLLM's ranges for calculate_kv_scales (vllm/envs.py K_SCALE_CONSTANT, V_SCALE_CONSTANT; Q_SCALE_CONSTANT = 200)
-K_SCALE_CONSTANT = 200.0
-V_SCALE_CONSTANT = 100.0
-FIRST_BATCH = "first-batch"
-
-
-class FirstBatchScales:
-    """vLLM's `calculate_kv_scales`: each layer's k_scale / v_scale computed from the first forward that writes K/V
-    and fixed for every later write of any cache of the same runtime (vLLM fixes them for the server's lifetime).
-
-    vLLM (vllm/model_executor/layers/attention/attention.py `Attention.calc_kv_scales`, called through
-    `maybe_calc_kv_scales` at the start of the attention layer's forward, before the cache write, while the layer's
-    `calculate_kv_scales` flag is set; the flag drops after the first call, and the V1 model runner turns it off
-    after its first real forward): `k_scale = abs(key).max() / K_SCALE_CONSTANT (200)`, `v_scale = abs(value).max()
-    / V_SCALE_CONSTANT (100)`, one fp32 number per layer over every token of that batch (its real tokens: vLLM's
-    batches hold no padding) and every KV head. Here: over the real tokens of the first write (padding stored as 0,
-    NaN/Inf ignored as everywhere in kvcal), in the K/V input dtype; an all-zero first batch gets 1.0. fp8_* use it
-    as their scale, nvfp4 / nvfp4_4over6 as their global scale (vLLM's NVFP4 store divides by k_scale / v_scale).
-
-    History: vLLM deprecated `--calculate-kv-scales` (PR #37201, March 2026) and removed it (PR #49389, July 2026):
-    current vLLM takes checkpoint scales or 1.0. This reproduces the releases that have it (up to v0.18), whose
-    V1 runner computes the scales in its first real forward (PR #27232); some earlier ones took them from the
-    profiling dummy run (PR #37565), which kvcal does not reproduce."""
-
-    def __init__(self) -> None:
-        self.scales: dict[tuple[int, str], torch.Tensor] = {}  # (layer, 'k' | 'v') -> fp32 0-d
-
-    def scale(self, layer: int, which: str, x: torch.Tensor) -> torch.Tensor:
-        """The layer's fixed scale, computed from x [B, H_kv, T, D] (padding zeroed) if this is its first write."""
-        key = (layer, which)
-        if key not in self.scales:
-            amax = formats.finite_abs(x).amax().float() if x.numel() else torch.zeros((), device=x.device)
-            rng = K_SCALE_CONSTANT if which == "k" else V_SCALE_CONSTANT
-            self.scales[key] = torch.where(amax > 0, amax / rng, torch.ones_like(amax))
-        return self.scales[key]
-
-    def as_lists(self) -> dict[str, list[float | None]]:
-        """{'k': [per layer], 'v': [...]} of the scales fixed so far (None: layer not written yet)."""
-        n = 1 + max((i for i, _ in self.scales), default=-1)
-        return {
-            w: [float(self.scales[(i, w)]) if (i, w) in self.scales else None for i in range(n)] for w in "kv"
-        }
-
-
 @dataclass(frozen=True)
 class LayerPlan:
     """How one layer's K/V are stored."""
@@ -129,8 +101,7 @@ class LayerPlan:
     index: int
     fmt: KVFormat
     window: int | None = None  # tokens kept by a sliding layer; None = keep all
-    # static scale (fp8) or global scale (nvfp4); 0-d or [H_kv]; a TurboQuant key side: the layer's rotation
-    # signs [D] (`formats.tq_signs`)
+    # static scale (fp8) or global scale (nvfp4); 0-d or [H_kv]
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     skipped: bool = False  # kept in BF16 because of --skip-layers
@@ -146,6 +117,9 @@ class LayerPlan:
     # `prefix_tokens` tokens round-trip through this serde before this layer's format stores them; None = off
     prefix_serde: str | None = None
     prefix_tokens: int = 0
+    # K's per-layer state (its codec's `layer_state`: a TurboQuant key side's rotation signs [D]); None = none. (A
+    # stateful side given its state in k_scale instead, the older form, is read the same way.)
+    k_state: torch.Tensor | None = None
 
     def side_format(self, which: str) -> KVFormat:
         """The format K ('k') or V ('v') is stored in."""
@@ -237,15 +211,11 @@ class _Side:
         self.workspace = Workspace()  # positions past the crop will be written again
 
 
-def _per_sequence(s: torch.Tensor | None) -> bool:
-    return s is not None and s.dim() == 4  # [B, 1, 1, 1]
-
-
 def _map_batch(q: QTensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> QTensor | None:
     if q is None:
         return None
     bs = None if q.block_scales is None else fn(q.block_scales)
-    scale = fn(q.scale) if _per_sequence(q.scale) else q.scale
+    scale = fn(q.scale) if per_sequence(q.scale) else q.scale
     return QTensor(codes=fn(q.codes), block_scales=bs, scale=scale)
 
 
@@ -296,6 +266,37 @@ def without_padding(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor
     )
 
 
+def _c_writes(plan: LayerPlan) -> bool:
+    """Whether the C kernel writes this layer's decode steps: both sides' formats have a C id (`c_kernel`)."""
+    return all(plan.side_format(w).name in cpu_write.FORMATS for w in "kv")
+
+
+def _decode_sized(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """A write the C kernel takes: small (a decode step; a prefill's large write is as fast vectorised in torch),
+    of at most `fast.WORKSPACE_MAX_QUERIES` tokens (its read keeps nothing in the workspace: a prefill chunk), K and V
+    alike, unit stride along D."""
+    return (
+        k.numel() * 2 <= fast.SMALL
+        and k.shape[-2] <= fast.WORKSPACE_MAX_QUERIES
+        and k.shape == v.shape
+        and k.dtype == v.dtype
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+    )
+
+
+def _in_step(ws: Workspace, fmt: KVFormat, x: torch.Tensor, q_start: int, k_start: int) -> bool:
+    """The side's workspace holds every token written so far, in fmt, for x's batch and heads."""
+    d = ws.values.data
+    return (
+        ws.fmt == fmt.name
+        and d is not None
+        and d.shape[:2] == x.shape[:2]
+        and ws.first + len(ws.values) == q_start
+        and ws.first <= k_start
+    )
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One layer's quantized K/V storage (see the module docstring)."""
 
@@ -316,9 +317,11 @@ class QuantizedLayer(CacheLayerMixin):
         self.v: QTensor | None = None
         self._sides = {"k": _Side(), "v": _Side()}
         self.cumulative_length = 0  # tokens written so far (positions 0..cumulative_length-1)
-        self._scales: dict[str, torch.Tensor | None] = {"k": plan.k_scale, "v": plan.v_scale}
-        self._fixed: torch.Tensor | None = None  # [B] bool: sequence has fixed its per-sequence global
-        self._one: torch.Tensor | None = None  # nvfp4's global 1.0 (policy "one")
+        self._done = SequencesFixed()  # the per-sequence globals K and V have fixed
+        self._policies = self._scale_policies()
+        # the writer of decode steps, chosen once: the C kernel where the layer's formats have one and it is built
+        # (a decode step it cannot take, e.g. a prefill chunk, is written with torch ops: the same bits)
+        self._c_write = _c_writes(plan)
 
     def __repr__(self) -> str:
         return f"QuantizedLayer({self.plan.index}, {self.plan.fmt.name}, window={self.plan.window})"
@@ -329,39 +332,29 @@ class QuantizedLayer(CacheLayerMixin):
     def kept(self) -> int:
         return len(self._sides["k"].codes)
 
+    def _scale_policies(self) -> dict[str, ScalePolicy]:
+        """K's and V's scale policies (`kvcal.kernels.scale_policy`), chosen from the plan."""
+        p = self.plan
+        k_state = p.k_state if p.k_state is not None else p.k_scale
+        return side_policies(
+            p.side_format("k"), p.side_format("v"), (k_state, p.v_scale), p.first_batch, p.nvfp4_global, p.index,
+            self._done,
+        )  # fmt: skip
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        for which, s in self._scales.items():
-            if s is not None:
-                s = torch.as_tensor(s, dtype=torch.float32).to(self.device)
-                s = s.reshape(()) if s.numel() == 1 else s
-                # validated once here: every write passes this tensor (or a scale computed positive and finite:
-                # nvfp4's per-sequence global, a first-batch scale) with scale_checked
-                x = key_states if which == "k" else value_states
-                self._scales[which] = (
-                    formats.check_scale(s, x) if self.plan.side_format(which).calibratable else s
-                )
+        self._policies["k"].init(key_states)
+        self._policies["v"].init(value_states)
+        if self._c_write:  # what the C kernel needs of this layer's K/V (dtype, device, head_dim, state)
+            self._c_write = all(
+                cpu_write.supports_layer(self.plan.side_format(w), x, self.plan.kv_input_dtype, pol.fixed(x.device))
+                for w, x, pol in (("k", key_states, self._policies["k"]), ("v", value_states, self._policies["v"]))
+            )
         self.is_initialized = True
 
     def _scale(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor | None:
-        """The scale this write quantizes with: static, nvfp4's policy, or None (formats' default / dynamic).
-        x: [B, H_kv, T, D] with its padding already zeroed."""
-        fixed = self._fixed_scale(which, x.device)
-        if fixed is not False:
-            return fixed
-        if self.plan.first_batch is not None:  # this layer's first write fixes it
-            return self.plan.first_batch.scale(self.plan.index, which, x)
-        s = self._scales[which]
-        new = formats.nvfp4_dynamic_global(x)  # [B, 1, 1, 1]
-        real = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if valid is None else valid.any(-1)
-        if s is None or self._fixed is None:
-            s = new
-        else:  # a sequence keeps the global of its first write with a real token
-            s = torch.where(self._fixed[:, None, None, None], s, new)
-        self._scales[which] = s
-        if which == "v" or self.plan.side_format("v").layout != "nvfp4":  # after the layer's last nvfp4 side
-            self._fixed = real if self._fixed is None else self._fixed | real
-        return s
+        """The scale this write quantizes with (its side's policy); x: [B, H_kv, T, D], padding zeroed."""
+        return self._policies[which].scale(x, valid)
 
     def _prepare(self, x: torch.Tensor, which: str, valid: torch.Tensor | None) -> torch.Tensor:
         """New K or V [B, H_kv, T_new, D] as they are stored: in the K/V input dtype, padding zeroed (NaN/Inf of
@@ -469,64 +462,38 @@ class QuantizedLayer(CacheLayerMixin):
     ) -> tuple[QTensor, QTensor] | None:
         """A decode step's write by the C kernel (`kvcal.kernels.cpu_write`): codes and block scales appended to
         the storage and float32 values to the torch path's workspace in one call, the same bytes as `_write` +
-        `_Side.append` + the attention's dequantization. None (the caller writes with torch ops) unless: the kernel
-        is built, K's and V's formats are supported (one, or a K/V pair such as TurboQuant's), the write is small
-        (a decode step; a prefill's large write is as fast vectorised in torch) and of at most
-        `fast.WORKSPACE_MAX_QUERIES` tokens (a read that keeps its values), the scale is fixed already, and both
-        workspaces hold every token written so far (the torch path is reading this cache; the Triton path never
-        fills them)."""
-        f, fv = self.plan.side_format("k"), self.plan.side_format("v")
-        if (
-            f.name not in cpu_write.FORMATS
-            or fv.name not in cpu_write.FORMATS
-            or k.numel() * 2 > fast.SMALL
-            or k.shape[-2] > fast.WORKSPACE_MAX_QUERIES  # its read keeps nothing in the workspace (a prefill chunk)
-            or k.shape != v.shape
-            or k.dtype != v.dtype
-            or cpu_write.library() is None
-        ):
+        `_Side.append` + the attention's dequantization. Whether the layer's formats, K/V dtype, head_dim and state
+        suit the kernel was decided once (`_c_write`, at the first write); per write, None (the caller writes with
+        torch ops, the same bits) unless the kernel is built, the write is a decode step's (small, at most
+        `fast.WORKSPACE_MAX_QUERIES` tokens: a read that keeps its values), both workspaces hold every token
+        written so far (the torch path is reading this cache; the Triton path never fills them) and the scales are
+        fixed already."""
+        if not self._c_write or not _decode_sized(k, v) or cpu_write.library() is None:
             return None
+        f, fv = self.plan.side_format("k"), self.plan.side_format("v")
         sides = (self._sides["k"], self._sides["v"])
-        for side, sf in zip(sides, (f, fv), strict=True):
-            ws = side.workspace
-            d = ws.values.data
-            if (
-                ws.fmt != sf.name
-                or d is None
-                or d.shape[:2] != k.shape[:2]
-                or ws.first + len(ws.values) != q_start
-                or ws.first > k_start
-            ):
-                return None
-        fixed = (self._fixed_scale("k", k.device), self._fixed_scale("v", v.device))
+        if not all(_in_step(side.workspace, sf, k, q_start, k_start) for side, sf in zip(sides, (f, fv), strict=True)):
+            return None
+        fixed = (self._policies["k"].fixed(k.device), self._policies["v"].fixed(v.device))
         if any(s is False for s in fixed):
             return None
-        # a calibratable side's validated scale; a TurboQuant key side's rotation signs as they are; else None
+        # a calibratable side's validated scale; a stateful side's state (TurboQuant's key signs) as it is; else None
         ks, vs = scales = tuple(
-            formats.static_scale(s, k, 1.0 if sf.layout != "nvfp4" else None, checked=True)
+            formats.static_scale(s, k, sf.codec.scale_default, checked=True)
             if sf.calibratable
-            else (s if sf.element == "tq_mse" else None)
+            else (s if sf.codec.has_state else None)
             for s, sf in zip(fixed, (f, fv), strict=True)
         )
         for side, s in zip(sides, scales, strict=True):
             if not same_scale(side.workspace.scale, s):  # type: ignore[arg-type]
                 return None
-        kin = self.plan.kv_input_dtype
-        if not (cpu_write.supports(f, k, kin, ks) and cpu_write.supports(fv, v, kin, vs)):  # type: ignore[arg-type]
+        if not (cpu_write.scale_fits(f, ks, k) and cpu_write.scale_fits(fv, vs, v)):  # type: ignore[arg-type]
             return None
         for side in sides:  # what the read would drop before appending (fast.dequantize_fast)
             side.workspace.drop_before(k_start)
-        bad = cpu_write.write_into(
-            f,
-            k,
-            v,
-            ks,  # type: ignore[arg-type]
-            vs,  # type: ignore[arg-type]
-            valid,
-            kin,
-            tuple((s.codes, s.block_scales, s.workspace.values) for s in sides),  # type: ignore[arg-type]
-            None if fv is f else fv,
-        )
+        buffers = tuple((s.codes, s.block_scales, s.workspace.values) for s in sides)
+        kin = self.plan.kv_input_dtype
+        bad = cpu_write.write_into(f, k, v, ks, vs, valid, kin, buffers, None if fv is f else fv)  # type: ignore[arg-type]
         if self.nonfinite is not None:
             for which, n in enumerate(bad):
                 if n:
@@ -537,24 +504,6 @@ class QuantizedLayer(CacheLayerMixin):
             q = QTensor(codes=side.codes.view(), block_scales=side.block_scales.view(), scale=s)  # type: ignore[arg-type]
             out.append(q)
         return out[0], out[1]
-
-    def _fixed_scale(self, which: str, device: torch.device) -> torch.Tensor | None | bool:
-        """The scale of this write when it does not depend on the new tokens: static, nvfp4's "one", a first-batch
-        scale already fixed; None for formats without one (or formats' default); False when the new tokens decide
-        it (a first batch's first write, nvfp4's per_sequence global)."""
-        fmt, s = self.plan.side_format(which), self._scales[which]
-        if not fmt.calibratable:
-            return s  # None, or a TurboQuant key side's rotation signs (the layer's, `formats.tq_signs`)
-        fb = self.plan.first_batch
-        if fb is not None:
-            return fb.scales.get((self.plan.index, which), False)
-        if fmt.layout != "nvfp4" or (s is not None and not _per_sequence(s)):
-            return s
-        if self.plan.nvfp4_global != "one":
-            return False
-        if self._one is None or self._one.device != device:  # one tensor for every write (cheap checks)
-            self._one = torch.ones((), dtype=torch.float32, device=device)
-        return self._one
 
     def _keep(self, full_k: QTensor, full_v: QTensor) -> None:
         """Keep all of it, or a sliding layer's window (the buffers drop the tokens before it, and are compacted
@@ -595,8 +544,9 @@ class QuantizedLayer(CacheLayerMixin):
         self.k = self.v = None
         self._sides = {"k": _Side(), "v": _Side()}
         self.cumulative_length = 0
-        self._scales = {"k": self.plan.k_scale, "v": self.plan.v_scale}
-        self._fixed = None
+        self._done = SequencesFixed()
+        self._policies = self._scale_policies()
+        self._c_write = _c_writes(self.plan)
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -612,11 +562,10 @@ class QuantizedLayer(CacheLayerMixin):
         """Apply a batch re-indexing to everything stored per sequence."""
         self.k, self.v = _map_batch(self.k, fn), _map_batch(self.v, fn)
         self._sides = {"k": _Side(self.k), "v": _Side(self.v)}  # the re-indexed tensors become the storage
-        for which, s in self._scales.items():
-            if _per_sequence(s):
-                self._scales[which] = fn(s)
-        if self._fixed is not None:
-            self._fixed = fn(self._fixed)
+        for policy in self._policies.values():
+            policy.select(fn)
+        if self._done.mask is not None:
+            self._done.mask = fn(self._done.mask)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last tokens (negative = how many; positive = the length to keep, transformers' legacy form)."""

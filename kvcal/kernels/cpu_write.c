@@ -2,7 +2,7 @@
  * values the torch path's attention reads, in ONE call per layer (an engine's `reshape_and_cache`).
  *
  * The numeric spec is kvcal/formats.py (`quantize`, `dequantize`); the torch reference of this kernel is
- * `decode_write_ref` in tests/kernels/test_cpu_write.py, which checks this file against it bit for bit. Every
+ * `decode_write_ref` in kvcal/kernels/testing.py, which checks this file against it bit for bit. Every
  * float32 operation below is the one torch performs there, in the same order (compiled with -ffp-contract=off, no
  * fast-math: no fused multiply-add, no reassociation). Why a C kernel: a decode step writes
  * one token per layer, and the eager torch ops of a quantize + dequantize (25-60 of them for FP4) cost ~10 us each

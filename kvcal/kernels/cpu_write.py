@@ -9,7 +9,7 @@ values straight into the workspace.
 
 Semantics: exactly the cache's torch write (K/V rounded to the input dtype, padding zeroed, `fast.quantize_kv`: `formats.quantize`'s bits)
 and the torch path's dequantization (`kvcal.kernels.fast`), bit for bit; the torch reference of `decode_write` is
-`decode_write_ref` in tests/kernels/test_cpu_write.py. Formats: those with a `c_kernel` id in formats' table.
+`decode_write_ref` in kvcal/kernels/testing.py. Formats: those with a `c_kernel` id in formats' table.
 fp4_e2m1's block exponent comes from torch's log2, whose last bit depends on where an element sits in a vectorised
 loop, so no scalar C loop can promise the same exponent: for it the kernel computes each block's max / 6 (floored
 at 1e-10), torch the log2 of those (one op per side, on a tensor of the shape `formats.fp4_e2m1_exponent` computes
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvcal import clib, formats
+from kvcal.errors import UsageError
 from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels.buffer import TokenBuffer
 
@@ -179,50 +180,58 @@ def _ascending_centroids(d: int, bits: int) -> bool:
     return bool(formats.tq_centroids(d, bits).diff().gt(0).all())
 
 
-def supports(
-    fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, scale: torch.Tensor | None
+def supports_layer(
+    fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, state: torch.Tensor | None
 ) -> bool:
-    """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale (a
-    TurboQuant key side's: its rotation signs [D])."""
+    """Whether the C kernel can write a layer side of `fmt` whose new tokens look like x [B, H_kv, T, D] (its dtype,
+    device, head_dim) with this input dtype and the side's state (a TurboQuant key side's rotation signs [D]): what
+    a layer decides once (the scale of each write: `scale_fits`)."""
     if not (
         fmt.name in FORMATS
         and x.device.type == "cpu"
         and x.dtype in _IN_DTYPES
         and kv_input_dtype in (None, torch.bfloat16, x.dtype)
         and x.dim() == 4
-        and x.stride(-1) == 1
         and x.shape[-1] <= MAX_HEAD_DIM
     ):
         return False
     d = x.shape[-1]
-    if fmt.element.startswith("tq_"):
-        return (
-            d >= 8
-            and d & (d - 1) == 0  # formats.check_tq_head_dim
-            and (
-                fmt.element != "tq_mse"
-                or (
-                    scale is not None
-                    and scale.shape == (d,)
-                    and scale.dtype == torch.float32
-                    and scale.device.type == "cpu"
-                    and scale.is_contiguous()
-                    and _ascending_centroids(d, fmt.bits)
-                )
-            )
-        )
+    try:
+        fmt.check_head_dim(d)  # the family's geometry rule (blocks; a power of two for a rotation)
+    except UsageError:
+        return False
+    if fmt.bits:  # a TurboQuant side: the kernel's 3-bit groups need d >= 8
+        return d >= 8 and (not fmt.codec.has_state or _state_fits(fmt, d, state))
+    return d % (2 if fmt.is_fp4 else 1) == 0
+
+
+def scale_fits(fmt: KVFormat, scale: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether the kernel reads this write's scale of a `fmt` side (fp32 on the CPU, 0-d, [H_kv] or [B, 1, 1, 1]);
+    a TurboQuant side's `scale` is its state, checked by `supports_layer`."""
+    return bool(fmt.bits) or scale is None or (
+        scale.dtype == torch.float32 and scale.device.type == "cpu" and _scale_strides(scale, x) is not None
+    )
+
+
+def supports(
+    fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, scale: torch.Tensor | None
+) -> bool:
+    """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale (a
+    TurboQuant key side's: its rotation signs [D]): `supports_layer` and `scale_fits`, x unit-strided along D."""
+    state = scale if fmt.bits else None
+    return x.stride(-1) == 1 and supports_layer(fmt, x, kv_input_dtype, state) and scale_fits(fmt, scale, x)
+
+
+def _state_fits(fmt: KVFormat, d: int, state: torch.Tensor | None) -> bool:
+    """Whether the C kernel can read a side's state (TurboQuant MSE keys: the layer's signs [D], float32, CPU,
+    contiguous) with ascending centroids."""
     return (
-        d % max(fmt.block_size, 2 if fmt.is_fp4 else 1) == 0
-        # int4_per_token_head's Hadamard transform exists for powers of two only (formats refuses the others)
-        and (fmt.element != "int4_rht" or (d >= 2 and d & (d - 1) == 0))
-        and (
-            scale is None
-            or (
-                scale.dtype == torch.float32
-                and scale.device.type == "cpu"
-                and _scale_strides(scale, x) is not None
-            )
-        )
+        state is not None
+        and state.shape == (d,)
+        and state.dtype == torch.float32
+        and state.device.type == "cpu"
+        and state.is_contiguous()
+        and _ascending_centroids(d, fmt.bits)
     )
 
 
@@ -285,16 +294,13 @@ def write_into(
         c = _buffer_side(x, cbuf, cdt, cw, t)  # type: ignore[arg-type]
         sc = (0, 0, 0, 0) if sdt is None else _buffer_side(x, sbuf, sdt, sw, t)  # type: ignore[arg-type]
         vl = _buffer_side(x, vbuf, torch.float32, d, t)
-        tq = f.element.startswith("tq_")
-        g = (0, 0, 0) if s is None or tq else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
+        # a static / global scale (a TurboQuant key side's `scale` is its state, the layer's signs)
+        g = (0, 0, 0) if s is None or not f.calibratable else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
         sides.append(_Side(x.data_ptr(), xs[0], xs[1], xs[2], *c, *sc, *vl, *g))
-        if f.element == "int4_rht":
-            sides[-1].aux = formats.rht_signs(d).data_ptr()  # [D] float32, cached by formats
-        elif f.element == "tq_mse":
-            # the layer's signs [D], the centroids [2**bits], the Hadamard entry: one float32 array
-            entry = torch.tensor([formats.tq_hadamard_entry(d)])
-            keep.append(torch.cat([s, formats.tq_centroids(d, f.bits), entry]))  # type: ignore[list-item]
-            sides[-1].aux = keep[-1].data_ptr()
+        aux = f.codec.c_aux(f, d, None if f.calibratable else s)  # float32 array (int4: its signs; TQ keys: signs,
+        if aux is not None:  # centroids, Hadamard entry)
+            keep.append(aux)
+            sides[-1].aux = aux.data_ptr()
     vp, vb = (None, 0) if valid is None else (valid.data_ptr(), valid.stride(0))
     # input dtype, round to bf16, B, H, T, D, valid, its stride, K's side, V's side: both entry points take them
     common = (_IN_DTYPES[k.dtype], int(round_bf16), b, h, t, d, vp, vb, sides[0], sides[1])
@@ -329,7 +335,7 @@ def decode_write(
     v_fmt: str | KVFormat | None = None,
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The C kernel on fresh storage: (K's QTensor, V's, K's float32 values, V's, non-finite counts of K / V).
-    Same arguments and results as the torch reference, `decode_write_ref` in tests/kernels/test_cpu_write.py.
+    Same arguments and results as the torch reference, `decode_write_ref` in kvcal/kernels/testing.py.
     Scales: already validated (formats.check_scale / static_scale); a TurboQuant key side's: its signs [D].
     v_fmt: V's format when it differs from K's (`fmt`)."""
     f = formats.get_format(fmt)

@@ -39,6 +39,10 @@ import torch
 
 from kvcal import formats
 from kvcal.formats import KVFormat, QTensor
+from kvcal.formats import fp4 as fmt_fp4
+from kvcal.formats import fp8 as fmt_fp8
+from kvcal.formats import int8 as fmt_int8
+from kvcal.formats import plain as fmt_plain
 from kvcal.kernels.buffer import TokenBuffer
 from kvcal.kernels.reference import P_TILE, attention_on_values
 
@@ -196,32 +200,38 @@ def _saturate(y: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
     return y.clamp_(_F32.min, _F32.max)
 
 
-def _dequantize(q: QTensor, f: KVFormat, memo: ScaleMemo | None = None) -> torch.Tensor:
-    """float32 values of every token of q, bit-identical to formats.dequantize(q, f)."""
+def _dequantize_float(q: QTensor, f: KVFormat, memo: ScaleMemo | None) -> torch.Tensor:
     c = q.codes
-    if f.element in ("auto", "bf16"):
-        return c if c.dtype == torch.float32 else c.float()  # exact: no overflow possible
-    if f.element in ("e4m3", "e5m2"):
-        if c.numel() <= _FEW and (q.scale is None or _scale_bound(q.scale, f.max_value, memo) < _F32_HALF):
-            # a decode step's new token: the cast is exact and the product the table's, and the scale shows no
-            # product can overflow (so no clamp): two ops instead of the table's five
-            s = _ONE if q.scale is None else _bcast_scale(q.scale.float(), c.dim())
-            return c.float() * s
-        y = _fp8_scaled(c, q.scale, memo)
-        if y is not None:
-            return y
-        return (_fp8_values(c) * _bcast_scale(q.scale.float(), c.dim())).clamp_(_F32.min, _F32.max)
-    if f.element in ("fp16", "e4m3_token", "int4_rht", "int8s", "tq_fp8", "tq_mse", "tq_uniform"):
-        return formats.dequantize(q, f)  # few ops already (int4: its inverse rotation is the cost)
-    if f.element == "int8":
-        y = c.float() * q.block_scales
-        y = y.masked_fill_(c == formats.INT8_NAN, math.nan)
-        return y.clamp_(_F32.min, _F32.max)
+    return c if c.dtype == torch.float32 else c.float()  # exact: no overflow possible
+
+
+def _dequantize_fp8(q: QTensor, f: KVFormat, memo: ScaleMemo | None) -> torch.Tensor:
+    c = q.codes
+    if c.numel() <= _FEW and (q.scale is None or _scale_bound(q.scale, f.max_value, memo) < _F32_HALF):
+        # a decode step's new token: the cast is exact and the product the table's, and the scale shows no
+        # product can overflow (so no clamp): two ops instead of the table's five
+        s = _ONE if q.scale is None else _bcast_scale(q.scale.float(), c.dim())
+        return c.float() * s
+    y = _fp8_scaled(c, q.scale, memo)
+    if y is not None:
+        return y
+    return (_fp8_values(c) * _bcast_scale(q.scale.float(), c.dim())).clamp_(_F32.min, _F32.max)
+
+
+def _dequantize_int8(q: QTensor, f: KVFormat, memo: ScaleMemo | None) -> torch.Tensor:
+    c = q.codes
+    y = c.float() * q.block_scales
+    y = y.masked_fill_(c == formats.INT8_NAN, math.nan)
+    return y.clamp_(_F32.min, _F32.max)
+
+
+def _dequantize_fp4(q: QTensor, f: KVFormat, memo: ScaleMemo | None) -> torch.Tensor:
+    c = q.codes
     # .int() before flattening: codes read from the cache are a strided slice, and reshape would copy them first
     vals = _lut("fp4", c.device).index_select(0, c.int().reshape(-1))  # [N, 2] (code 8 -> NaN)
     vals = vals.view(*c.shape[:-1], -1, f.block_size)  # [..., D/bs, bs]
     bs = q.block_scales
-    if f.layout == "nvfp4":  # nvfp4, nvfp4_4over6: E4M3 block scales x the global scale
+    if f.codec.global_scale:  # nvfp4, nvfp4_4over6: E4M3 block scales x the global scale
         fp8_bs = bs.element_size() == 1 and bs.is_floating_point()
         bsf = _fp8_values(bs) if fp8_bs and bs.numel() > _FEW else bs.float()  # exact either way
         eff = bsf * _bcast_scale(q.scale.float(), c.dim())
@@ -234,6 +244,25 @@ def _dequantize(q: QTensor, f: KVFormat, memo: ScaleMemo | None = None) -> torch
     if bound is None or not bound < _F32_HALF:
         bound = eff.abs().amax() * 6.0 if eff.numel() else torch.zeros(())  # |E2M1| <= 6
     return _saturate(y, bound)
+
+
+# codec -> its fast dequantization; a codec not listed dequantizes by formats' own (few ops already: fp16, the
+# per-token-head scales, int4's inverse rotation, TurboQuant's sides)
+_FAST_DEQUANTIZE: dict[formats.Codec, Callable[[QTensor, KVFormat, ScaleMemo | None], torch.Tensor]] = {
+    fmt_plain.AUTO: _dequantize_float,
+    fmt_plain.BF16: _dequantize_float,
+    fmt_fp8.E4M3: _dequantize_fp8,
+    fmt_fp8.E5M2: _dequantize_fp8,
+    fmt_int8.INT8_TOKEN: _dequantize_int8,
+    fmt_fp4.NVFP4: _dequantize_fp4,
+    fmt_fp4.E8M0_FP4: _dequantize_fp4,
+}
+
+
+def _dequantize(q: QTensor, f: KVFormat, memo: ScaleMemo | None = None) -> torch.Tensor:
+    """float32 values of every token of q, bit-identical to formats.dequantize(q, f)."""
+    fast = _FAST_DEQUANTIZE.get(f.codec)
+    return formats.dequantize(q, f) if fast is None else fast(q, f, memo)
 
 
 def _tail(q: QTensor, n: int) -> QTensor:
@@ -379,13 +408,8 @@ def quantize(
     scale_checked: bool = False,
 ) -> QTensor:
     """formats.quantize (same arguments, same bits), with the small-tensor E2M1 rounding."""
-    f = formats.get_format(fmt)
-    if f.element in ("auto", "bf16", "fp16", "int4_rht") or f.element.startswith("tq_") or x.numel() > SMALL:
-        return formats.quantize(x, f, scale, scale_checked=scale_checked)
-    xf = formats.as_f32(x)
-    default = 1.0 if f.layout != "nvfp4" else None
-    s = formats.static_scale(scale, xf, default, scale_checked) if f.calibratable else None
-    return formats.quantize_f32(xf, f, s, SMALL_E2M1)
+    e2m1 = SMALL_E2M1 if x.numel() <= SMALL else formats.PLAIN_E2M1  # a large tensor: formats' own, the fastest
+    return formats.quantize(x, fmt, scale, scale_checked=scale_checked, e2m1=e2m1)
 
 
 # Formats whose quantize_kv stacks K and V: those with the most torch ops per call (fp8 and bf16 have ~4, which

@@ -1,5 +1,10 @@
 """Torch reference for attention over a quantized KV cache: the semantics every kernel must reproduce.
 
+What it is: the plain specification in code of `kvcal.kernels`' attention, and a path the library itself runs (the
+torch path's `attention_on_values`, `attention_dense` for unquantized layers, the visibility mask). Its own
+references, used only by tests, are in `kvcal.kernels.testing` (a float64 loop from this docstring; the torch
+reference of the fused C write).
+
 `quantized_attention_ref` dequantizes the stored K/V (`kvcal.formats.dequantize`) and computes exact attention in
 float32 (or float64 with `compute_dtype`, used to measure the reference's own rounding error). It is plain on
 purpose: no lookup tables, no memos, nothing kept between calls. The Triton kernels

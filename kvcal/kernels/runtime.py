@@ -21,9 +21,7 @@ share): vLLM's calculate_kv_scales, each layer's scales fixed by the first forwa
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
-import os
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -33,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from kvcal import formats, parallel, serde
 from kvcal.errors import UsageError
+from kvcal.formats.geometry import check_sliding
 from kvcal.kernels.attention import ATTN_NAME, ModuleConfig, register
 from kvcal.kernels.cache import (
     NVFP4_GLOBALS,
@@ -42,6 +41,7 @@ from kvcal.kernels.cache import (
     QuantizedKVCache,
 )
 from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
+from kvcal.kernels.triton_env import interpreting, triton_available
 from kvcal.models.geometry import KVSpec, LayerSpec, kv_spec, parse_skip_layers
 from kvcal.models.loading import input_device
 from kvcal.scales import query_scales
@@ -51,17 +51,6 @@ _GEN_HOOK = "_prepare_cache_for_generation"  # instance attribute set by install
 _MASK_HOOK = "_kvcal_mask_hook"  # handle of the forward pre-hook set by install_mask_hook
 
 
-def triton_available() -> bool:
-    """Triton and kvcal's Triton kernels are importable (without importing them)."""
-    try:
-        return (
-            importlib.util.find_spec("triton") is not None
-            and importlib.util.find_spec("kvcal.kernels.triton_attention") is not None
-        )
-    except (ImportError, ValueError):
-        return False
-
-
 def resolve_impl(impl: str, device: torch.device) -> str:
     """'auto' -> 'triton' on CUDA (when Triton is installed), else 'torch'. 'triton' needs CUDA or TRITON_INTERPRET=1."""
     if impl not in IMPLS:
@@ -69,8 +58,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if impl == "triton":
-        interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-        if not (torch.cuda.is_available() or interpret):
+        if not (torch.cuda.is_available() or interpreting()):
             raise UsageError(
                 "--impl triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels in Triton's CPU "
                 "interpreter, slowly); use --impl torch or --impl auto on this machine"
@@ -145,7 +133,7 @@ def _first_batch_store(
             f"--scales first-batch (vLLM's calculate_kv_scales) sets a static scale, but {fmt.name} computes its "
             "scales at write time; use it with fp8_e4m3, fp8_e5m2, nvfp4 or nvfp4_4over6"
         )
-    if fmt.element == "int8s":
+    if not fmt.codec.first_batch:
         raise UsageError(
             "--scales first-batch is vLLM's calculate_kv_scales (FP8 / NVFP4); TensorRT-LLM's INT8 cache "
             "(int8_per_tensor) takes a calibrated scale: kvcal calibrate MODEL -f int8_per_tensor -o S, then --scales S"
@@ -159,26 +147,14 @@ def _as_scale(s: Any) -> torch.Tensor:
     return torch.as_tensor(s, dtype=torch.float32)
 
 
-def _tq_signs(fmt: formats.KVFormat, layer: LayerSpec, skipped: bool) -> torch.Tensor | None:
-    """A TurboQuant key side's rotation signs of this layer (vLLM seeds each layer's own); None otherwise."""
-    if skipped or fmt.element != "tq_mse":
-        return None
-    return formats.tq_signs(layer.head_dim, layer.index)
+def _layer_state(fmt: formats.KVFormat, layer: LayerSpec, skipped: bool) -> torch.Tensor | None:
+    """K's per-layer state (a TurboQuant key side's rotation signs: vLLM seeds each layer's own); None otherwise."""
+    return None if skipped else fmt.layer_state(layer.head_dim, layer.index)
 
 
 def check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
-    """UsageError unless every layer's head_dim is a whole number of `fmt`'s blocks (FP4 formats)."""
-    for layer in kv.layers:
-        if fmt.element == "int4_rht":
-            formats.check_int4_head_dim(layer.head_dim)
-        if fmt.element.startswith("tq_"):
-            formats.check_tq_head_dim(fmt.name, layer.head_dim)
-        bs = fmt.block_size
-        if bs and layer.head_dim % bs:
-            raise UsageError(
-                f"{fmt.name} needs head_dim divisible by its {bs}-element block, but this model's "
-                f"head_dim is {layer.head_dim}; choose fp8_e4m3 or int8_per_token_head"
-            )
+    """UsageError unless `fmt`'s geometry rule holds for every layer's head_dim (`formats.check_head_dims`)."""
+    formats.check_head_dims(fmt, [layer.head_dim for layer in kv.layers])
 
 
 def _check_scales(
@@ -275,6 +251,11 @@ def install_generate_cache(model: torch.nn.Module, new_cache: Any) -> None:
     setattr(model, _GEN_HOOK, types.MethodType(_prepare, model))
 
 
+def _plan_field(name: str) -> Any:
+    """A KVRuntime property reading its plan's `name` (the runtime keeps no copy of an option)."""
+    return property(lambda self: getattr(self.plan, name), doc=f"the plan's {name}")
+
+
 class KVRuntime:
     """The quantized-KV configuration of one model (see the module docstring)."""
 
@@ -319,21 +300,26 @@ class KVRuntime:
         runtime._setup(model, plan, kv_spec(model.config))
         return runtime
 
+    # the plan's options, read from it (not copied: one source of truth). fmt: K's format (and V's unless the plan
+    # is a pair `k=...,v=...`); requested_impl: the plan's impl before it is resolved against the device
+    fmt = _plan_field("k_fmt")
+    v_fmt = _plan_field("v_fmt")
+    kv_format = _plan_field("kv_format")
+    attention = _plan_field("attention")
+    kv_input_dtype = _plan_field("kv_input_dtype")
+    scales = _plan_field("scales")
+    nvfp4_global = _plan_field("nvfp4_global")
+    requested_impl = _plan_field("impl")
+
     def _setup(self, model: torch.nn.Module, plan: CachePlan, kv: KVSpec) -> None:
         self.model = model
-        self.plan = plan
-        # K's format (self.fmt) and V's: the same unless the plan is a pair `k=...,v=...`
-        self.fmt, self.v_fmt = plan.k_fmt, plan.v_fmt
-        self.kv_format = plan.kv_format
-        self.attention = plan.attention
-        self.kv_input_dtype = plan.kv_input_dtype
-        scales = self.scales = plan.scales
-        self.first_batch = _first_batch_store(plan.first_batch, self.fmt, scales)
+        self.plan = plan  # every option is read from it (the properties below); installing it fixes two more:
+        scales = plan.scales
+        self.first_batch = _first_batch_store(plan.first_batch, self.fmt, scales)  # the store, or None
         self.kv = kv
-        self.nvfp4_global = plan.nvfp4_global
         self.nonfinite = NonFiniteCount(self.kv.num_layers)
-        self.skip_layers = _checked_skip_set(plan.skip_layers, self.kv)
-        self.requested_impl = impl = plan.impl
+        self.skip_layers = _checked_skip_set(plan.skip_layers, self.kv)  # checked against the model's layers
+        impl = plan.impl
         if self.fmt.name == "auto":
             if scales is not None:
                 raise UsageError(
@@ -344,9 +330,8 @@ class KVRuntime:
             self._uninstall()
             return
         mods = check_architecture(model, self.kv)
-        if formats.is_tq_preset(self.kv_format):
-            sliding = [x.index for x in self.kv.layers if x.window and x.index not in self.skip_layers]
-            formats.check_tq_sliding(self.kv_format, sliding)
+        sliding = [x.index for x in self.kv.layers if x.window and x.index not in self.skip_layers]
+        check_sliding((self.fmt, self.v_fmt), sliding)  # the plan's rows: nothing parsed here
         serde.check_serde_geometry(plan.prefix_serde, {x.index: x.head_dim for x in self.kv.layers})
         check_block_fits(self.fmt, self.kv)
         check_block_fits(self.v_fmt, self.kv)
@@ -368,7 +353,8 @@ class KVRuntime:
                     index=layer.index,
                     fmt=bf16 if skipped else self.fmt,
                     window=layer.window,
-                    k_scale=_as_scale(self.scales.k_scales[layer.index]) if use_scales else _tq_signs(self.fmt, layer, skipped),
+                    k_scale=_as_scale(self.scales.k_scales[layer.index]) if use_scales else None,
+                    k_state=_layer_state(self.fmt, layer, skipped),
                     v_scale=_as_scale(self.scales.v_scales[layer.index]) if use_scales else None,
                     skipped=skipped,
                     nvfp4_global=self.nvfp4_global,
@@ -434,9 +420,9 @@ class KVRuntime:
             return f"scale file ({getattr(self.scales, 'granularity', 'tensor')})"
         if self.first_batch is not None:
             return "first-batch (vLLM calculate_kv_scales: amax / 200 for K, / 100 for V, fixed after the first write)"
-        if self.fmt.element in ("e4m3", "e5m2", "int8s"):
+        if self.fmt.codec.static_scale:
             return "uncalibrated (scale 1.0)"
-        if self.fmt.layout == "nvfp4":
+        if self.fmt.codec.global_scale:
             return f"uncalibrated (global scale {NVFP4_GLOBALS[self.nvfp4_global]})"
         return "dynamic (computed at write time)"
 
@@ -469,7 +455,7 @@ class KVRuntime:
             "uncalibrated": self.uncalibrated,
             "granularity": getattr(self.scales, "granularity", None),
             "nvfp4_global": self.nvfp4_global
-            if self.fmt.layout == "nvfp4" and self.scales is None and self.first_batch is None
+            if self.fmt.codec.global_scale and self.scales is None and self.first_batch is None
             else None,
             "kv_input_dtype": self.kv_input_dtype,
             "first_batch_scales": None if self.first_batch is None else self.first_batch.as_lists(),

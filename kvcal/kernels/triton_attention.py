@@ -26,6 +26,13 @@ No dequantized copy of K or V is ever written; each K/V tile is dequantized in r
     the torch reference.
   - bf16 / auto: plain loads.
 
+Kernel shape. `_attn_fwd_impl` is one main loop (online softmax over key tiles) that asks K's family loader for
+the logits of a tile (`_k_scores_impl`: q . k and the logit-column factor) and V's for the P.V update
+(`_v_accumulate_impl`), each keyed by its format row's `triton_kernel` id, compared with the named constexprs
+`FAM_*` (no bare family numbers in the kernel). A new storage layout is a branch in those two loaders and its id in
+the format table; a format that shares a layout (nvfp4_4over6: nvfp4's) declares that id and adds nothing here.
+Triton's import and the interpreter flag come from `kvcal.kernels.triton_env`.
+
 One kernel serves decode and prefill. The query rows of one program are the (query token, query head) pairs of
 ONE KV head: row r of the flattened [Tq * G] rows is token r // G, head h_kv * G + r % G (G = H_q // H_kv), so all
 query heads of a KV group share each K/V tile load (GQA/MQA). Decode (few rows, long context) additionally splits
@@ -58,16 +65,12 @@ import torch
 
 from kvcal.errors import UsageError
 from kvcal.formats import FORMATS, TQ_SIDES, tq_centroids
+from kvcal.kernels.triton_env import interpreting as _interpreting
+from kvcal.kernels.triton_env import load as _load_triton
+from kvcal.kernels.triton_env import triton_available  # noqa: F401  (re-exported: the one definition)
 
-try:  # triton is a Linux-only dependency; the module imports without it and says so when called
-    import triton
-    import triton.language as tl
-
-    _TRITON_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - exercised only where triton is absent
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _TRITON_ERROR = str(exc)
+# triton is a Linux-only dependency; the module imports without it and says so when called
+triton, tl, _TRITON_ERROR = _load_triton()
 
 __all__ = [
     "FMT_CODES",
@@ -104,17 +107,15 @@ FMT_CODES: dict[str, int] = {
 
 # Rows (Tq * G) up to which the decode path (small BLOCK_M, split-K) is used.
 _DECODE_MAX_ROWS = 64
+# the jit helpers `_kernels()` installs (each from its `<name>_impl`): the tile loaders by family and their parts
+_JIT_HELPERS = (
+    "_e8m0", "_tanh", "_load_fp4_tile", "_to_dot", "_round_e4m3", "_load_tq_codes", "_is_half", "_is_token",
+    "_has_column", "_fold_scale", "_token_scale", "_load_q", "_load_full_tile", "_k_scores", "_v_accumulate",
+    "_store_rows", "_finish", "_key_range",
+)  # fmt: skip
 _LOG2E = 1.4426950408889634
 _CONFIG_ENV = "KVCAL_TRITON_CONFIG"
 _SPLITS_ENV = "KVCAL_TRITON_SPLITS"
-
-
-def triton_available() -> bool:
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,6 +195,18 @@ _load_fp4_tile: Any = None
 _to_dot: Any = None
 _round_e4m3: Any = None
 _load_tq_codes: Any = None
+_is_half: Any = None
+_is_token: Any = None
+_has_column: Any = None
+_fold_scale: Any = None
+_token_scale: Any = None
+_load_q: Any = None
+_load_full_tile: Any = None
+_k_scores: Any = None
+_v_accumulate: Any = None
+_store_rows: Any = None
+_finish: Any = None
+_key_range: Any = None
 
 # Dot operand dtypes (constexpr DOT_KIND): the narrowest type in which q and the dequantized tile values are exact.
 DOT_F32, DOT_BF16, DOT_F16 = 0, 1, 2
@@ -273,7 +286,7 @@ def _load_fp4_tile_impl(
     mask = n_mask[:, None] & i_mask[None, :]
     byte = tl.load(codes_base + offs_n[:, None] * stride_n + offs_i[None, :] * stride_c, mask=mask, other=0)
     byte = byte.to(tl.int32)
-    if FMT == 6:
+    if FMT == FAM_INT4_RHT:
         # int4_per_token_head: code - zero point (small integers, exact); the scale is applied per token outside
         word = tl.load(bs_base + offs_n * bs_stride_n, mask=n_mask, other=0.0).to(tl.int32, bitcast=True)
         zp = (word & 0xF).to(tl.float32)[:, None]
@@ -291,7 +304,7 @@ def _load_fp4_tile_impl(
     blk = offs_i // (BLOCK_SIZE // 2)
     # no `other`: a float8 block scale cannot take an integer fill value; masked lanes are zeroed after decoding
     bsv = tl.load(bs_base + offs_n[:, None] * bs_stride_n + blk[None, :] * bs_stride_c, mask=mask)
-    if FMT == 3:
+    if FMT == FAM_NVFP4:
         s = bsv.to(tl.float32)
     else:
         s = _e8m0(bsv)
@@ -318,120 +331,159 @@ def _load_tq_codes_impl(base, offs_n, offs_d, mask, stride_n, stride_c, BITS: tl
     return code
 
 
-def _attn_fwd_impl(
-    Q,
-    K,
-    V,
-    KBS,
-    VBS,
-    KSC,
-    VSC,
-    CENT,  # TurboQuant MSE keys: the centroid table float32 [2**BITS] (a dummy otherwise)
-    SINKS,
-    KPAD,
-    OUT,
-    PART_ML,
-    PART_ACC,
-    # q [B, H_q, Tq, D]
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    # k/v codes [B, H_kv, Tk, Dc] (Dc = D, D/2, or D*b/8 for TurboQuant's packed b-bit codes)
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
-    # block scales [B, H_kv, Tk, NB] (int8: NB = 1; TurboQuant: fp16 norm NB = 1, fp16 (scale, min) NB = 2)
-    stride_kbsb,
-    stride_kbsh,
-    stride_kbst,
-    stride_kbsd,
-    stride_vbsb,
-    stride_vbsh,
-    stride_vbst,
-    stride_vbsd,
-    stride_kscb,  # scale strides over (batch, KV head): 0 where the scale is shared
-    stride_ksc,
-    stride_vscb,
-    stride_vsc,
-    stride_kpb,
-    stride_kpt,
-    # out [B, H_q, Tq, D]
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
-    H_KV,
-    TQ,
-    TK,
-    G,
-    q_start,
-    k_start,
-    window,
-    sm_scale,
-    softcap,
-    tk_bucket,  # autotune key only
-    FMT: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    FMT_V: tl.constexpr,
-    BLOCK_SIZE_V: tl.constexpr,
-    BITS: tl.constexpr,  # TurboQuant code width of K / V (3 or 4; 0 for other families)
-    BITS_V: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    HAS_KPAD: tl.constexpr,
-    P_FP8: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOT_KIND: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    LOG2E: tl.constexpr = 1.4426950408889634
-    # FMT / BLOCK_SIZE / BITS: K's format; FMT_V / BLOCK_SIZE_V / BITS_V: V's (equal unless a K/V format pair)
-    # K_FP4 / V_FP4: two codes per byte, read as half-width even / odd tiles (E2M1 families 3, 4 and int4 6)
-    K_FP4: tl.constexpr = (FMT == 3) or (FMT == 4) or (FMT == 6)
-    V_FP4: tl.constexpr = (FMT_V == 3) or (FMT_V == 4) or (FMT_V == 6)
-    K_E2M1: tl.constexpr = (FMT == 3) or (FMT == 4)
-    V_E2M1: tl.constexpr = (FMT_V == 3) or (FMT_V == 4)
-    K_TOKEN: tl.constexpr = (FMT == 2) or (FMT == 5) or (FMT == 6)  # a scale per (token, head)
-    V_TOKEN: tl.constexpr = (FMT_V == 2) or (FMT_V == 5) or (FMT_V == 6)
-    K_SCALAR: tl.constexpr = (FMT == 1) or (FMT == 3)
-    V_SCALAR: tl.constexpr = (FMT_V == 1) or (FMT_V == 3)
-    DH: tl.constexpr = HEAD_DIM // 2
-    DH_PAD: tl.constexpr = D_PAD // 2
+# Tile-loader families: the named constexpr ids the kernel compares FMT / FMT_V with (a format row's
+# `triton_kernel` column, formats' table; FMT_CODES below). Triton kernels read only constexpr globals.
+if tl is not None:
+    FAM_PLAIN = tl.constexpr(FMT_PLAIN)
+    FAM_FP8 = tl.constexpr(FMT_FP8)
+    FAM_INT8 = tl.constexpr(FMT_INT8)
+    FAM_NVFP4 = tl.constexpr(FMT_NVFP4)
+    FAM_MXFP4 = tl.constexpr(FMT_MXFP4)
+    FAM_FP8_TOKEN = tl.constexpr(FMT_FP8_TOKEN)
+    FAM_INT4_RHT = tl.constexpr(FMT_INT4_RHT)
+    FAM_TQ_MSE = tl.constexpr(FMT_TQ_MSE)
+    FAM_TQ_UNIFORM = tl.constexpr(FMT_TQ_UNIFORM)
 
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    n_splits = tl.num_programs(2)
-    # int64: batch offsets of a multi-GB cache overflow int32 (e.g. 32 x 8 heads x 128k tokens x 128)
-    b = (pid_bh // H_KV).to(tl.int64)
-    h = (pid_bh % H_KV).to(tl.int64)
 
-    # rows of this program: (token t, group head g) pairs of KV head h
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_rows = TQ * G
-    row_ok = offs_m < n_rows
-    t = (offs_m // G).to(tl.int64)
-    g = offs_m % G
-    hq = h * G + g
-    q_pos = q_start + t  # [BLOCK_M]
+def _is_half_impl(F: tl.constexpr):
+    # two codes per byte, read as half-width even / odd tiles (the E2M1 families and int4)
+    return (F == FAM_NVFP4) or (F == FAM_MXFP4) or (F == FAM_INT4_RHT)
 
-    # key range this program must visit: its split's chunk, cut by the causal / window bounds of its rows
+
+def _is_token_impl(F: tl.constexpr):
+    # a scale per (token, head) multiplies the logit columns (K) / the probabilities (V)
+    return (F == FAM_INT8) or (F == FAM_FP8_TOKEN) or (F == FAM_INT4_RHT)
+
+
+def _has_column_impl(F: tl.constexpr):
+    # K's family puts a factor on each logit column (`_k_scores_impl`)
+    return _is_token(F) or (F == FAM_TQ_MSE)
+
+
+def _fold_scale_impl(x, SC, b, h, stride_b, stride_h, F: tl.constexpr):
+    # x times the side's scale folded into the logits / the output: fp8's static scale, nvfp4's global, then the
+    # 2**14 of E2M1 tiles (see _load_fp4_tile_impl); x itself for the other families
+    if (F == FAM_FP8) or (F == FAM_NVFP4):
+        x = x * tl.load(SC + b * stride_b + h * stride_h).to(tl.float32)
+    if (F == FAM_NVFP4) or (F == FAM_MXFP4):
+        x = x * 16384.0
+    return x
+
+
+def _token_scale_impl(bs_base, offs_n, n_ok, stride_t, F: tl.constexpr):
+    # the per-(token, head) scale [BLOCK_N]; int4's word without its zero-point bits
+    s = tl.load(bs_base + offs_n * stride_t, mask=n_ok, other=0.0).to(tl.float32)
+    if F == FAM_INT4_RHT:
+        s = (s.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
+    return s
+
+
+def _load_q_impl(q_row, offs_i, offs_d, row_ok, i_ok, d_ok, stride_qd, F: tl.constexpr, DOT_KIND: tl.constexpr):
+    # the query operands of K's family: (even columns, odd columns) [BLOCK_M, D_PAD/2] for half-width tiles, else
+    # (q, q) [BLOCK_M, D_PAD] (the second unused)
+    if _is_half(F):
+        qm = row_ok[:, None] & i_ok[None, :]
+        qa = _to_dot(tl.load(q_row[:, None] + (2 * offs_i)[None, :] * stride_qd, mask=qm, other=0.0), DOT_KIND)
+        qb = _to_dot(tl.load(q_row[:, None] + (2 * offs_i + 1)[None, :] * stride_qd, mask=qm, other=0.0), DOT_KIND)
+    else:
+        qm = row_ok[:, None] & d_ok[None, :]
+        qa = _to_dot(tl.load(q_row[:, None] + offs_d[None, :] * stride_qd, mask=qm, other=0.0), DOT_KIND)
+        qb = qa
+    return qa, qb
+
+
+def _load_full_tile_impl(base, offs_n, offs_d, n_ok, d_ok, stride_n, stride_c, F: tl.constexpr):
+    # one code per element [BLOCK_N, D_PAD]: plain floats, fp8 codes (scale folded outside), int8 codes
+    t = tl.load(
+        base + offs_n[:, None] * stride_n + offs_d[None, :] * stride_c, mask=n_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    if F == FAM_INT8:  # int8 code -128 is kvcal's NaN marker
+        t = tl.where(t == -128, float("nan"), t.to(tl.float32))
+    return t
+
+
+def _k_scores_impl(
+    qa, qb, k_base, kbs_base, CENT, offs_n, offs_i, offs_d, n_ok, i_ok, d_ok,
+    stride_kt, stride_kd, stride_kbst, stride_kbsd,
+    F: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_KIND: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    # K's tile loader by family: (q . k [BLOCK_M, BLOCK_N], the logit column factor [BLOCK_N]: the per-(token, head)
+    # scale, TurboQuant's norm x norm correction; 1 where the family has none)
+    col = offs_n  # a placeholder where the family has no column factor (`_has_column(F)` is False)
+    if _is_half(F):
+        k_e, k_o = _load_fp4_tile(
+            k_base, kbs_base, offs_n, offs_i, n_ok, i_ok, stride_kt, stride_kd, stride_kbst, stride_kbsd, F, BLOCK_SIZE
+        )  # fmt: skip
+        s = tl.dot(qa, tl.trans(_to_dot(k_e, DOT_KIND)), input_precision=DOT_PREC)
+        s += tl.dot(qb, tl.trans(_to_dot(k_o, DOT_KIND)), input_precision=DOT_PREC)
+    elif F == FAM_TQ_MSE:
+        # codes -> centroids [BLOCK_N, D_PAD] by a gather from the small table (0 in masked lanes); the logit column
+        # takes norm / sqrt(sum(c * c) + 1e-16) (vLLM's NORM_CORRECTION) and the fp16 norm
+        km = n_ok[:, None] & d_ok[None, :]
+        kc = _load_tq_codes(k_base, offs_n, offs_d, km, stride_kt, stride_kd, BITS)
+        kt = tl.load(CENT + kc, mask=km, other=0.0)
+        c_sq = tl.reduce(kt * kt, 1, tl.standard._sum_combine)  # [BLOCK_N]
+        s = tl.dot(qa, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
+        ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
+        col = ks * (1.0 / tl.sqrt(c_sq + 1e-16))
+    else:
+        kt = _load_full_tile(k_base, offs_n, offs_d, n_ok, d_ok, stride_kt, stride_kd, F)
+        s = tl.dot(qa, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
+    if _is_token(F):
+        col = _token_scale(kbs_base, offs_n, n_ok, stride_kbst, F)
+    return s, col
+
+
+def _v_accumulate_impl(
+    acc_a, acc_b, p, alpha, v_base, vbs_base, offs_n, offs_i, offs_d, n_ok, i_ok, d_ok,
+    stride_vt, stride_vd, stride_vbst, stride_vbsd,
+    F: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, DOT_KIND: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    # V's tile loader by family: acc * alpha + P V. Half-width families fill (even, odd) output columns (acc_a,
+    # acc_b [BLOCK_M, D_PAD/2]); the others acc_a [BLOCK_M, D_PAD] (acc_b untouched)
+    if _is_token(F):
+        p = p * _token_scale(vbs_base, offs_n, n_ok, stride_vbst, F)[None, :]
+    pd = _to_dot(p, DOT_KIND)
+    if _is_half(F):
+        v_e, v_o = _load_fp4_tile(
+            v_base, vbs_base, offs_n, offs_i, n_ok, i_ok, stride_vt, stride_vd, stride_vbst, stride_vbsd, F, BLOCK_SIZE
+        )  # fmt: skip
+        acc_a = acc_a * alpha[:, None] + tl.dot(pd, _to_dot(v_e, DOT_KIND), input_precision=DOT_PREC)
+        acc_b = acc_b * alpha[:, None] + tl.dot(pd, _to_dot(v_o, DOT_KIND), input_precision=DOT_PREC)
+    elif F == FAM_TQ_UNIFORM:
+        # TurboQuant values: code * scale16 + min16 per (token, head) [BLOCK_N, D_PAD]; exact product, one
+        # rounding (the engine's FMA); masked lanes (keys past hi, padded columns) 0
+        vm = n_ok[:, None] & d_ok[None, :]
+        vc = _load_tq_codes(v_base, offs_n, offs_d, vm, stride_vt, stride_vd, BITS).to(tl.float32)
+        v_sc = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
+        v_mn = tl.load(vbs_base + offs_n * stride_vbst + stride_vbsd, mask=n_ok, other=0.0).to(tl.float32)
+        vt = tl.where(vm, vc * v_sc[:, None] + v_mn[:, None], 0.0)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pd, _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
+    else:
+        vt = _load_full_tile(v_base, offs_n, offs_d, n_ok, d_ok, stride_vt, stride_vd, F)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pd, _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+def _store_rows_impl(base, acc_a, acc_b, mult, offs_i, offs_d, row_ok, i_ok, d_ok, stride_d, F: tl.constexpr):
+    # (acc * mult) of V's family into rows base [BLOCK_M] pointers: even / odd columns for half-width tiles
+    if _is_half(F):
+        sm = row_ok[:, None] & i_ok[None, :]
+        tl.store(base[:, None] + (2 * offs_i)[None, :] * stride_d, (acc_a * mult).to(base.dtype.element_ty), mask=sm)
+        tl.store(base[:, None] + (2 * offs_i + 1)[None, :] * stride_d, (acc_b * mult).to(base.dtype.element_ty), mask=sm)
+    else:
+        sm = row_ok[:, None] & d_ok[None, :]
+        tl.store(base[:, None] + offs_d[None, :] * stride_d, (acc_a * mult).to(base.dtype.element_ty), mask=sm)
+
+
+def _key_range_impl(
+    pid_m, pid_s, n_splits, n_rows, TK, G, q_start, k_start, window,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # the keys [lo, hi) a program visits: its split's chunk, cut by the causal / window bounds of its rows
     r_first = pid_m * BLOCK_M
-    r_last = tl.minimum(r_first + BLOCK_M, n_rows) - 1
     t_lo = r_first // G
-    t_hi = r_last // G
+    t_hi = (tl.minimum(r_first + BLOCK_M, n_rows) - 1) // G
     per_split = (TK + n_splits - 1) // n_splits
     chunk = ((per_split + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
@@ -440,99 +492,82 @@ def _attn_fwd_impl(
         hi = tl.minimum(hi, q_start + t_hi - k_start + 1)
     if HAS_WINDOW:
         lo = tl.maximum(lo, ((q_start + t_lo - window + 1 - k_start) // BLOCK_N) * BLOCK_N)
+    return lo, hi
 
-    q_row = Q + b * stride_qb + hq * stride_qh + t * stride_qt  # [BLOCK_M] pointers
+
+def _attn_fwd_impl(
+    Q, K, V, KBS, VBS, KSC, VSC,
+    CENT,  # TurboQuant MSE keys: the centroid table float32 [2**BITS] (a dummy otherwise)
+    SINKS, KPAD, OUT, PART_ML, PART_ACC,
+    stride_qb, stride_qh, stride_qt, stride_qd,  # q [B, H_q, Tq, D]
+    # k/v codes [B, H_kv, Tk, Dc] (Dc = D, D/2, or D*b/8 for TurboQuant's packed b-bit codes)
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    # block scales [B, H_kv, Tk, NB] (int8: NB = 1; TurboQuant: fp16 norm NB = 1, fp16 (scale, min) NB = 2)
+    stride_kbsb, stride_kbsh, stride_kbst, stride_kbsd,
+    stride_vbsb, stride_vbsh, stride_vbst, stride_vbsd,
+    stride_kscb, stride_ksc, stride_vscb, stride_vsc,  # scale strides over (batch, KV head): 0 where shared
+    stride_kpb, stride_kpt,
+    stride_ob, stride_oh, stride_ot, stride_od,  # out [B, H_q, Tq, D]
+    H_KV, TQ, TK, G, q_start, k_start, window, sm_scale, softcap,
+    tk_bucket,  # autotune key only
+    # K's tile-loader family (FAM_*), block size, TurboQuant code width (3 or 4; 0 for other families); V's
+    FMT: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMT_V: tl.constexpr, BLOCK_SIZE_V: tl.constexpr,
+    BITS: tl.constexpr, BITS_V: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_KPAD: tl.constexpr, P_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_KIND: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    LOG2E: tl.constexpr = 1.4426950408889634
+    DH: tl.constexpr = HEAD_DIM // 2
+    DH_PAD: tl.constexpr = D_PAD // 2
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    # int64: batch offsets of a multi-GB cache overflow int32 (e.g. 32 x 8 heads x 128k tokens x 128)
+    b = (pid_bh // H_KV).to(tl.int64)
+    h = (pid_bh % H_KV).to(tl.int64)
+    # rows of this program: (token t, group head g) pairs of KV head h
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_rows = TQ * G
+    row_ok = offs_m < n_rows
+    t = (offs_m // G).to(tl.int64)
+    hq = h * G + offs_m % G
+    q_pos = q_start + t  # [BLOCK_M]
+    lo, hi = _key_range(pid_m, pid_s, n_splits, n_rows, TK, G, q_start, k_start, window, CAUSAL, HAS_WINDOW, BLOCK_M,
+                        BLOCK_N)  # fmt: skip
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     kbs_base = KBS + b * stride_kbsb + h * stride_kbsh
     vbs_base = VBS + b * stride_vbsb + h * stride_vbsh
-
-    qk_scale = sm_scale
-    v_scale = 1.0
-    if K_SCALAR:
-        qk_scale = qk_scale * tl.load(KSC + b * stride_kscb + h * stride_ksc).to(tl.float32)
-    if V_SCALAR:
-        v_scale = tl.load(VSC + b * stride_vscb + h * stride_vsc).to(tl.float32)
-    # FP4 tiles hold e2m1 * 2**-14 * block_scale (see _load_fp4_tile_impl)
-    if K_E2M1:
-        qk_scale = qk_scale * 16384.0
-    if V_E2M1:
-        v_scale = v_scale * 16384.0
+    # the sides' scales folded into the logits / the output (fp8, nvfp4; E2M1 tiles' 2**14)
+    qk_scale = _fold_scale(sm_scale, KSC, b, h, stride_kscb, stride_ksc, FMT)
+    v_scale = _fold_scale(1.0, VSC, b, h, stride_vscb, stride_vsc, FMT_V)
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E  # work in the exp2 domain
-
     offs_i = tl.arange(0, DH_PAD)  # half-width columns (FP4 tiles)
     i_ok = offs_i < DH
     offs_d = tl.arange(0, D_PAD)  # full-width columns
     d_ok = offs_d < HEAD_DIM
-    if K_FP4:
-        qm = row_ok[:, None] & i_ok[None, :]
-        q_even = tl.load(q_row[:, None] + (2 * offs_i)[None, :] * stride_qd, mask=qm, other=0.0)
-        q_odd = tl.load(q_row[:, None] + (2 * offs_i + 1)[None, :] * stride_qd, mask=qm, other=0.0)
-        q_even = _to_dot(q_even, DOT_KIND)
-        q_odd = _to_dot(q_odd, DOT_KIND)
-    else:
-        qv = tl.load(
-            q_row[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        qv = _to_dot(qv, DOT_KIND)
-    if V_FP4:
-        acc_e = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
-        acc_o = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
-    else:
-        acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
-
+    q_row = Q + b * stride_qb + hq * stride_qh + t * stride_qt  # [BLOCK_M] pointers
+    qa, qb = _load_q(q_row, offs_i, offs_d, row_ok, i_ok, d_ok, stride_qd, FMT, DOT_KIND)
+    acc_a = tl.full([BLOCK_M, DH_PAD if _is_half(FMT_V) else D_PAD], 0.0, dtype=tl.float32)
+    acc_b = tl.full([BLOCK_M, DH_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
 
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        # ---- S = Q K^T (dequantized in registers) ----
-        if K_FP4:
-            k_e, k_o = _load_fp4_tile(
-                k_base,
-                kbs_base,
-                offs_n,
-                offs_i,
-                n_ok,
-                i_ok,
-                stride_kt,
-                stride_kd,
-                stride_kbst,
-                stride_kbsd,
-                FMT,
-                BLOCK_SIZE,
-            )
-            s = tl.dot(q_even, tl.trans(_to_dot(k_e, DOT_KIND)), input_precision=DOT_PREC)
-            s += tl.dot(q_odd, tl.trans(_to_dot(k_o, DOT_KIND)), input_precision=DOT_PREC)
-        elif FMT == 7:
-            # codes -> centroids [BLOCK_N, D_PAD] by a gather from the small table (0 in masked lanes)
-            km = n_ok[:, None] & d_ok[None, :]
-            kc = _load_tq_codes(k_base, offs_n, offs_d, km, stride_kt, stride_kd, BITS)
-            kt = tl.load(CENT + kc, mask=km, other=0.0)
-            c_sq = tl.reduce(kt * kt, 1, tl.standard._sum_combine)  # [BLOCK_N] for the norm correction
-            s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
-        else:
-            kt = tl.load(
-                k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            if FMT == 2:  # int8 code -128 is kvcal's NaN marker
-                kt = tl.where(kt == -128, float("nan"), kt.to(tl.float32))
-            s = tl.dot(qv, tl.trans(_to_dot(kt, DOT_KIND)), input_precision=DOT_PREC)
+        # ---- S = Q K^T (dequantized in registers by K's family loader) ----
+        s, col = _k_scores(
+            qa, qb, k_base, kbs_base, CENT, offs_n, offs_i, offs_d, n_ok, i_ok, d_ok,
+            stride_kt, stride_kd, stride_kbst, stride_kbsd, FMT, BLOCK_SIZE, BITS, DOT_KIND, DOT_PREC,
+        )  # fmt: skip
         s = s * qk_scale
-        if FMT == 7:
-            # TurboQuant MSE keys: s = (q_rot . c) * norm / sqrt(sum(c * c) + 1e-16) (vLLM's NORM_CORRECTION),
-            # the correction and the fp16 norm [BLOCK_N] folded into the logit column
-            ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
-            s = s * (ks * (1.0 / tl.sqrt(c_sq + 1e-16)))[None, :]
-        if K_TOKEN:
-            ks = tl.load(kbs_base + offs_n * stride_kbst, mask=n_ok, other=0.0).to(tl.float32)
-            if FMT == 6:  # the scale word without its zero-point bits
-                ks = (ks.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
-            s = s * ks[None, :]
+        if _has_column(FMT):
+            s = s * col[None, :]
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
             s = s * LOG2E
@@ -558,65 +593,33 @@ def _attn_fwd_impl(
             # FA3's FP8 P: e4m3(P * 2**8) for the P.V product; the row sum above took the unrounded P
             # (kvcal.kernels.reference.FA3_P_OFFSET); 2**-8 is exact
             p = _round_e4m3(p * 256.0) * 0.00390625
-        if V_TOKEN:
-            vs = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
-            if FMT_V == 6:
-                vs = (vs.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
-            p = p * vs[None, :]
-        # ---- O += P V ----
-        if V_FP4:
-            v_e, v_o = _load_fp4_tile(
-                v_base,
-                vbs_base,
-                offs_n,
-                offs_i,
-                n_ok,
-                i_ok,
-                stride_vt,
-                stride_vd,
-                stride_vbst,
-                stride_vbsd,
-                FMT_V,
-                BLOCK_SIZE_V,
-            )
-            acc_e = acc_e * alpha[:, None]
-            acc_o = acc_o * alpha[:, None]
-            pd = _to_dot(p, DOT_KIND)
-            acc_e += tl.dot(pd, _to_dot(v_e, DOT_KIND), input_precision=DOT_PREC)
-            acc_o += tl.dot(pd, _to_dot(v_o, DOT_KIND), input_precision=DOT_PREC)
-        elif FMT_V == 8:
-            # TurboQuant values: code * scale16 + min16 per (token, head) [BLOCK_N, D_PAD]; exact product, one
-            # rounding (the engine's FMA); masked lanes (keys past hi, padded columns) 0
-            vm = n_ok[:, None] & d_ok[None, :]
-            vc = _load_tq_codes(v_base, offs_n, offs_d, vm, stride_vt, stride_vd, BITS_V).to(tl.float32)
-            v_sc = tl.load(vbs_base + offs_n * stride_vbst, mask=n_ok, other=0.0).to(tl.float32)
-            v_mn = tl.load(vbs_base + offs_n * stride_vbst + stride_vbsd, mask=n_ok, other=0.0).to(tl.float32)
-            vt = tl.where(vm, vc * v_sc[:, None] + v_mn[:, None], 0.0)
-            acc = acc * alpha[:, None]
-            acc += tl.dot(_to_dot(p, DOT_KIND), _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
-        else:
-            vt = tl.load(
-                v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            if FMT_V == 2:
-                vt = tl.where(vt == -128, float("nan"), vt.to(tl.float32))
-            acc = acc * alpha[:, None]
-            acc += tl.dot(_to_dot(p, DOT_KIND), _to_dot(vt, DOT_KIND), input_precision=DOT_PREC)
+        # ---- O = O * alpha + P V (V's family loader) ----
+        acc_a, acc_b = _v_accumulate(
+            acc_a, acc_b, p, alpha, v_base, vbs_base, offs_n, offs_i, offs_d, n_ok, i_ok, d_ok,
+            stride_vt, stride_vd, stride_vbst, stride_vbsd, FMT_V, BLOCK_SIZE_V, BITS_V, DOT_KIND, DOT_PREC,
+        )  # fmt: skip
 
+    _finish(
+        OUT, PART_ML, PART_ACC, SINKS, acc_a, acc_b, m_i, l_i, v_scale, b, hq, t, pid_s, n_splits, H_KV, TQ, G,
+        stride_ob, stride_oh, stride_ot, stride_od, offs_i, offs_d, row_ok, i_ok, d_ok,
+        FMT_V, HAS_SINKS, SPLIT, D_PAD, BLOCK_M,
+    )  # fmt: skip
+
+
+def _finish_impl(
+    OUT, PART_ML, PART_ACC, SINKS, acc_a, acc_b, m_i, l_i, v_scale, b, hq, t, pid_s, n_splits, H_KV, TQ, G,
+    stride_ob, stride_oh, stride_ot, stride_od, offs_i, offs_d, row_ok, i_ok, d_ok,
+    FMT_V: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # the program's rows done: a split's partials (m in the exp2 domain, l, acc * v_scale) for the reduction
+    # kernel, or the output rows (the sink added, divided by l; empty rows, acc = 0, output exactly 0)
+    LOG2E: tl.constexpr = 1.4426950408889634
     if SPLIT:
-        # partials of split pid_s: m (exp2 domain), l, and acc * v_scale, for the reduction kernel
         ml_row = PART_ML + ((b * H_KV * G + hq) * TQ + t) * (n_splits * 2) + pid_s * 2
         tl.store(ml_row, m_i, mask=row_ok)
         tl.store(ml_row + 1, l_i, mask=row_ok)
         acc_row = PART_ACC + (((b * H_KV * G + hq) * TQ + t) * n_splits + pid_s) * D_PAD
-        if V_FP4:
-            sm = row_ok[:, None] & i_ok[None, :]
-            tl.store(acc_row[:, None] + (2 * offs_i)[None, :], acc_e * v_scale, mask=sm)
-            tl.store(acc_row[:, None] + (2 * offs_i + 1)[None, :], acc_o * v_scale, mask=sm)
-        else:
-            tl.store(acc_row[:, None] + offs_d[None, :], acc * v_scale, mask=row_ok[:, None] & d_ok[None, :])
+        _store_rows(acc_row, acc_a, acc_b, v_scale, offs_i, offs_d, row_ok, i_ok, d_ok, 1, FMT_V)
     else:
         if HAS_SINKS:
             sink = tl.load(SINKS + hq, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
@@ -625,27 +628,9 @@ def _attn_fwd_impl(
             l_i = l_i * corr + tl.exp2(sink - m_f)
         else:
             corr = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        # empty rows (no visible key) have acc = 0 and output exactly 0
         inv = tl.where(l_i > 0, v_scale * corr / tl.where(l_i > 0, l_i, 1.0), 0.0)
         o_row = OUT + b * stride_ob + hq * stride_oh + t * stride_ot
-        if V_FP4:
-            sm = row_ok[:, None] & i_ok[None, :]
-            tl.store(
-                o_row[:, None] + (2 * offs_i)[None, :] * stride_od,
-                (acc_e * inv[:, None]).to(OUT.dtype.element_ty),
-                mask=sm,
-            )
-            tl.store(
-                o_row[:, None] + (2 * offs_i + 1)[None, :] * stride_od,
-                (acc_o * inv[:, None]).to(OUT.dtype.element_ty),
-                mask=sm,
-            )
-        else:
-            tl.store(
-                o_row[:, None] + offs_d[None, :] * stride_od,
-                (acc * inv[:, None]).to(OUT.dtype.element_ty),
-                mask=row_ok[:, None] & d_ok[None, :],
-            )
+        _store_rows(o_row, acc_a, acc_b, inv[:, None], offs_i, offs_d, row_ok, i_ok, d_ok, stride_od, FMT_V)
 
 
 def _combine_impl(
@@ -719,12 +704,8 @@ def _kernels() -> _Kernels:
     if _KERNELS is None or _KERNELS.interpret != interp:
         g = globals()
         # helpers are looked up by name from this module's globals when a kernel is traced
-        g["_e8m0"] = triton.jit(_e8m0_impl)
-        g["_tanh"] = triton.jit(_tanh_impl)
-        g["_load_fp4_tile"] = triton.jit(_load_fp4_tile_impl)
-        g["_to_dot"] = triton.jit(_to_dot_impl)
-        g["_round_e4m3"] = triton.jit(_round_e4m3_impl)
-        g["_load_tq_codes"] = triton.jit(_load_tq_codes_impl)
+        for name in _JIT_HELPERS:
+            g[name] = triton.jit(g[f"{name}_impl"])
         _KERNELS = _Kernels(interp, triton.jit(_attn_fwd_impl), triton.jit(_combine_impl), {})
     return _KERNELS
 
@@ -841,7 +822,7 @@ def _check_inputs(q: torch.Tensor, k: Any, v: Any, fk: Any, fv: Any) -> tuple[in
     bk, hkv, tk, _ = kc.shape
     for f, codes in ((fk, kc), (fv, vc)):
         # codes per (token, head): D, D/2 (two per byte) or ceil(D * b / 8) (TurboQuant's packed b-bit codes)
-        dc, fid = codes.shape[-1], FMT_CODES[f.layout]
+        dc, fid = codes.shape[-1], f.triton_kernel
         want = f.storage_widths(d)[0] if fid in FMT_TQ else d
         if bk != b or (dc * 2 if fid in FMT_HALF else dc) != want:
             raise UsageError(
@@ -930,10 +911,10 @@ def attention(
     fv = f if v_fmt is None else formats.get_format(v_fmt)
     d = q.shape[-1]
     for side in (f, fv):  # TurboQuant: a power-of-two head_dim (>= 8 with 3-bit codes), as vLLM builds it
-        if side.name in formats.TQ_SIDES:
-            formats.check_tq_head_dim(side.name, d)
-    rot_k, rot_v = FMT_CODES[f.layout] == FMT_INT4_RHT, FMT_CODES[fv.layout] == FMT_INT4_RHT
-    tq_k = FMT_CODES[f.layout] == FMT_TQ_MSE
+        if side.bits:
+            side.check_head_dim(d)
+    rot_k, rot_v = f.triton_kernel == FMT_INT4_RHT, fv.triton_kernel == FMT_INT4_RHT
+    tq_k = f.triton_kernel == FMT_TQ_MSE
     if not (rot_k or rot_v or tq_k):
         return _attention(q, k, v, f, fv, scaling, q_start, k_start, causal, sliding_window, softcap, sinks,
                           key_padding, q_scale, config, num_splits)  # fmt: skip
@@ -990,7 +971,7 @@ def _attention(
     if q_scale is not None:  # FP8 attention: e4m3 query codes, q_scale folded into the logit scale (as FA3)
         q, scaling = quantize_query(q, q_scale), float(scaling) * float(q_scale)
     # a format sharing another's storage (nvfp4_4over6 -> nvfp4) reads as that one
-    fmt_id, fmt_v = FMT_CODES[f.layout], FMT_CODES[fv.layout]
+    fmt_id, fmt_v = f.triton_kernel, fv.triton_kernel
     b, hq, tq, d, hkv, tk = _check_inputs(q, k, v, f, fv)
     out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
     if tq == 0:

@@ -48,7 +48,7 @@ from typing import Any
 from kvcal import __version__
 from kvcal.errors import KvcalError, UsageError
 from kvcal.filecache import sha256_file
-from kvcal.formats import get_format
+from kvcal.formats import check_head_dims, get_format
 from kvcal.io import atomic_write_json, atomic_write_text
 from kvcal.models.geometry import KVSpec, parse_skip_layers
 from kvcal.pipeline import sweep
@@ -163,11 +163,10 @@ def check_traffic(cfg: ReleaseConfig) -> str | None:
 
 def _check_model_fit(cfg: ReleaseConfig, kv: KVSpec) -> None:
     """What the checkpoint bounds, before any work: sequence lengths, skip-layer specs, block formats' head_dim."""
-    from kvcal.kernels.runtime import check_block_fits
-
+    heads = [layer.head_dim for layer in kv.layers]
     for i, fmt in enumerate([cfg.ship.kv_format] + [c.kv_format for c in cfg.evaluate.candidates]):
         try:
-            check_block_fits(get_format(fmt), kv)
+            check_head_dims(get_format(fmt), heads)
         except UsageError as exc:
             raise UsageError(
                 f"{'ship' if i == 0 else f'evaluate.candidates[{i}]'}.kv_format: {exc}"

@@ -203,7 +203,7 @@ def sensitivity(
     `batch_size`: samples per forward (same numbers as 1); `device_map` / `max_memory` / `offload_folder`:
     accelerate's placement (kvcal.placement)."""
     fmt = get_format(kv_format)
-    if fmt.element == "auto":
+    if fmt.name == "auto":
         raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
     if scales and not fmt.calibratable:
         raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")

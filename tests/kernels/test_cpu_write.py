@@ -1,5 +1,5 @@
-"""The fused CPU cache write (kvcal/kernels/cpu_write.c) against its torch reference (`decode_write_ref` below:
-the cache's torch write with the plain `formats.quantize` and `formats.dequantize`), bit for bit: stored codes and block scales byte-exact
+"""The fused CPU cache write (kvcal/kernels/cpu_write.c) against its torch reference (`decode_write_ref` of
+`kvcal.kernels.testing`: the cache's torch write with the plain `formats.quantize` and `formats.dequantize`), bit for bit: stored codes and block scales byte-exact
 (NaN codes included), float32 values exact (NaN where the reference has NaN), non-finite counts equal. Over random
 K/V with NaN, +-Inf, huge / tiny / subnormal values, all-zero tokens and padding, every scale shape, both input
 dtypes and the bf16 rounding of the K/V input dtype; raw float32 bit patterns by hypothesis; every float32 near an
@@ -20,45 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcal import formats
-from kvcal.formats import KVFormat, QTensor
 from kvcal.kernels import cpu_write
-from kvcal.kernels.cache import without_padding
 from kvcal.kernels.runtime import KVRuntime
+from kvcal.kernels.testing import decode_write_ref
 
 pytestmark = pytest.mark.skipif(
     cpu_write.library() is None,
     reason=f"fused CPU write {cpu_write.status()}: the cache writes with torch ops",
 )
-
-
-def decode_write_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    fmt: str | KVFormat,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    valid: torch.Tensor | None = None,
-    kv_input_dtype: torch.dtype | None = None,
-    v_fmt: str | KVFormat | None = None,
-) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """Torch reference of `cpu_write.decode_write` (same arguments and results): what the cache's torch write
-    stores (K/V [B, H_kv, T, D] rounded to `kv_input_dtype`, padding positions of `valid` [B, T] zeroed,
-    `formats.quantize` of each side), the float32 values of the plain `formats.dequantize` (what the torch path's attention
-    reads: tests/kernels/test_fast_path.py), and the NaN/Inf count of the real tokens."""
-    fk = formats.get_format(fmt)
-    fv = fk if v_fmt is None else formats.get_format(v_fmt)
-    counts = []
-    prepared = []
-    for x in (k, v):
-        if kv_input_dtype is not None and x.dtype != kv_input_dtype:
-            x = x.to(kv_input_dtype)
-        bad = ~torch.isfinite(x)
-        if valid is not None:
-            bad = bad & valid[:, None, :, None]
-        counts.append(int(bad.sum()))
-        prepared.append(without_padding(x, valid))
-    qk, qv = (formats.quantize(x, f, s) for x, f, s in zip(prepared, (fk, fv), (k_scale, v_scale), strict=True))
-    return qk, qv, formats.dequantize(qk, fk), formats.dequantize(qv, fv), (counts[0], counts[1])
 
 
 FORMATS = list(cpu_write.FORMATS)

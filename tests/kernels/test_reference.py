@@ -12,41 +12,7 @@ from kvcal import formats
 from kvcal.errors import UsageError
 from kvcal.kernels.fast import dequantize_fast
 from kvcal.kernels.reference import attention_dense, quantized_attention_ref, visibility_mask
-
-
-def naive_attention(q, k, v, *, scaling, q_start, k_start, causal, window, softcap, sinks, key_padding):
-    """One query row at a time, in float64 Python scalars: the docstring's semantics, nothing clever."""
-    b_, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    group = hq // hkv
-    out = torch.zeros(b_, hq, tq, d, dtype=torch.float64)
-    for b in range(b_):
-        for h in range(hq):
-            for i in range(tq):
-                qp = q_start + i
-                logits, vals = [], []
-                for j in range(tk):
-                    kp = k_start + j
-                    if causal and kp > qp:
-                        continue
-                    if window is not None and qp - kp >= window:
-                        continue
-                    if key_padding is not None and not bool(key_padding[b, j]):
-                        continue
-                    s = float(q[b, h, i].double() @ k[b, h // group, j].double()) * scaling
-                    if softcap is not None:
-                        s = softcap * math.tanh(s / softcap)
-                    logits.append(s)
-                    vals.append(v[b, h // group, j].double())
-                if not logits:
-                    continue
-                sink = [float(sinks[h])] if sinks is not None else []
-                m = max(logits + sink)
-                e = [math.exp(s - m) for s in logits]
-                den = sum(e) + sum(math.exp(s - m) for s in sink)
-                out[b, h, i] = sum(w * x for w, x in zip(e, vals, strict=True)) / den
-    return out
-
+from kvcal.kernels.testing import naive_attention
 
 CASES = [
     # (hq, hkv, tq, tk, q_start, k_start, causal, window, softcap, sinks, padded)
