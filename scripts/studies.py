@@ -40,10 +40,13 @@ from kvcal.report.compare import Comparison, compare_runs  # noqa: E402
 from kvcal.report.conformance import add_conformance  # noqa: E402
 from kvcal.report.markdown import (  # noqa: E402
     CONFORMANCE_INTRO,
+    agreement_table,
     by_task,
     conformance_table,
     conformance_verdict,
     gate_summary,
+    length_intro,
+    length_table,
     passkey_table,
     passkey_tasks,
     position_intro,
@@ -336,6 +339,16 @@ def render(study: Study, cmp: Comparison, dirs: Sequence[Path], shown_root: str)
         header, krow = passkey_table(cmp, task)
         krow = [[r[0], ref.get(r[0].strip("`"), "?"), *r[1:]] for r in krow]
         lines += [f"## {task} by length and depth", ""] + _table([header[0], "run", *header[1:]], krow) + [""]
+    if cmp.agreement_rows:  # divergence tasks: agreement with the BF16 trajectory, survival, hazard, projection
+        header, arow = agreement_table(cmp)
+        arow = [[r[0], r[1], ref.get(r[1].strip("`"), "?"), *r[2:]] for r in arow]
+        lines += ["## Output agreement with the BF16 trajectory", ""]
+        lines += _table([*header[:2], "run", *header[2:]], arow) + [""]
+    if cmp.length_rows:  # the paired change in generated length (kvcal.report.length)
+        header, lrow = length_table(cmp)
+        lrow = [[r[0], r[1], ref.get(r[1].strip("`"), "?"), *r[2:]] for r in lrow]
+        lines += ["## Output length", "", length_intro(cmp), ""]
+        lines += _table([*header[:2], "run", *header[2:]], lrow) + [""]
     lines += _conformance(cmp, ref)
     if study.notes:
         lines += ["## What it shows", "", study.notes, ""]

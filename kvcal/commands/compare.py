@@ -83,6 +83,13 @@ def compare_cmd(
         "(e.g. --max-drop 0.02 --max-drop kl=0.05 --max-drop gsm8k/exact_match=0.03); naming a metric makes it "
         "gate (top1_agree is reported but gates only when named). Default: 0.02.",
     ),
+    max_length_change: float | None = typer.Option(
+        None,
+        "--max-length-change",
+        help="Gate on the paired change in generated length (tokens) of every generative task, as a fraction "
+        "of the baseline's (e.g. 0.25): regression fails a significant change beyond it either way; "
+        "noninferiority passes only an interval inside it. Without it the change is reported, not gated.",
+    ),
     alpha: float = typer.Option(
         0.05, "--alpha", help="Significance level of every test and interval (intervals are 1 - alpha)."
     ),
@@ -141,6 +148,7 @@ def compare_cmd(
         allow_unjudged=allow_unjudged,
         labels=label,
         at_lengths=parse_lengths(at_length, "--at-length"),
+        max_length_change=max_length_change,
         before_pairing=before_pairing(conformance, conformance_bf16, margin),
     )
     add_conformance(cmp, conformance, warn, conformance_bf16, margin)
@@ -237,6 +245,11 @@ def _print_gate(cmp: Comparison, failed: bool) -> None:
         err_console.print("\n".join([head, *unjudged]), highlight=False, markup=False)
     for c in cmp.conformance:
         err_console.print(f"Engine vs emulation: {c.engine}: {c.verdict}", highlight=False, markup=False)
+    for r in cmp.length_rows:  # --max-length-change
+        if r.status in ("FAIL", "not judged"):
+            err_console.print(
+                f"Length change {r.status}: {r.config} on {r.task}: {r.reason}", highlight=False, markup=False
+            )
 
 
 def sweep_cmd(

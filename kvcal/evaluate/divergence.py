@@ -12,7 +12,7 @@ token into the cache and attends over everything stored):
 1. baseline: greedy decode through a BF16 cache (kvcal's attention, as `kl`'s baseline), until EOS or the cap.
    Its tokens are cached on disk (key: model fingerprint, baseline side, BOS-free prompt ids, cap, EOS ids)
    under $KVCAL_CACHE/divergence, so a sweep decodes it once. The BF16 log-probs every comparison needs come
-   from one chunked prefill of prompt + trajectory through the BF16 cache (`baseline_logprobs`), recomputed per
+   from one chunked prefill of prompt + trajectory through the BF16 cache (`_one_batch`), recomputed per
    evaluation: a prefill is cheap next to the decodes, and [n, V] float16 per prompt on disk is not (Gemma 3,
    262k vocabulary, 2,048 tokens: 1 GB a prompt).
 2. quantized greedy decode from the same prompt: token-exact identity, the first generated position where the
@@ -27,6 +27,16 @@ And beside (3), the prefill KL of the same tokens: prompt + trajectory through b
 --prefill-chunk (kl's chunked prefill). The two agree for formats whose scales do not depend on what was written
 before (static scales, per-token scales); they differ where a scale is fixed at the first write (first-batch
 scales: decode quantizes every generated token with the prompt's scale, prefill with the whole sequence's).
+
+Batches (`--batch-size B`, `group_prompts`): each pass runs over B prompts at once (longest first; decode
+left-padded, prefill right-padded; positions, padding and every scale per sequence: "decoding a batch" below), one
+forward per generated token for the whole batch. A row's stored K/V are what it stores alone; its logits differ
+from batch 1's by the float rounding of matmuls of other shapes only (tests/evaluate/test_divergence_batch.py:
+equal tokens, KL within a bound derived on the machine). Two exceptions, both by design: `--scales first-batch`
+fixes its scales from the first write, which at batch B is B prompts' (vLLM's calculate_kv_scales also sees its
+first batch); and a batch's BF16 trajectories are cached under the batch's prompts (`trajectory_key`), so a run
+at batch B reuses only what the same batch decoded. Memory: a batch holds its rows' BF16 log-probs, B x n x V
+float16 (SmolLM2, 256 tokens: 25 MB a row; Gemma 3, 2,048 tokens: 1 GB a row).
 
 The run's hazard, survival curve and projection to long outputs are the report's (kvcal.report.agreement).
 """
@@ -128,12 +138,156 @@ def prefilled(forward: ChunkForward, ids: torch.Tensor, first: int, chunk: int) 
     out = []
     for s in range(0, T, chunk):
         piece = ids[:, s : min(T, s + chunk)]
-        keep = torch.arange(max(first - s, 0), piece.shape[1])
+        keep = torch.arange(
+            min(max(first - s, 0), piece.shape[1]), piece.shape[1]
+        )  # none before `first`'s chunk
         if keep.numel() == 0:
             forward(piece, torch.tensor([piece.shape[1] - 1], device=ids.device))  # fills the cache only
             continue
         out.append(forward(piece, keep.to(ids.device))[0].float().cpu())
     return torch.cat(out)
+
+
+# ---- decoding a batch of prompts ----------------------------------------------------------------------------
+# The run's path (`run_divergence`): the three passes over a batch of prompts, every row computed as it would be
+# alone. greedy / teacher_forced / prefilled above are the same passes at batch 1 (the reference the tests hold
+# these to). Decode passes left-pad the prompts (as lm-eval's generate_until batches): each row's positions count
+# its real tokens only (position_ids), its padding is masked and never stored (the 2-D attention mask reaches
+# kvcal's cache: QuantizedKVCache.set_attention_mask), so a row's K/V, its per-token / per-block / per-sequence
+# scales and its codes are what it stores alone (tests/kernels/test_batch_invariance.py); what can differ is the
+# float rounding of matmuls of another shape. Prefill right-pads (as lm-eval's scoring batches), so a row's
+# chunks start where its chunks start alone. Rows that finished (EOS, their cap, their trajectory's end) still
+# advance with the batch, their outputs ignored, as transformers' generate does.
+
+
+def group_prompts(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Indices of `prompts` in batches of up to `batch_size`, longest prompt first (the least padding, as lm-eval
+    orders generation requests); ties in prompt order. Batch 1: prompt order."""
+    if batch_size <= 1:
+        return [[i] for i in range(len(prompts))]
+    order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+class _Decoder:
+    """One batch's decode state over one session: the left-padded prompts' ids [B, P], the 2-D mask over every
+    token so far ([B, P + steps]; None without padding) and each row's next position [B]."""
+
+    def __init__(self, forward: ChunkForward, prompts: list[list[int]], device: Any) -> None:
+        B, P = len(prompts), max(len(p) for p in prompts)
+        self.ids = torch.zeros(B, P, dtype=torch.long)
+        mask = torch.zeros(B, P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            self.ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p) :] = 1
+        self.positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, P]: a row's real tokens count from 0
+        self.mask = None if bool(mask.all()) else mask.to(device)
+        self.ids, self.positions = self.ids.to(device), self.positions.to(device)
+        self.forward, self.device = forward, device
+
+    def first(self) -> torch.Tensor:
+        """The prompts' forward: logits [B, V] of each row's last prompt token (the last column)."""
+        P = self.ids.shape[1]
+        keep = torch.tensor([P - 1], device=self.device)
+        logits = self.forward(self.ids, keep, attention_mask=self.mask, position_ids=self.positions)
+        self.next = self.positions[:, -1:] + 1  # [B, 1]
+        return logits[:, -1]
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        """One decode step writing tokens[i] into row i: logits [B, V] predicting each row's next token."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B, 1]
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        logits = self.forward(ids, None, attention_mask=self.mask, position_ids=self.next)
+        self.next = self.next + 1
+        return logits[:, -1]
+
+
+def greedy_batch(
+    forward: ChunkForward, prompts: list[list[int]], gen_len: int, eos: set[int], device: Any
+) -> list[tuple[list[int], torch.Tensor]]:
+    """`greedy` over a batch of prompts: per row (tokens up to EOS or `gen_len`, their top-k ids [n, k])."""
+    dec = _Decoder(forward, prompts, device)
+    logits = dec.first()
+    B = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    tops: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    done = [False] * B
+    while True:
+        rows = logits.float()  # [B, V]
+        top = rows.topk(TOP_K, dim=-1).indices.cpu()
+        best = rows.argmax(-1).tolist()
+        for i in range(B):
+            if done[i]:
+                continue
+            tokens[i].append(int(best[i]))
+            tops[i].append(top[i])
+            done[i] = best[i] in eos or len(tokens[i]) >= gen_len
+        if all(done):
+            return [(t, torch.stack(k)) for t, k in zip(tokens, tops, strict=True)]
+        logits = dec.step([t[-1] for t in tokens])
+
+
+Stats = Callable[[int, int, torch.Tensor], None]  # (row, first generated index of the block, logits [m, V])
+
+
+def teacher_forced_batch(
+    forward: ChunkForward, prompts: list[list[int]], trajectories: list[list[int]], device: Any, take: Stats
+) -> None:
+    """`teacher_forced` over a batch: row i's trajectory fed back one token per forward; `take(i, t, logits
+    [1, V])` receives row i's logits predicting trajectory[i][t], step by step (the caller reduces them at once:
+    B x n x V float32 would not fit for long outputs and large vocabularies)."""
+    dec = _Decoder(forward, prompts, device)
+    logits = dec.first()
+    n_max = max(len(t) for t in trajectories)
+    for t in range(n_max):
+        for i, traj in enumerate(trajectories):
+            if t < len(traj):
+                take(i, t, logits[i : i + 1].float())
+        if t + 1 < n_max:
+            logits = dec.step([traj[min(t, len(traj) - 1)] for traj in trajectories])
+
+
+def prefilled_batch(
+    model: Any,
+    forward: ChunkForward,
+    seqs: list[list[int]],
+    firsts: list[int],
+    chunk: int,
+    device: Any,
+    take: Stats,
+) -> None:
+    """`prefilled` over a batch: seqs right-padded to one length, prefilled in chunks of `chunk` tokens (a row's
+    chunks start where they start alone); `take(i, r, logits [m, V])` receives row i's logits of its rows
+    firsts[i] + r .. firsts[i] + r + m - 1 in order. The decoder's final hidden states are taken at the head's
+    input and projected per row, a block of rows at a time (kvcal.evaluate.scoring's head: the model's own, with
+    its post-processing), so no forward holds B x chunk x V logits."""
+    from kvcal.evaluate.scoring import _HEAD_BUDGET, _HeadInput
+
+    head = _HeadInput(model)
+    B, T = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    ids = ids.to(device)
+    full = None if bool(mask.all()) else mask.to(device)
+    block = max(1, _HEAD_BUDGET // max(1, int(head.head.weight.shape[0])))
+    for s0 in range(0, T, chunk):
+        s1 = min(T, s0 + chunk)
+        pos = torch.arange(s0, s1, device=device).expand(B, -1)
+        with head.active(keep_last=True):  # the head computes one row; the rows wanted are projected below
+            forward(
+                ids[:, s0:s1], None, attention_mask=None if full is None else full[:, :s1], position_ids=pos
+            )
+        hidden = head.hidden  # [B, s1 - s0, d]
+        assert hidden is not None
+        for i, s in enumerate(seqs):
+            lo, hi = max(firsts[i], s0), min(len(s), s1)
+            for r0 in range(lo, hi, block):
+                r1 = min(hi, r0 + block)
+                take(i, r0 - firsts[i], head.project(hidden[i, r0 - s0 : r1 - s0]).float())
 
 
 # ---- baseline cache -----------------------------------------------------------------------------------------
@@ -143,21 +297,33 @@ def cache_root() -> Path:
     return kvcal_cache_root() / "divergence"
 
 
+def prompt_sha256(prompt: list[int]) -> str:
+    return hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
+
+
 def trajectory_key(
-    fingerprint: str, baseline: dict[str, Any], prompt: list[int], gen_len: int, eos: set[int]
+    fingerprint: str,
+    baseline: dict[str, Any],
+    prompt: list[int],
+    gen_len: int,
+    eos: set[int],
+    batch: list[list[int]] | None = None,
 ) -> str:
-    blob = json.dumps(
-        {
-            "v": DIVERGENCE_VERSION,
-            "model": fingerprint,
-            "baseline": baseline,
-            "ids": hashlib.sha256(json.dumps(prompt).encode()).hexdigest(),
-            "gen_len": gen_len,
-            "eos": sorted(eos),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()
+    """`batch`: the prompts decoded together with this one (in their batch's order), for a batch of more than one:
+    a row's greedy tokens are its own up to float rounding that depends on its batch's shapes, so the cached
+    trajectory is the one this very batch decodes (then `-f bf16` still agrees with its baseline bit for bit).
+    Batch 1 keeps the key it always had."""
+    entry = {
+        "v": DIVERGENCE_VERSION,
+        "model": fingerprint,
+        "baseline": baseline,
+        "ids": prompt_sha256(prompt),
+        "gen_len": gen_len,
+        "eos": sorted(eos),
+    }
+    if batch is not None and len(batch) > 1:
+        entry["batch"] = [prompt_sha256(p) for p in batch]
+    return hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
 
 
 def _path(root: Path, key: str) -> Path:
@@ -189,14 +355,6 @@ def store_trajectory(root: Path, key: str, tokens: list[int]) -> None:
             f"cannot write the divergence baseline cache under '{root}' ({exc.strerror or exc}); "
             "set KVCAL_CACHE to a writable folder"
         ) from exc
-
-
-def baseline_logprobs(session: ChunkForward, prompt: list[int], tokens: list[int], chunk: int, device: Any) -> torch.Tensor:
-    """float16 log-probs [n, V] of the BF16 cache predicting each of the trajectory's n tokens: one chunked
-    prefill of prompt + tokens[:-1] through the BF16 cache (BF16 decode and prefill agree within float tolerance:
-    tests/evaluate/test_divergence.py)."""
-    full = torch.tensor([prompt + tokens[:-1]], dtype=torch.long, device=device)
-    return fp16_logprobs(prefilled(session, full, len(prompt) - 1, chunk)).contiguous()
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -343,12 +501,13 @@ def run_divergence(
     prefill_chunk: int,
     cache_dir: Path | None = None,
     user_prompts: UserPrompts | None = None,
+    batch_size: int = 1,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Evaluate divergence task `task` (module docstring) with kvcal's lm-eval model `lm` (.model, .tokenizer,
     .tok_encode, .tok_decode, .max_length). `quant_session()` / `baseline()`: as kl's (kvcal.evaluate.kl.lm_sides).
     `fingerprint`: the checkpoint's (kvcal.evaluate.kl.model_fingerprint), part of the baseline trajectories' key.
+    `batch_size`: prompts decoded together (`group_prompts`; each pass over a batch, "decoding a batch" above).
     Returns (an lm-eval-shaped results dict with `divergence_by_position`, one sample record per prompt)."""
-    from kvcal.evaluate.kl import token_stats
     from kvcal.models.loading import input_device
 
     if gen_len >= lm.max_length:
@@ -367,67 +526,35 @@ def run_divergence(
     eos = eos_ids(lm.tokenizer, model)
     room = lm.max_length - gen_len
     prompts = [lm.tok_encode(text)[-room:] for text in texts]
-    keys = [trajectory_key(fingerprint, baseline_desc, p, gen_len, eos) for p in prompts]
-    hits = _baseline_trajectories(baseline, prompts, keys, root, gen_len, eos, device)
+    groups = group_prompts(prompts, batch_size)
+    keys: list[str] = [""] * len(prompts)
+    for g in groups:
+        for i in g:
+            keys[i] = trajectory_key(
+                fingerprint, baseline_desc, prompts[i], gen_len, eos, [prompts[j] for j in g]
+            )
+    hits = _baseline_trajectories(baseline, prompts, keys, groups, root, gen_len, eos, device)
 
-    samples: list[dict[str, Any]] = []
-    per_prompt: list[dict[str, torch.Tensor]] = []
-    base_texts, quant_texts = [], []
+    samples: list[dict[str, Any] | None] = [None] * len(prompts)
+    per_prompt: list[dict[str, torch.Tensor] | None] = [None] * len(prompts)
+    base_texts: list[str] = [""] * len(prompts)
+    quant_texts: list[str] = [""] * len(prompts)
     with torch.no_grad():
-        for inst, prompt, key in zip(instances, prompts, keys, strict=True):
-            base_tokens = load_trajectory(root, key)
-            assert base_tokens is not None  # stored just above
-            with baseline() as new_session:
-                base_lp16 = baseline_logprobs(new_session(), prompt, base_tokens, prefill_chunk, device)
-            ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-            q_tokens, q_top = greedy(quant_session(), ids, gen_len, eos)
-            base_top = base_lp16.float().topk(TOP_K, dim=-1).indices
-            targets = torch.tensor(base_tokens, dtype=torch.long)
-            dec = token_stats(base_lp16, teacher_forced(quant_session(), ids, base_tokens), targets)
-            full = torch.tensor([prompt + base_tokens[:-1]], dtype=torch.long, device=device)
-            pre = token_stats(
-                base_lp16, prefilled(quant_session(), full, len(prompt) - 1, prefill_chunk), targets
-            )
-            t, event = first_divergence(base_tokens, q_tokens)
-            until = list((inst.arguments[1] or {}).get("until") or [])
-            base_texts.append(_cut(lm.tok_decode(base_tokens), until))
-            quant_texts.append(_cut(lm.tok_decode(q_tokens), until))
-            per_prompt.append(
-                {
-                    "decode_kl": dec[0],
-                    "prefill_kl": pre[0],
-                    "decode_top1": dec[1],
-                    "margin": margins(base_lp16),
-                }
-            )
-            samples.append(
-                {
-                    "doc_id": inst.doc_id,
-                    "filter": "none",
-                    "metrics": list(METRICS),
-                    "identical": float(base_tokens == q_tokens),
-                    "logprobs_close": float(
-                        logprobs_close(base_tokens, q_tokens, base_top.tolist(), q_top.tolist())
-                    ),
-                    "decode_kl": float(dec[0].mean()),
-                    "prefill_kl": float(pre[0].mean()),
-                    "decode_top1": float(dec[1].mean()),
-                    "first_divergence": t,
-                    "diverged": event,
-                    "prompt_tokens": len(prompt),
-                    "prompt_sha256": hashlib.sha256(json.dumps(prompt).encode()).hexdigest(),
-                    "base_len": len(base_tokens),
-                    "quant_len": len(q_tokens),
-                    "base_tokens": base_tokens,
-                    "quant_tokens": q_tokens,
-                }
-            )
+        for g in groups:
+            for i, rec, stats, texts_i in _one_batch(
+                lm, g, prompts, keys, root, quant_session, baseline, gen_len, eos, prefill_chunk, device
+            ):
+                until = list((instances[i].arguments[1] or {}).get("until") or [])
+                base_texts[i], quant_texts[i] = (_cut(t, until) for t in texts_i)
+                samples[i], per_prompt[i] = {"doc_id": instances[i].doc_id, **rec}, stats
+    done = [s for s in samples if s is not None]
+    assert len(done) == len(samples)
     if lm_task is None:
         base_answers, quant_answers = base_texts, quant_texts
     else:
         base_answers = extracted_answers(lm_task, instances, base_texts)
         quant_answers = extracted_answers(lm_task, instances, quant_texts)
-    for s, a, b in zip(samples, base_answers, quant_answers, strict=True):
+    for s, a, b in zip(done, base_answers, quant_answers, strict=True):
         s["answer_agree"] = float(a == b)
         s["base_answer"], s["quant_answer"] = a, b
     config = {
@@ -441,34 +568,124 @@ def run_divergence(
         "eos_token_ids": sorted(eos),
         "answer_filter": lm_task._filters[0].name if lm_task else "none (the whole output)",
         "prefill_chunk": prefill_chunk,
+        "batch_size": batch_size,
         "baseline": baseline_desc,
         "evaluated": evaluated_desc,
         "baseline_cache_hits": hits,
     }
-    results = _results(task, samples, config, len(lm_task.eval_docs) if lm_task else len(user_prompts.texts))
-    results["divergence_by_position"] = {task: by_position(per_prompt, edges, gen_len)}
-    return results, samples
+    results = _results(task, done, config, len(lm_task.eval_docs) if lm_task else len(user_prompts.texts))
+    results["divergence_by_position"] = {
+        task: by_position([p for p in per_prompt if p is not None], edges, gen_len)
+    }
+    return results, done
 
 
 def _baseline_trajectories(
     baseline: Any,
     prompts: list[list[int]],
     keys: list[str],
+    groups: list[list[int]],
     root: Path,
     gen_len: int,
     eos: set[int],
     device: torch.device,
 ) -> int:
-    """Greedy-decode the BF16 baseline of every prompt not cached yet, in one baseline() entry, and store its
-    tokens. Returns the number of cache hits."""
-    missing = [i for i, k in enumerate(keys) if load_trajectory(root, k) is None]
-    if missing:
+    """Greedy-decode the BF16 baseline of every batch with a prompt not cached yet (the whole batch, as the
+    evaluated side decodes it), in one baseline() entry, and store its tokens. Returns the number of cache hits."""
+    missing = {i for i, k in enumerate(keys) if load_trajectory(root, k) is None}
+    todo = [g for g in groups if missing.intersection(g)]
+    if todo:
         with baseline() as new_session, torch.no_grad():
-            for i in missing:
-                ids = torch.tensor([prompts[i]], dtype=torch.long, device=device)
-                tokens, _ = greedy(new_session(), ids, gen_len, eos)
-                store_trajectory(root, keys[i], tokens)
+            for g in todo:
+                outs = greedy_batch(new_session(), [prompts[i] for i in g], gen_len, eos, device)
+                for i, (tokens, _) in zip(g, outs, strict=True):
+                    store_trajectory(root, keys[i], tokens)
     return len(keys) - len(missing)
+
+
+def _one_batch(
+    lm: Any,
+    group: list[int],
+    prompts: list[list[int]],
+    keys: list[str],
+    root: Path,
+    quant_session: Callable[[], ChunkForward],
+    baseline: Any,
+    gen_len: int,
+    eos: set[int],
+    prefill_chunk: int,
+    device: Any,
+) -> list[tuple[int, dict[str, Any], dict[str, torch.Tensor], tuple[str, str]]]:
+    """The three passes over one batch of prompts (indices `group`): per prompt (index, its sample record without
+    doc_id and answers, its per-position statistics, (baseline text, quantized text) before the stop sequences)."""
+    from kvcal.evaluate.kl import token_stats
+
+    model = lm.model
+    ps = [prompts[i] for i in group]
+    base = [load_trajectory(root, keys[i]) for i in group]
+    assert all(b is not None for b in base)  # stored by _baseline_trajectories
+    base_tokens: list[list[int]] = [b for b in base if b is not None]
+    seqs = [p + b[:-1] for p, b in zip(ps, base_tokens, strict=True)]
+    firsts = [len(p) - 1 for p in ps]
+
+    # the BF16 log-probs [n, V] float16 of each row: one chunked prefill through the BF16 cache
+    lp_parts: list[list[torch.Tensor]] = [[] for _ in group]
+    with baseline() as new_session:
+        prefilled_batch(
+            model, new_session(), seqs, firsts, prefill_chunk, device,
+            lambda i, _r, logits: lp_parts[i].append(fp16_logprobs(logits).contiguous()),
+        )  # fmt: skip
+    base_lp16 = [torch.cat(p) for p in lp_parts]
+    targets = [torch.tensor(b, dtype=torch.long) for b in base_tokens]
+
+    quant = greedy_batch(quant_session(), ps, gen_len, eos, device)
+
+    dec: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in group]
+    pre: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in group]
+
+    def reduce(into: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> Stats:
+        def take(i: int, r: int, logits: torch.Tensor) -> None:
+            m = logits.shape[0]
+            kl, top1, _ = token_stats(base_lp16[i][r : r + m], logits, targets[i][r : r + m])
+            into[i].append((kl, top1))
+
+        return take
+
+    teacher_forced_batch(quant_session(), ps, base_tokens, device, reduce(dec))
+    prefilled_batch(model, quant_session(), seqs, firsts, prefill_chunk, device, reduce(pre))
+
+    out = []
+    for j, i in enumerate(group):
+        b_tok, (q_tok, q_top) = base_tokens[j], quant[j]
+        d_kl, d_top1 = (torch.cat(x) for x in zip(*dec[j], strict=True))
+        p_kl = torch.cat([x[0] for x in pre[j]])
+        base_top = base_lp16[j].float().topk(TOP_K, dim=-1).indices
+        t, event = first_divergence(b_tok, q_tok)
+        stats = {
+            "decode_kl": d_kl,
+            "prefill_kl": p_kl,
+            "decode_top1": d_top1,
+            "margin": margins(base_lp16[j]),
+        }
+        rec = {
+            "filter": "none",
+            "metrics": list(METRICS),
+            "identical": float(b_tok == q_tok),
+            "logprobs_close": float(logprobs_close(b_tok, q_tok, base_top.tolist(), q_top.tolist())),
+            "decode_kl": float(d_kl.mean()),
+            "prefill_kl": float(p_kl.mean()),
+            "decode_top1": float(d_top1.mean()),
+            "first_divergence": t,
+            "diverged": event,
+            "prompt_tokens": len(ps[j]),
+            "prompt_sha256": prompt_sha256(ps[j]),
+            "base_len": len(b_tok),
+            "quant_len": len(q_tok),
+            "base_tokens": b_tok,
+            "quant_tokens": q_tok,
+        }
+        out.append((i, rec, stats, (lm.tok_decode(b_tok), lm.tok_decode(q_tok))))
+    return out
 
 
 def _results(task: str, samples: list[dict[str, Any]], config: dict[str, Any], total: int) -> dict[str, Any]:

@@ -323,9 +323,20 @@ def forward_session(model: Any, cache: Any) -> ChunkForward:
     (the chunk attends to everything the cache holds, then appends its own K/V). `keep`: indices into the chunk
     of the rows whose logits are wanted (transformers' `logits_to_keep`); None = all."""
 
-    def forward(ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:  # [1, c] -> [1, c|k, V]
+    def forward(
+        ids: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [B, c] -> [B, c|k, V]
+        # attention_mask [B, past + c] (2-D, 1 = real token) and position_ids [B, c]: a padded batch's
+        # (kvcal.evaluate.divergence); None = one unpadded sequence, positions from the cache
+        extra: dict[str, Any] = {} if keep is None else {"logits_to_keep": keep}
+        if attention_mask is not None:
+            extra["attention_mask"] = attention_mask
+        if position_ids is not None:
+            extra["position_ids"] = position_ids
         with torch.no_grad():
-            extra = {} if keep is None else {"logits_to_keep": keep}
             return model(ids, past_key_values=cache, use_cache=True, **extra).logits
 
     return forward

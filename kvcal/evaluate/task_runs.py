@@ -303,6 +303,7 @@ def run_divergence_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dis
         fewshot_seed=seed,
         prefill_chunk=spec.prefill_chunk,
         user_prompts=UserPrompts(spec.prompts.read(), spec.prompts.sha256) if spec.prompts else None,
+        batch_size=spec.batch_size,
     )
     if task in plan.private:  # GPQA: no output a reader could decode back into the question's text
         samples = [private_record(r) for r in samples]

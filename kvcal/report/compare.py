@@ -21,7 +21,7 @@ import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import kv_pair
-from kvcal.report import agreement, longcontext, stats
+from kvcal.report import agreement, length, longcontext, stats
 from kvcal.report.lmeval_runs import (
     Source,
     load_lm_eval_run,
@@ -38,6 +38,7 @@ from kvcal.report.speed import EmulationSpeed, emulation_speed
 from kvcal.report.verdicts import (
     GATES,
     HOLM,
+    INSUFFICIENT,
     NO_CORRECTION,
     NONINFERIORITY,
     REGRESSION,
@@ -117,6 +118,9 @@ class Comparison:
     text_agreement_rows: list[dict[str, Any]] = field(default_factory=list)
     # engine runs vs kvcal's emulation of the configuration they claim (kvcal.report.conformance fills it)
     conformance: list[Any] = field(default_factory=list)
+    # paired change in generated length per (configuration, generative task) and its gate (kvcal.report.length)
+    length_rows: list[length.LengthChange] = field(default_factory=list)
+    max_length_change: float | None = None
 
     @property
     def by_position(self) -> list[PositionCurve]:
@@ -176,16 +180,26 @@ class Comparison:
 
     @property
     def unjudged_configs(self) -> list[str]:
-        """Configurations the gate could not judge in full: an unjudged gated result, or no task in common."""
-        lacking = {r.config for r in self.insufficient}
+        """Configurations the gate could not judge in full: an unjudged gated result (a length change under
+        --max-length-change included), or no task in common."""
+        lacking = {r.config for r in self.insufficient} | {
+            r.config for r in self.length_rows if r.status == length.UNJUDGED
+        }
         return [c.label for c in self.configs[1:] if c.label in lacking or c.label in self.no_common_task]
+
+    @property
+    def length_failures(self) -> list[length.LengthChange]:
+        """Length changes beyond --max-length-change (kvcal.report.length.judge_length); the baseline
+        configuration's own divergence rows (against its BF16 trajectory) included."""
+        return [r for r in self.length_rows if r.status == length.FAIL]
 
     @property
     def gate_passed(self) -> bool:
         """No configuration failed, every one was judged (or GateSettings.allow_unjudged lets it pass), and no
         engine run differs from kvcal's emulation of its configuration (conformance)."""
         judged = self.settings.allow_unjudged or not (self.unjudged_configs or self.conformance_unjudged)
-        return not self.failures and judged and not any(c.conforms is False for c in self.conformance)
+        conforms = not any(c.conforms is False for c in self.conformance)
+        return not self.failures and not self.length_failures and judged and conforms
 
     @property
     def conformance_unjudged(self) -> list[str]:
@@ -200,7 +214,11 @@ class Comparison:
         """'baseline' | 'FAIL' | 'insufficient data' | 'pass'."""
         if label == self.baseline:
             return "baseline"
-        return config_gate(self.by_config(label))
+        if any(r.config == label for r in self.length_failures):
+            return "FAIL"
+        gate = config_gate(self.by_config(label))
+        unjudged = any(r.config == label and r.status == length.UNJUDGED for r in self.length_rows)
+        return INSUFFICIENT if gate == "pass" and unjudged else gate
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -243,6 +261,11 @@ class Comparison:
             out["text_agreement"] = self.text_agreement_rows
         if self.conformance:
             out["conformance"] = [c.to_dict() for c in self.conformance]
+        if self.length_rows:
+            out["length_change"] = {
+                "max_length_change": self.max_length_change,
+                "rows": [r.to_dict() for r in self.length_rows],
+            }
         return out
 
     def _gate_dict(self) -> dict[str, Any]:
@@ -261,6 +284,7 @@ class Comparison:
             "policy": self.policy.to_dict(),
             "gated": sorted({f"{r.task}/{r.label}" for r in self.results if r.gated}),
             "failures": [brief(r) for r in self.failures],
+            "length_failures": [r.to_dict() for r in self.length_failures],
             "insufficient_data": [
                 {"config": r.config, "task": r.task, "metric": r.label, "n": r.n, "verdict": r.verdict}
                 for r in self.insufficient
@@ -280,7 +304,8 @@ class Comparison:
             "is_baseline": is_base,
             "verdict": "baseline" if is_base else self.config_verdict(c.label),
             "gate": self.config_gate(c.label),
-            "gate_passed": not any(r.gate_fail for r in self.by_config(c.label)),
+            "gate_passed": not any(r.gate_fail for r in self.by_config(c.label))
+            and not any(r.config == c.label for r in self.length_failures),
         }
 
 
@@ -819,6 +844,7 @@ def compare_runs(
     allow_unjudged: bool = False,
     labels: Iterable[str] | dict[str, str] | None = None,
     at_lengths: Sequence[int] = agreement.AT_LENGTHS,
+    max_length_change: float | None = None,
     before_pairing: Callable[[list[Configuration]], None] | None = None,
 ) -> Comparison:
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
@@ -834,6 +860,8 @@ def compare_runs(
     None: the longest context the runs evaluated (kl_seq_len, passkey lengths), or none when no run says.
     `context_source` says where a given `context` comes from, in the report's words.
     `at_lengths`: generated lengths (tokens) the divergence tasks' identical fraction is projected to.
+    `max_length_change`: the gate on the paired change in generated length (a fraction, kvcal.report.length);
+    None reports the change without gating it.
     `gate`: 'regression' (fail a configuration shown worse than its threshold) or 'noninferiority' (pass only one
     whose one-sided upper bound of the degradation is under its threshold); `allow_unjudged`: a configuration the
     gate could not judge (too few samples, no task in common) passes Comparison.gate_passed.
@@ -843,6 +871,7 @@ def compare_runs(
     paired (kvcal.report.conformance's like-with-like check).
     """
     settings = _settings(max_drop, on_bad_run, alpha, min_samples, multiple_testing, gate, allow_unjudged)
+    max_length_change = length.check_max_length_change(max_length_change)
     if context is not None and context < 1:
         raise UsageError(f"--context must be a positive number of tokens (e.g. 8192), got {context}")
     resampling = Resampling(n_boot, seed)
@@ -879,4 +908,9 @@ def compare_runs(
         speed=emulation_speed([(c.label, c.runs) for c in configs], base_tasks),
         agreement_rows=agreement.divergence_rows([(c.label, c.runs) for c in configs], at_lengths),
         text_agreement_rows=agreement.text_agreement_rows([(c.label, c.runs) for c in configs], at_lengths),
+        length_rows=length.length_rows(
+            [(c.label, c.runs) for c in configs], alpha=alpha, n_boot=n_boot, seed=seed,
+            min_samples=min_samples, threshold=max_length_change, gate=gate,
+        ),
+        max_length_change=max_length_change,
     )  # fmt: skip

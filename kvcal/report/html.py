@@ -19,6 +19,8 @@ from kvcal.report.markdown import (
     gate_summary,
     gated_list,
     how_to_read,
+    length_intro,
+    length_table,
     passkey_intro,
     passkey_table,
     passkey_tasks,
@@ -190,6 +192,13 @@ def _agreement(cmp: Comparison) -> list[str]:
     return out + _table(*agreement_table(cmp))
 
 
+def _length(cmp: Comparison) -> list[str]:
+    if not cmp.length_rows:
+        return []
+    out = ["<h2>Output length</h2>", f"<p class='note'>{e(length_intro(cmp))}</p>"]
+    return out + _table(*length_table(cmp))
+
+
 def _conformance(cmp: Comparison) -> list[str]:
     """Engine vs emulation: per pair and key metric the agreement, the paired difference with its interval, the
     minimum detectable difference; then each pair's verdict."""
@@ -221,7 +230,7 @@ def render_html(cmp: Comparison) -> str:
     """One self-contained HTML page: engine vs emulation (when checked), summary, plots (embedded PNG data URIs),
     per-task tables, long-context curves and heatmaps, warnings."""
     out = _head(cmp) + _conformance(cmp) + _summary(cmp) + _plots(cmp) + _tasks(cmp) + _agreement(cmp)
-    out += _long_context(cmp) + _speed(cmp)
+    out += _length(cmp) + _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         out += ["<h2>Warnings</h2><ul>", *(f"<li>{e(w)}</li>" for w in cmp.warnings), "</ul>"]
     out += ["<h2>How to read this report</h2><ul class='note'>"]

@@ -451,6 +451,53 @@ def _agreement(cmp: Comparison) -> list[str]:
     ]
 
 
+# ---- output length (kvcal.report.length): a table shared with the HTML report -------------------------------
+
+LENGTH_INTRO = (
+    "Mean generated tokens per document, paired: each configuration's output against the baseline run's for "
+    "lm-eval generative tasks (kvcal runs record the generated token ids; the mean over a document's repeats), "
+    "and for divergence tasks against the BF16 trajectory of the same prompt in the same run. Change in tokens "
+    "with its paired BCa bootstrap 95% interval and p-value; relative change with Fieller's interval. A longer "
+    "output costs decode time and cache whatever the accuracy does."
+)
+
+
+def length_intro(cmp: Comparison) -> str:
+    gate = (
+        f" Gate (--max-length-change): {cmp.max_length_change:g} of the baseline's length either way "
+        f"({cmp.settings.gate})."
+        if cmp.max_length_change is not None
+        else " Reported, not gated (--max-length-change gates it)."
+    )
+    return LENGTH_INTRO + gate
+
+
+def _rel_iv(lo: float | None, hi: float | None) -> str:
+    return "unbounded" if lo is None or hi is None else f"[{fmt.pct(lo)}, {fmt.pct(hi)}]"
+
+
+def length_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): per (configuration, generative task) the paired change in generated length."""
+    header = ["task", "configuration", "against", "documents", "baseline tokens", "tokens", "change (tokens)",
+              "p", "relative change", "gate"]  # fmt: skip
+    rows = []
+    for r in cmp.length_rows:
+        change = "n/a" if r.ci_low is None else _iv({"value": r.diff, "lo": r.ci_low, "hi": r.ci_high}, 1)
+        rel = fmt.pct(r.rel_change) + ("" if r.rel_change is None else f" {_rel_iv(r.rel_ci_low, r.rel_ci_high)}")
+        gate = r.status + (f": {r.reason}" if r.reason and r.status != "pass" else "")
+        rows.append(
+            [r.task, f"`{r.config}`", f"`{r.baseline}`", str(r.n), fmt.f(r.base_mean, 1), fmt.f(r.mean, 1),
+             change, fmt.p(r.p_value), rel, gate]
+        )  # fmt: skip
+    return header, rows
+
+
+def _length(cmp: Comparison) -> list[str]:
+    if not cmp.length_rows:
+        return []
+    return ["## Output length", "", length_intro(cmp), "", *_table(*length_table(cmp)), ""]
+
+
 # ---- emulation speed (kvcal.report.speed): a table shared with the HTML report ---------------------------------
 
 
@@ -488,7 +535,7 @@ def _speed_notes(cmp: Comparison) -> list[str]:
 def render_markdown(cmp: Comparison) -> str:
     """The report as Markdown."""
     lines = _header(cmp) + _gate_lists(cmp) + _conformance(cmp) + _summary(cmp) + _tasks(cmp) + _agreement(cmp)
-    lines += _long_context(cmp) + _speed(cmp)
+    lines += _length(cmp) + _long_context(cmp) + _speed(cmp)
     if cmp.warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in cmp.warnings] + [""]
     lines += ["## How to read this report", ""] + how_to_read(cmp) + [""]

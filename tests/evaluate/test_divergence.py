@@ -141,6 +141,26 @@ def test_divergence_task_bf16_agrees_with_itself_and_int8_is_measured(
         compare_runs([tmp_path / "bf16", other], min_samples=2)
 
 
+@pytest.mark.slow
+def test_divergence_task_in_batches_is_the_same_task(tiny_llama: Path, shared_data: Path, tmp_path: Path) -> None:
+    """`--batch-size 2` on lm-eval's gsm8k prompts: samples in document order, bf16 still agrees with its baseline
+    bit for bit (the batch's own trajectories: cached under the batch, not reused from batch 1), and the batch's
+    trajectories serve the next format at the same batch size."""
+    _run(tiny_llama, "bf16", tmp_path / "one", shared_data)
+    res = _run(tiny_llama, "bf16", tmp_path / "bf16", shared_data, batch_size=2)
+    r, cfg = res["results"]["divergence"], res["configs"]["divergence"]
+    # 3 prompts in batches of 2: the pair's trajectories are its own; the last prompt, alone, is batch 1's (a hit)
+    assert cfg["batch_size"] == 2 and cfg["baseline_cache_hits"] == 1
+    assert r["identical,none"] == 1.0 and r["prefill_kl,none"] == 0.0
+    assert [s["doc_id"] for s in _samples(tmp_path / "bf16")] == [0, 1, 2]
+    res4 = _run(tiny_llama, "int8_per_token_head", tmp_path / "int8", shared_data, batch_size=2)
+    assert res4["configs"]["divergence"]["baseline_cache_hits"] == 3
+    one = {s["doc_id"]: s for s in _samples(tmp_path / "one")}
+    for s in _samples(tmp_path / "bf16"):  # the same prompts, and (float rounding apart) the same trajectories
+        assert s["prompt_sha256"] == one[s["doc_id"]]["prompt_sha256"]
+        assert s["base_len"] > 0
+
+
 def test_divergence_bad_input_is_one_error_line_and_nothing_written(
     tiny_llama: Path, tmp_path: Path, invoke: Callable[[list[str]], tuple[int, str, str]]
 ) -> None:
