@@ -48,7 +48,7 @@ def output_problem(path: str | os.PathLike[str], flag: str = "-o", folder: bool 
     kind = "folder" if folder else "file"
     if out.exists() and out.is_dir() != folder:
         return f"{flag} '{out}' is a {'file' if folder else 'folder'}; pass a {kind} path"
-    probe = out if out.exists() else out.parent
+    probe = out.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():

@@ -54,7 +54,7 @@ def _as_bool(value: Any) -> bool:
 class KvcalLM(HFLM):
     """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
     force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
-    kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
+    kv_input_dtype (K/V rounded to it before quantization; default: kvcal eval's, bfloat16); kv_scales=first-batch is vLLM's
     calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (full: lm-eval's
     every-position path, the default | continuation: only the continuation rows meet the LM head); prefill_chunk
     (continuation scoring prefills a longer sequence chunk by chunk; default 2048); prefix_serde +

@@ -298,7 +298,7 @@ _KVCAL_RECORDED = ("kv_format", "scales_path", "scales", "scale_source", "kv_inp
 
 def _with_kvcal_record(config: RunConfig, record: dict[str, Any]) -> RunConfig:
     """`config` with kvcal's resolved configuration where an lm-eval run of `--model kvcal` recorded it (kvcal
-    0.x and later): the defaults it resolved (kv input dtype, nvfp4's global scale, ...) are then part of the
+    issue 43 on): the defaults it resolved (kv input dtype, nvfp4's global scale, ...) are then part of the
     run's configuration as they are of a kvcal eval run's, so runs of different configurations do not pair."""
     kv = record.get("kvcal")
     if not isinstance(kv, dict):

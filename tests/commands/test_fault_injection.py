@@ -152,6 +152,7 @@ class Case:
     command: str  # as in `kvcal --help` (models subcommands: "models path")
     kind: str  # the malformation
     build: Callable[[Inputs, Path], list[str]]  # (inputs, work folder) -> argv; writes its malformed files in work
+    says: str = ""  # what the one Error: line must name (the option refused), where the cause is the point
 
 
 def _scale_case(command: str, kind: str) -> Case:
@@ -263,8 +264,8 @@ def _run_dir_case(kind: str) -> Case:
     return Case("compare", f"run-{kind}", build)
 
 
-def _option_case(command: str, kind: str, args: Callable[[Inputs, Path], list[str]]) -> Case:
-    return Case(command, kind, args)
+def _option_case(command: str, kind: str, args: Callable[[Inputs, Path], list[str]], says: str = "") -> Case:
+    return Case(command, kind, args, says)
 
 
 def _ro_out(w: Path) -> Path:
@@ -340,24 +341,25 @@ CASES: list[Case] = [
     *[_traffic_case(k) for k in ("missing", "empty", "binary")],
     # out-of-range numbers and values one command took silently, on the command line
     _option_case("capacity", "option-context-0", lambda i, w: ["capacity", str(i.model), "--context", "0"]),
-    _option_case("capacity", "option-gpu-mem-nan", lambda i, w: ["capacity", str(i.model), "--gpu-mem-gib", "nan"]),
+    _option_case("capacity", "option-gpu-mem-nan", lambda i, w: ["capacity", str(i.model), "--gpu-mem-gib", "nan"], says="--gpu-mem-gib"),
     _option_case("calibrate", "option-num-samples-0", lambda i, w: [
         "calibrate", str(i.model), "-f", "fp8", "--num-samples", "0", "-o", str(w / "s.safetensors")]),
     _option_case("calibrate", "option-percentile-nan", lambda i, w: [
         "calibrate", str(i.model), "-f", "fp8", "--observer", "percentile", "--percentile", "nan",
-        "-o", str(w / "s.safetensors")]),
+        "-o", str(w / "s.safetensors")], says="--percentile"),
     _option_case("calibrate", "option-percentile-unused", lambda i, w: [
-        "calibrate", str(i.model), "-f", "fp8", "--percentile", "99", "-o", str(w / "s.safetensors")]),
+        "calibrate", str(i.model), "-f", "fp8", "--percentile", "99", "--num-samples", "2", "--seq-len", "16",
+        "-o", str(w / "s.safetensors")], says="--percentile"),
     _option_case("calibrate", "output-unwritable", lambda i, w: [
         "calibrate", str(i.model), "-f", "fp8", "-o", str(_ro_out(w))]),
     _option_case("sensitivity", "option-factor-nan", lambda i, w: [
-        "sensitivity", str(i.model), "-f", "fp8", "--factor", "nan"]),
+        "sensitivity", str(i.model), "-f", "fp8", "--factor", "nan"], says="--factor"),
     _option_case("sensitivity", "option-seq-len-1", lambda i, w: [
-        "sensitivity", str(i.model), "-f", "fp8", "--seq-len", "1"]),
+        "sensitivity", str(i.model), "-f", "fp8", "--seq-len", "1"], says="--seq-len"),
     _option_case("plan", "option-frontier-step-nan", lambda i, w: [
-        "plan", str(i.model), "--capacity", "1.5x", "--frontier", "--frontier-step", "nan"]),
+        "plan", str(i.model), "--capacity", "1.5x", "--frontier", "--frontier-step", "nan"], says="--frontier-step"),
     _option_case("plan", "option-effective-bits-nan", lambda i, w: [
-        "plan", str(i.model), "--effective-bits", "nan"]),
+        "plan", str(i.model), "--effective-bits", "nan"], says="--effective-bits"),
     _option_case("plan", "output-unwritable", lambda i, w: [
         "plan", str(i.model), "--capacity", "1.5x", "-o", str(_ro_out(w))]),
     _option_case("plan-export", "option-engine-unknown", lambda i, w: [
@@ -365,23 +367,23 @@ CASES: list[Case] = [
     _option_case("plan-export", "output-unwritable", lambda i, w: [
         "plan-export", str(i.plan), "--engine", "vllm-modelopt", "-o", str(_ro_out(w))]),
     _option_case("plan-export", "option-output-unused", lambda i, w: [
-        "plan-export", str(i.plan), "--engine", "trtllm", "-o", str(w / "trtllm.txt")]),
+        "plan-export", str(i.plan), "--engine", "trtllm", "-o", str(w / "trtllm.txt")], says="-o"),
     _option_case("export", "option-tp-size-0", lambda i, w: [
-        "export", str(i.scales), str(i.model), "--to", "sglang", "--tp-size", "0", "-o", str(w / "s.json")]),
+        "export", str(i.scales), str(i.model), "--to", "sglang", "--tp-size", "0", "-o", str(w / "s.json")], says="--tp-size"),
     _option_case("export", "option-tp-size-unused", lambda i, w: [
-        "export", str(i.scales), str(i.model), "--to", "vllm", "--tp-size", "2", "-o", str(w / "v")]),
+        "export", str(i.scales), str(i.model), "--to", "vllm", "--tp-size", "2", "-o", str(w / "v")], says="--tp-size"),
     _option_case("export", "output-unwritable", lambda i, w: [
         "export", str(i.scales), str(i.model), "--to", "sglang", "-o", str(_ro_out(w))]),
     _option_case("drift", "option-max-clip-nan", lambda i, w: [
-        "drift", str(i.scales), str(i.model), "--dataset", str(i.traffic), "--max-clip", "nan"]),
+        "drift", str(i.scales), str(i.model), "--dataset", str(i.traffic), "--max-clip", "nan"], says="--max-clip"),
     _option_case("drift", "option-num-samples-0", lambda i, w: [
         "drift", str(i.scales), str(i.model), "--dataset", str(i.traffic), "--num-samples", "0"]),
     _option_case("eval", "option-limit-0", lambda i, w: [
         "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--limit", "0", "-o", str(w / "run")]),
     _option_case("eval", "option-gen-kwargs-nan", lambda i, w: [
-        "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--gen-kwargs", "temperature=nan", "-o", str(w / "r")]),
+        "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--gen-kwargs", "temperature=nan", "-o", str(w / "r")], says="temperature"),
     _option_case("eval", "option-repeats-on-kl", lambda i, w: [
-        "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--repeats", "4", "-o", str(w / "run")]),
+        "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--repeats", "4", "-o", str(w / "run")], says="repeats"),
     _option_case("eval", "option-task-unknown", lambda i, w: [
         "eval", str(i.model), "-f", "fp8", "--tasks", "no_such_task", "-o", str(w / "run")]),
     _option_case("eval", "output-unwritable", lambda i, w: [
@@ -458,6 +460,7 @@ def test_every_malformation_keeps_the_promise(
     before = _snapshot(work)
     code, _, err = _invoke_any(invoke, args)
     _keeps_the_promise(code, err)
+    assert case.says in next(ln for ln in err.splitlines() if ln.startswith("Error:")), err[-1000:]
     after = _snapshot(work)
     assert sorted(set(after) - set(before)) == [], "left behind"  # nothing new, no temporary file
     changed = sorted(k for k in before if after.get(k, b"gone") != before[k])
