@@ -26,6 +26,7 @@ from kvcal.commands.evaluate import eval_cmd
 from kvcal.commands.models import models_install, models_list, models_path
 from kvcal.commands.output import route_library_warnings
 from kvcal.commands.plan import plan_cmd, plan_export_cmd
+from kvcal.commands.probe import probe_cmd
 from kvcal.commands.release import release_cmd
 from kvcal.commands.scalefile import export_cmd, show_cmd, verify_cmd
 from kvcal.commands.sensitivity import sensitivity_cmd
@@ -164,6 +165,7 @@ app.command("show")(show_cmd)
 app.command("verify")(verify_cmd)
 app.command("drift")(drift_cmd)
 app.command("export")(export_cmd)
+app.command("probe")(probe_cmd)
 app.command("eval")(eval_cmd)
 app.command("sweep")(sweep_cmd)
 app.command("compare")(compare_cmd)

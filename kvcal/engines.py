@@ -50,7 +50,7 @@ import yaml
 from kvcal.formats import TQ_BOUNDARY_LAYERS, get_format, is_tq_preset
 from kvcal.rundir import CONFIG, RunConfig
 
-ENGINES = ("vllm", "sglang", "trtllm")
+ENGINES = ("vllm", "vllm-cpu", "sglang", "trtllm")
 # kvcal's own tasks: they need kvcal's BF16 reference logits or its generated documents; no engine runs them.
 # The divergence tasks (kvcal.evaluate.tasks.DIVERGENCE_TASKS; this module sits below it) compare against kvcal's
 # BF16 trajectory.
@@ -98,6 +98,8 @@ class EngineSetup:
     label: str = ""  # names the lm-eval output folder
     tq_boundary_layers: int | None = None  # a TurboQuant preset's --tq-boundary-layers (vLLM's is always 2)
     prefix_serde: str | None = None  # LMCache's storage tier (--prefix-serde): no engine command carries it
+    max_length: int | None = None  # the run's window (lm-eval max_length): the engine's max_model_len
+    data_dir: str | None = None  # --data-dir: kvcal-lm-eval reads the same offline task data
 
     @classmethod
     def from_run_config(cls, rc: RunConfig, label: str = "") -> EngineSetup:
@@ -121,6 +123,8 @@ class EngineSetup:
             label=label,
             tq_boundary_layers=rc.tq_boundary_layers,
             prefix_serde=rc.prefix_serde,
+            max_length=getattr(rc, "max_length", None) or (rc.extra or {}).get("max_length"),
+            data_dir=rc.data_dir,
         )
 
     def merged_tasks(self, other: EngineSetup) -> EngineSetup:
@@ -178,7 +182,7 @@ def command_lines(d: dict[str, Any]) -> list[str]:
 
 def engine_commands(setup: EngineSetup) -> list[EngineCommand]:
     """One EngineCommand per engine of ENGINES."""
-    return [_vllm(setup), _sglang(setup), _trtllm(setup)]
+    return [_vllm(setup), _vllm_cpu(setup), _sglang(setup), _trtllm(setup)]
 
 
 def commands_dict(setup: EngineSetup) -> dict[str, dict[str, Any]]:
@@ -280,7 +284,7 @@ def _engine_dtype(fmt_name: str, engine: str) -> str:
     return str(name)
 
 
-_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+_ENGINE_NAMES = {"vllm": "vLLM", "vllm-cpu": "vLLM's CPU build", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 
 # Engine names of formats' table that the serve commands here cannot run, and why (tests/test_engines.py checks
 # every other name is one of KV_CACHE_DTYPES)
@@ -354,6 +358,17 @@ def _dtype_arg(s: EngineSetup) -> dict[str, str]:
     return {} if s.dtype in ("auto", "", None) else {"dtype": s.dtype}
 
 
+def _float32_note(s: EngineSetup) -> list[str]:
+    """A run computed in float32 (the float32 checkpoint's own dtype) is what the printed commands reproduce; a
+    served model runs in 16 bits (vLLM's `--dtype auto` serves a float32 checkpoint in bfloat16 / float16)."""
+    if s.dtype != "float32":
+        return []
+    return [
+        "this run computed in float32, so the commands serve float32 to compute the same; to measure what you serve "
+        "in 16 bits, evaluate with `kvcal eval --dtype bfloat16` and use that run's commands"
+    ]
+
+
 def _dtype_flag(s: EngineSetup) -> list[str]:
     """`--dtype D` (vLLM ModelConfig.dtype, SGLang ServerArgs.dtype: both take bfloat16 / float16 / float32): the
     run's resolved model dtype, so the engine computes in the dtype kvcal did."""
@@ -412,15 +427,86 @@ def _vllm(s: EngineSetup) -> EngineCommand:
         )
     if backend:
         flags += ["--attention-backend", backend]
+    if s.max_length is not None:
+        flags += ["--max-model-len", str(s.max_length)]
     serve = ("vllm", "serve", model, *flags)
     model_args: dict[str, Any] = {"pretrained": model, "kv_cache_dtype": dtype, **_dtype_arg(s)}
     if "--kv-cache-dtype-skip-layers" in flags:
         model_args["kv_cache_dtype_skip_layers"] = [str(i) for i in s.skip_layers]
+    if s.max_length is not None:
+        model_args["max_model_len"] = s.max_length
     if backend:
         model_args["attention_backend"] = backend
     tasks, task_notes = _engine_tasks(s)
     lm = _lm_eval("vllm", model_args, s, "vllm") if tasks else None
+    notes += _float32_note(s)
     return EngineCommand("vllm", serve=serve, export=export, lm_eval=lm, notes=tuple(notes + task_notes))
+
+
+# ---- vLLM's CPU build -------------------------------------------------------------------------------------------
+
+# The CPU attention backend's KV cache dtypes: CPUAttentionBackend.supported_kv_cache_dtypes in
+# vllm/v1/attention/backends/cpu_attn.py of vllm-cpu 0.32.0 (the package kvcal's `make engine` installs).
+VLLM_CPU_RELEASE = "0.32.0"
+VLLM_CPU_KV_DTYPES = frozenset({"auto", "fp8", "fp8_e4m3", "fp8_e5m2"})
+
+
+def _vllm_cpu(s: EngineSetup) -> EngineCommand:
+    """vLLM's CPU build (`vllm-cpu`): one attention backend (CPU_ATTN, no --attention-backend to choose), FP8 only
+    on AVX-512 / AMX, and lm-eval started through `kvcal-lm-eval` (lm-eval's own `--model vllm` looks up the
+    distribution `vllm`, which the CPU build does not register)."""
+    refusal = _common_refusal(s, "vllm") or _calibrated_fp8(s, "vllm")
+    if refusal:
+        return EngineCommand("vllm-cpu", refused=refusal)
+    if s.first_batch:
+        return EngineCommand("vllm-cpu", refused="vLLM removed --calculate-kv-scales (PR #49389)")
+    if s.attention == "fp8":
+        return EngineCommand("vllm-cpu", refused="FP8 attention (Q and P in e4m3) is FlashAttention-3's, a Hopper GPU")
+    dtype = _engine_dtype(s.kv_format, "vllm")
+    if dtype == "bfloat16":
+        dtype = "auto"  # the cache in the model's dtype: what CPU_ATTN lists (it has no 'bfloat16' entry)
+    if dtype not in VLLM_CPU_KV_DTYPES:
+        return EngineCommand(
+            "vllm-cpu",
+            refused=f"vLLM's CPU attention backend (vllm-cpu {VLLM_CPU_RELEASE}, CPU_ATTN) stores "
+            f"{', '.join(sorted(VLLM_CPU_KV_DTYPES))} only; {dtype} needs a GPU backend",
+        )
+    notes = [
+        f"vllm-cpu=={VLLM_CPU_RELEASE} (`make engine` installs it in .venv-vllm/); CPU_ATTN, its only attention backend"
+    ]
+    if dtype != "auto":
+        notes.append("an FP8 KV cache on the CPU build needs x86 with AVX-512 or AMX and a head size divisible by 32")
+    model, export = s.model_dir, None
+    if s.scales_path is not None:
+        model = _export_dir(s, "vllm")
+        export = ("kvcal", "export", s.scales_path, s.model_dir, "--to", "vllm", "-o", model)
+    if s.granularity == "head":
+        notes.append(
+            "WARNING: vLLM's compressed-tensors loader hands the CPU backend one scale per layer, the maximum of the "
+            "per-head scales (compressed_tensors.py _to_scalar @ v0.32.0): the engine serves per-tensor scales, not "
+            "this run's per-head ones"
+        )
+    # eager: vLLM's default torch.compile of the model takes minutes on a small CPU before the first token and
+    # changes no KV arithmetic (the cache write and attention are CPU_ATTN's own kernels either way)
+    flags = [*_dtype_flag(s), "--kv-cache-dtype", dtype, "--enforce-eager"]
+    model_args: dict[str, Any] = {"pretrained": model, "kv_cache_dtype": dtype, **_dtype_arg(s), "enforce_eager": True}
+    if s.skip_layers and dtype != "auto":
+        flags += ["--kv-cache-dtype-skip-layers", *(str(i) for i in s.skip_layers)]
+        model_args["kv_cache_dtype_skip_layers"] = [str(i) for i in s.skip_layers]
+    if s.max_length is not None:
+        flags += ["--max-model-len", str(s.max_length)]
+        model_args["max_model_len"] = s.max_length
+    serve = ("vllm", "serve", model, *flags, "--host", "127.0.0.1")
+    tasks, task_notes = _engine_tasks(s)
+    lm = None
+    if tasks:
+        argv = list(_lm_eval("vllm", model_args, s, "vllm-cpu"))
+        argv[0] = "kvcal-lm-eval"
+        if s.data_dir:
+            argv += ["--data-dir", s.data_dir]
+        lm = tuple(argv)
+    notes += _float32_note(s)
+    return EngineCommand("vllm-cpu", serve=serve, export=export, lm_eval=lm, notes=tuple(notes + task_notes))
 
 
 # ---- SGLang ----------------------------------------------------------------------------------------------------

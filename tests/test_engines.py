@@ -207,3 +207,43 @@ def test_eval_and_compare_print_and_record_the_commands(
     assert ec["fp8"]["vllm"]["serve_argv"][-4:] == ["--kv-cache-dtype-skip-layers", "1", "--attention-backend",
                                                     "TRITON_ATTN"]  # fmt: skip
     assert "refused" in ec["fp8"]["sglang"] and ec["bf16"]["sglang"]["serve_argv"][-1] == "bf16"
+
+
+def _kvcal_lm_eval_args(argv: list[str]):  # noqa: ANN202 - lm-eval's argparse Namespace
+    """The printed `kvcal-lm-eval` command: kvcal's own options split off, the rest parsed by lm-eval's parser."""
+    from kvcal.evaluate.lm_eval_cli import engine_of, split_argv
+
+    assert argv[0] == "kvcal-lm-eval" and engine_of(argv[1:]) == "vllm"
+    data, rest = split_argv(argv[1:])
+    return data, _lm_eval_args(["lm_eval", *rest])
+
+
+def test_vllm_cpu_build_commands_run_on_the_cpu_build() -> None:
+    """vLLM's CPU build: no GPU-only attention backend, the run's dtype and window, kvcal-lm-eval (lm-eval's own
+    --model vllm cannot start the CPU build), the offline data, a server on 127.0.0.1."""
+    s = EngineSetup("ckpt", "fp8_e4m3", dtype="bfloat16", tasks=("wikitext", "kl"), limit=20, max_length=8192,
+                    data_dir="../shared/data", label="fp8")  # fmt: skip
+    cpu = _by_engine(s)["vllm-cpu"]
+    assert cpu["serve_argv"] == ["vllm", "serve", "ckpt", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
+                                 "--enforce-eager", "--max-model-len", "8192", "--host", "127.0.0.1"]  # fmt: skip
+    assert "--attention-backend" not in cpu["serve_argv"] and "attention_backend" not in cpu["lm_eval"]
+    data, args = _kvcal_lm_eval_args(cpu["lm_eval_argv"])
+    assert data.data_dir == "../shared/data" and args.model == "vllm" and args.tasks == ["wikitext"]
+    assert args.model_args == {"pretrained": "ckpt", "kv_cache_dtype": "fp8", "dtype": "bfloat16",
+                               "enforce_eager": True, "max_model_len": 8192}  # fmt: skip
+    assert any("AVX-512" in n for n in cpu["notes"])
+    # the GPU line keeps its backend (Hopper's default FA3 would quantize Q too) and gets the window as well
+    gpu = _by_engine(s)["vllm"]
+    assert "TRITON_ATTN" in gpu["serve_argv"] and gpu["serve_argv"][-2:] == ["--max-model-len", "8192"]
+
+
+def test_vllm_cpu_build_refusals_and_warnings() -> None:
+    assert "CPU_ATTN" in _by_engine(EngineSetup("ckpt", "nvfp4"))["vllm-cpu"]["refused"]
+    assert "CPU_ATTN" in _by_engine(EngineSetup("ckpt", "int8_per_token_head"))["vllm-cpu"]["refused"]
+    assert "Hopper" in _by_engine(EngineSetup("ckpt", "fp8_e4m3", attention="fp8"))["vllm-cpu"]["refused"]
+    bf16 = _by_engine(EngineSetup("ckpt", "bf16", dtype="bfloat16"))["vllm-cpu"]
+    assert bf16["serve_argv"][-4:] == ["auto", "--enforce-eager", "--host", "127.0.0.1"]  # CPU_ATTN: no 'bfloat16'
+    head = _by_engine(EngineSetup("ckpt", "fp8_e4m3", scales_path="s.safetensors", granularity="head"))
+    assert any(n.startswith("WARNING") and "maximum of the per-head" in n for n in head["vllm-cpu"]["notes"])
+    f32 = _by_engine(EngineSetup("ckpt", "fp8_e4m3", dtype="float32"))
+    assert any("--dtype bfloat16" in n for n in f32["vllm-cpu"]["notes"] + f32["vllm"]["notes"])

@@ -83,13 +83,56 @@ def offline_tasks(data: OfflineData) -> Iterator[None]:
         EvaluatorConfig.process_tasks = original  # type: ignore[method-assign]
 
 
+def engine_of(argv: Sequence[str]) -> str | None:
+    """The serving engine `--model` names (lm-eval's `vllm` backend), or None for an in-process model."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model", "-m", dest="model")
+    ours, _ = parser.parse_known_args(list(argv))
+    return "vllm" if ours.model == "vllm" else None
+
+
+def run_in_engine(engine: str, argv: Sequence[str]) -> int:
+    """`kvcal-lm-eval --model vllm ...` in the engine's own environment (kvcal.engine_env): its interpreter runs
+    kvcal.evaluate.engine_lm_eval with kvcal's source folder on PYTHONPATH. An argument list, no shell. Where the
+    engine imports in this interpreter, it runs here instead."""
+    from importlib.util import find_spec
+
+    module = "kvcal.evaluate.engine_lm_eval"
+    if find_spec(engine) is not None:
+        import runpy
+
+        sys.argv = [module, *argv]
+        runpy.run_module(module, run_name="__main__")
+        return 0
+    import subprocess
+    from pathlib import Path
+
+    from kvcal.engine_env import find_engine
+
+    env = find_engine(engine)
+    source = str(Path(__file__).resolve().parents[2])  # the folder holding the kvcal package
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([env.python, "-m", module, *argv], env=child_env, check=False).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The `kvcal-lm-eval` console script. kvcal's anticipated errors are one `Error:` line with their exit
-    code (KVCAL_DEBUG=1 adds the traceback); lm-eval's own errors are lm-eval's."""
+    code (KVCAL_DEBUG=1 adds the traceback); lm-eval's own errors are lm-eval's. `--model vllm` runs lm-eval in
+    the engine's environment (run_in_engine)."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    engine = engine_of(args_in)
+    if engine is not None:
+        try:
+            split_argv(args_in)  # kvcal's own options checked here, before the engine starts
+            sys.exit(run_in_engine(engine, args_in))
+        except KvcalError as exc:
+            print(f"Error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
     import kvcal.evaluate.adapter  # noqa: F401  (registers the `kvcal` model with lm-eval)
 
     try:
-        data, rest = split_argv(sys.argv[1:] if argv is None else argv)
+        data, rest = split_argv(args_in)
         from lm_eval._cli import HarnessCLI
         from lm_eval.utils import setup_logging
 

