@@ -170,6 +170,8 @@ def _scale_case(command: str, kind: str) -> Case:
             "eval": ["eval", str(i.model), "-f", "fp8", "--scales", str(bad), "--tasks", "kl", "-o", str(w / "run")],
             "plan": ["plan", str(i.model), "--candidates", "bf16,fp8_e4m3", "--capacity", "1.5x", "--scales",
                      str(bad), *SMALL_PLAN, "-o", str(w / "previous.plan.json")],
+            "probe": ["probe", str(bad), str(i.model), "--num-prompts", "1", "--seq-len", "16",
+                      "-o", str(w / "previous.txt")],
         }[command]  # fmt: skip
 
     return Case(command, f"scales-{kind}", build)
@@ -313,6 +315,7 @@ def _model_case(command: str, kind: str) -> Case:
             "drift": ["drift", str(i.scales), str(m), "--dataset", str(i.traffic)],
             "eval": ["eval", str(m), "-f", "fp8", "--tasks", "kl", "-o", str(out / "run")],
             "release": ["release", str(m), "-c", str(_release_yaml(i, w)), "-o", str(out / "release")],
+            "probe": ["probe", str(i.scales), str(m), "-o", str(out / "probe.json")],
         }[command]
 
     return Case(command, f"model-{kind}", build)
@@ -324,12 +327,13 @@ def _release_yaml(i: Inputs, w: Path) -> Path:
     return p
 
 
-MODEL_COMMANDS = ("capacity", "calibrate", "sensitivity", "plan", "verify", "export", "drift", "eval", "release")
+MODEL_COMMANDS = ("capacity", "calibrate", "sensitivity", "plan", "verify", "export", "drift", "eval", "release",
+                  "probe")
 MODEL_KINDS = ("missing", "config-truncated", "config-wrong_type", "config-nan", "config-negative")
 
 CASES: list[Case] = [
     *[_model_case(c, k) for c in MODEL_COMMANDS for k in MODEL_KINDS],
-    *[_scale_case(c, k) for c in ("show", "verify", "export", "drift", "eval", "plan")
+    *[_scale_case(c, k) for c in ("show", "verify", "export", "drift", "eval", "plan", "probe")
       for k in (*FILE_KINDS, "nan")],
     *[_json_case(c, "plan", k) for c in ("plan-export", "eval", "capacity")
       for k in (*FILE_KINDS, "nan", "shape", "wrong_contents")],
@@ -409,6 +413,12 @@ CASES: list[Case] = [
         "release", str(i.model), "-c", str(_release_yaml(i, w)), "--context", "0", "-o", str(w / "rel")]),
     _option_case("release", "output-unwritable", lambda i, w: [
         "release", str(i.model), "-c", str(_release_yaml(i, w)), "-o", str(_ro_out(w))]),
+    _option_case("probe", "option-factor-nan", lambda i, w: [
+        "probe", str(i.scales), str(i.model), "--factor", "nan"], says="--factor"),
+    _option_case("probe", "option-num-prompts-0", lambda i, w: [
+        "probe", str(i.scales), str(i.model), "--num-prompts", "0"], says="--num-prompts"),
+    _option_case("probe", "output-unwritable", lambda i, w: [
+        "probe", str(i.scales), str(i.model), "-o", str(_ro_out(w))]),
     _option_case("models list", "option-unknown", lambda i, w: ["models", "list", "--all"]),
     _option_case("models install", "name-unknown", lambda i, w: ["models", "install", "llama-70b"]),
     _option_case("models path", "name-unknown", lambda i, w: ["models", "path", "llama-70b"]),
