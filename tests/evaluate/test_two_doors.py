@@ -87,6 +87,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_every_format_gives_one_answer_through_both_doors(
     fmt: str, setup: tuple[Path, Path], tmp_path: Path, invoke: Invoke,
