@@ -222,7 +222,12 @@ def _refuse_unused(ctx: typer.Context, spec: Any) -> None:
     from typer._click.core import ParameterSource  # typer 0.29 vendors click
 
     from kvcal.errors import UsageError
+    from kvcal.evaluate.tasks import DIVERGENCE_TASKS, KL_TASK, PASSKEY_TASKS
     from kvcal.formats import is_tq_preset
+
+    own = {KL_TASK, *PASSKEY_TASKS, *DIVERGENCE_TASKS}
+    lm_eval_tasks = [t for t in spec.tasks if t not in own]
+    generates = [t for t in spec.tasks if t != KL_TASK]
 
     def typed(name: str) -> bool:
         return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
@@ -236,6 +241,10 @@ def _refuse_unused(ctx: typer.Context, spec: Any) -> None:
          "or passkey_mc to --tasks or drop it"),
         ("tq_boundary_layers", "--tq-boundary-layers", is_tq_preset(spec.kv_format), "counts a TurboQuant preset's "
          f"BF16 boundary layers; --kv-format {spec.kv_format} is not one: drop it"),
+        ("repeats", "--repeats", bool(lm_eval_tasks), "repeats a generative lm-eval task's generations; "
+         f"{', '.join(spec.tasks)} {'is' if len(spec.tasks) == 1 else 'are'} kvcal's own: drop it"),
+        ("gen_kwargs", "--gen-kwargs", bool(generates), "sets how tasks generate; kl generates nothing: drop it"),
+        ("max_gen_toks", "--max-gen-toks", bool(generates), "caps generated tokens; kl generates nothing: drop it"),
     ]  # fmt: skip
     for name, flag, applies, why in needs:
         if typed(name) and not applies:

@@ -397,6 +397,9 @@ CASES: list[Case] = [
     _option_case("eval", "option-tq-boundary-unused", lambda i, w: [
         "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--tq-boundary-layers", "0", "-o", str(w / "run")],
         says="--tq-boundary-layers"),
+    _option_case("eval", "option-gen-kwargs-unused", lambda i, w: [
+        "eval", str(i.model), "-f", "fp8", "--tasks", "kl", "--gen-kwargs", "temperature=0.5", "-o", str(w / "run")],
+        says="--gen-kwargs"),
     _option_case("eval", "option-task-unknown", lambda i, w: [
         "eval", str(i.model), "-f", "fp8", "--tasks", "no_such_task", "-o", str(w / "run")]),
     _option_case("eval", "output-unwritable", lambda i, w: [
