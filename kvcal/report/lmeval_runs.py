@@ -126,6 +126,18 @@ def engine_kv_format(backend: str, name: Any) -> str:
         raise UsageError(f"{backend} kv_cache_dtype={text}: {exc}") from None
 
 
+def _kvcal_kv_format(name: Any) -> str:
+    """`--model kvcal`'s kv_format as kvcal eval records it: one format, a K/V pair or a TurboQuant preset (the
+    canonical name, formats.pair_name); UsageError naming it when kvcal does not know it."""
+    from kvcal.formats import kv_pair, pair_name, parse_kv_format
+
+    text = "auto" if name in (None, "") else str(name).strip()
+    try:
+        return pair_name(*kv_pair(parse_kv_format(text)))
+    except UsageError as exc:
+        raise UsageError(f"kvcal kv_format={text}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an lm-eval run's record says about its KV cache."""
@@ -151,7 +163,7 @@ def engine_config(config: dict[str, Any]) -> EngineConfig:
         scales = args.get("kv_scales")
         first = scales == "first-batch"
         return EngineConfig(
-            backend, model, engine_kv_format("", args.get("kv_format")), None if first or not scales else str(scales),
+            backend, model, _kvcal_kv_format(args.get("kv_format")), None if first or not scales else str(scales),
             "first-batch" if first else None, str(args.get("skip_layers") or ""), dtype,
         )  # fmt: skip
     if backend in _ENGINE_BACKENDS:
