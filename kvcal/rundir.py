@@ -113,6 +113,13 @@ class RunConfig:
     # prefix_tokens K/V round-tripped through. Written only when set, so every other run keeps its identity hash.
     prefix_serde: str | None = None
     prefix_tokens: int | None = None
+    # log-likelihoods' log-softmax and sums (`--logprob-dtype`): "float32" or "model" (lm-eval's HFLM default),
+    # recorded for a model dtype other than float32 (a float32 model gives the same numbers either way); absent
+    # with a 16-bit dtype: a run of kvcal before the option, summed in the model's dtype. Written only when set.
+    logprob_dtype: str | None = None
+    # lm-eval's max_length (`--max-length`: rolling window and truncation) when given; None = lm-eval's default
+    # (the model's positions; results.json's `max_length` holds the one used). Written only when set.
+    max_length: int | None = None
     kvcal_version: str = ""
     run_format: int = RUN_FORMAT
     # Anything else a newer kvcal wrote: kept so that reading and rewriting loses nothing.
@@ -125,7 +132,7 @@ class RunConfig:
         for key in (
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
             "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan", "tq_boundary_layers",
-            "prefix_serde", "prefix_tokens",
+            "prefix_serde", "prefix_tokens", "logprob_dtype", "max_length",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]
@@ -157,6 +164,13 @@ class RunConfig:
         if isinstance(out.get("plan"), dict):
             out["plan"] = {k: v for k, v in out["plan"].items() if k not in PLAN_NON_IDENTITY_KEYS}
         return out
+
+    @property
+    def logprob_dtype_used(self) -> str:
+        """The dtype the run's log-likelihoods were computed and summed in: float32 (`--logprob-dtype float32`,
+        the default), else the model's dtype (`model`, or a run recorded without the field: a float32 model, or
+        kvcal before the option)."""
+        return "float32" if self.logprob_dtype == "float32" else str(self.dtype)
 
     @property
     def plan_label(self) -> str | None:

@@ -58,6 +58,7 @@ _STUDY_KEYS = {"title", "about", "root", "setup", "runs", "compare", "notes"}
 _RUN_KEYS = {"name", "command"}
 _COMPARE_KEYS = {
     "baseline", "max_drop", "context", "min_samples", "alpha", "bootstrap", "seed", "gate", "conformance",
+    "conformance_bf16", "margin",
 }  # fmt: skip
 
 
@@ -363,7 +364,8 @@ def build(study: Study, root: Path, shown_root: str) -> str:
         seed=opts.get("seed", 1234), gate=opts.get("gate", "regression"),
     )  # fmt: skip
     if opts.get("conformance"):  # `kvcal compare --conformance ENGINE=EMULATION`, each pair of the list
-        add_conformance(cmp, [str(p) for p in opts["conformance"]])
+        refs = [str(p) for p in opts.get("conformance_bf16") or []]  # --conformance-bf16 ENGINE_BF16=EMU_BF16
+        add_conformance(cmp, [str(p) for p in opts["conformance"]], references=refs, margin=opts.get("margin"))
     return render(study, cmp, dirs, shown_root)
 
 

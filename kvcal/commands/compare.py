@@ -32,10 +32,25 @@ def compare_cmd(
     conformance: list[str] | None = typer.Option(
         None,
         "--conformance",
-        help="ENGINE=EMULATION (labels, repeatable): check that the engine's run computes what kvcal's emulation "
-        "of its configuration computes (paired, per-sample agreement). Without it, every vLLM/SGLang lm-eval "
-        "run is checked against the kvcal run of the same format, scales and skip layers when there is one. "
-        "A run that does not match fails --fail-on-regression.",
+        help="ENGINE=EMULATION (labels of the quantized runs, repeatable): test that the engine's damage (its run "
+        "minus its BF16 run, per sample) is equivalent to kvcal's emulation's (TOST against --margin). Without "
+        "it, every quantized vLLM/SGLang lm-eval run is tested against the kvcal run of the same format, scales "
+        "and skip layers when there is one. Runs that differ in dtype, max length, few-shot, chat template, "
+        "generation kwargs, limit or task version are refused. Not equivalent fails --fail-on-regression; not "
+        "judged (no BF16 runs, not shown at this sample size) too, unless --allow-unjudged.",
+    ),
+    conformance_bf16: list[str] | None = typer.Option(
+        None,
+        "--conformance-bf16",
+        help="ENGINE_BF16=EMULATION_BF16 (labels): the BF16 runs the damage is measured from (the engine with "
+        "kv_cache_dtype=auto, kvcal eval --kv-format bf16), once for every pair or once per --conformance in "
+        "order. Default: the one BF16 run of each side's lm-eval backend.",
+    ),
+    margin: float | None = typer.Option(
+        None,
+        "--margin",
+        help="Conformance's equivalence margin in the key metric's per-sample unit (wikitext: nats per word; "
+        "accuracy: a fraction). Default: the mean per-sample |engine BF16 - emulation BF16|.",
     ),
     baseline: str = typer.Option("bf16", "--baseline", help="Baseline: a run directory name or a kv format."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write the Markdown report here."),
@@ -102,7 +117,7 @@ def compare_cmd(
     from kvcal.io import output_problem
     from kvcal.pipeline.sweep import recorded_context
     from kvcal.report.compare import compare_runs
-    from kvcal.report.conformance import add_conformance
+    from kvcal.report.conformance import add_conformance, before_pairing
 
     if bootstrap < 100:
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
@@ -131,8 +146,9 @@ def compare_cmd(
         allow_unjudged=allow_unjudged,
         labels=label,
         at_lengths=parse_lengths(at_length, "--at-length"),
+        before_pairing=before_pairing(conformance, conformance_bf16, margin),
     )
-    add_conformance(cmp, conformance, warn)
+    add_conformance(cmp, conformance, warn, conformance_bf16, margin)
     failed = fail_on_regression and not cmp.gate_passed
     _write_outputs(cmp, output, html_out, as_json)
     _print_gate(cmp, failed)

@@ -125,6 +125,23 @@ ScoringOpt = Annotated[
         "quantized cache too).",
     ),
 ]
+LogprobDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--logprob-dtype",
+        help="Log-likelihoods' log-softmax and sums: float32 (whatever the model's dtype, as engines compute "
+        "log-probs) or model (lm-eval's HFLM default: the model's dtype; in bfloat16 a wikitext document's total "
+        "rounds to tens of nats). Recorded in config.yaml for a 16-bit model.",
+    ),
+]
+MaxLengthOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-length",
+        help="lm-eval's max_length: the rolling window of loglikelihood_rolling (wikitext) and the truncation of "
+        "contexts, in tokens (an engine's max_model_len). Default: the model's positions (lm-eval's).",
+    ),
+]
 RepeatsOpt = Annotated[
     int | None,
     typer.Option(
@@ -285,6 +302,8 @@ def eval_cmd(
     passkey_depths: PasskeyDepthsOpt = _DEFAULT["passkey_depths"],
     strict: StrictOpt = _DEFAULT["strict"],
     scoring: ScoringOpt = _DEFAULT["scoring"],
+    logprob_dtype: LogprobDtypeOpt = _DEFAULT["logprob_dtype"],
+    max_length: MaxLengthOpt = _DEFAULT["max_length"],
     repeats: RepeatsOpt = _DEFAULT["repeats"],
     gen_kwargs: GenKwargsOpt = _DEFAULT["gen_kwargs"],
     prompts: PromptsOpt = _DEFAULT["prompts"],

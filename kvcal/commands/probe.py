@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvcal.commands.options import DatasetOpt, JsonOpt, ModelArg
+from kvcal.commands.options import DatasetOpt, DtypeOpt, JsonOpt, ModelArg, SeqLenOpt
 from kvcal.commands.output import console, print_json, warn
 
 
@@ -25,9 +25,9 @@ def probe_cmd(
         float, typer.Option("--factor", help="The probe checkpoint's K and V scales of --layer, times this.")
     ] = 64.0,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Token sequences scored on both sides.")] = 4,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 128,
+    seq_len: SeqLenOpt = 128,
     dataset: DatasetOpt = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="The model dtype the engine serves.")] = "bfloat16",
+    dtype: DtypeOpt = "bfloat16",
     work_dir: Annotated[
         Path | None, typer.Option("--work-dir", help="Keep the two exported checkpoints here (default: a temporary folder).")
     ] = None,

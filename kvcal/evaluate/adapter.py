@@ -3,14 +3,15 @@
 `kvcal-lm-eval --model kvcal --model_args pretrained=DIR,kv_format=nvfp4,kv_scales=S,skip_layers=sliding_window
 --tasks ...` is lm-eval's own command line with this model registered (lm-eval 0.4.13 has no model plugin discovery,
 so plain `lm_eval --model kvcal` works wherever kvcal.evaluate.adapter has been imported, e.g. from Python). With `kv_format=auto` nothing is overridden: the class *is* HFLM (the parity
-reference). Otherwise:
+reference) but for one default: log-likelihoods' log-softmax and sums run in float32 whatever the model's dtype
+(HFLM's softmax_dtype; lm-eval's own default, the model's dtype, with `logprob_dtype=model`). Otherwise:
 
 - `_loglikelihood_tokens` (loglikelihood, loglikelihood_rolling) with `scoring=continuation` scores only the
   continuation's rows (kvcal.evaluate.scoring): each forward gets a fresh quantized cache as `past_key_values` with
   `use_cache=True`, so the prefill itself writes K/V into the quantized cache and attention reads them back
   dequantized — the same thing an engine does when it serves a prompt with a quantized KV cache; a question's
-  choices share one prefill of its context; the LM head and a float32 log-softmax run on the continuation rows
-  only, a bounded block at a time.
+  choices share one prefill of its context; the LM head and a log-softmax run on the continuation rows only, a
+  bounded block at a time.
   A sequence longer than `prefill_chunk` is prefilled chunk by chunk. `scoring=continuation-whole` keeps lm-eval's
   forwards (every request's whole window in one forward, its batches) and sends only the continuation's rows through
   the head: lm-eval's numbers through a quantized cache too. `scoring=full` (the default) keeps lm-eval's
@@ -36,7 +37,7 @@ from kvcal import parallel
 from kvcal.errors import UsageError
 from kvcal.evaluate.bound import BoundSpec, bind
 from kvcal.evaluate.kl import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
-from kvcal.evaluate.spec import check_scoring
+from kvcal.evaluate.spec import check_logprob_dtype, check_scoring
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.loading import input_device, load_resolved
@@ -58,7 +59,10 @@ class KvcalLM(HFLM):
     calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (full: lm-eval's
     every-position path, the default | continuation: only the continuation rows meet the LM head); prefill_chunk
     (continuation scoring prefills a longer sequence chunk by chunk; default 2048); prefix_serde +
-    prefix_tokens (LMCache's storage tier, kvcal.serde: each request's first N tokens' K/V round-trip through it)."""
+    prefix_tokens (LMCache's storage tier, kvcal.serde: each request's first N tokens' K/V round-trip through it);
+    logprob_dtype (float32: log-softmax and sums of log-likelihoods in float32 whatever the model's dtype, the
+    default | model: lm-eval's HFLM default, the model's dtype; HFLM's own softmax_dtype, given, wins). HFLM's
+    max_length is lm-eval's (the rolling window of loglikelihood_rolling, the truncation of contexts)."""
 
     # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
     forward_timer: ForwardTimer | None = None
@@ -121,6 +125,10 @@ class KvcalLM(HFLM):
     def _set_up(self, bound: BoundSpec, pretrained: Any, kwargs: dict[str, Any]) -> None:
         """HFLM's load of `pretrained` (the bound folder, or a built model) and the bound cache plan installed."""
         scoring = kwargs.pop("scoring", "full")
+        # log-likelihoods in float32 whatever the model's dtype unless asked (lm-eval's HFLM: softmax_dtype = the
+        # model's dtype, a bf16 document total rounded to tens of nats); HFLM's own softmax_dtype, given, wins
+        logprob_dtype = check_logprob_dtype(str(kwargs.pop("logprob_dtype", "float32")), "model_args logprob_dtype=")
+        own_softmax = kwargs.get("softmax_dtype") is not None
         prefill_chunk = kwargs.pop("prefill_chunk", DEFAULT_PREFILL_CHUNK)
         placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
@@ -138,6 +146,8 @@ class KvcalLM(HFLM):
                 pretrained, kwargs["tokenizer"] = placed.model, placed.tokenizer
                 kwargs.pop("device", None)
         super().__init__(pretrained=pretrained, **kwargs)
+        if not own_softmax:  # HFLM's _loglikelihood_tokens and kvcal's Scorer both read softmax_dtype
+            self.softmax_dtype = torch.float32 if logprob_dtype == "float32" else None
         if placement.active:  # inputs go where the embedding is (HFLM took the first parameter's device)
             self._device = input_device(self.model)
         # Data parallel under torchrun / accelerate launch: lm-eval splits requests by lm.rank / lm.world_size
@@ -246,6 +256,7 @@ class KvcalLM(HFLM):
             device=self.device,
             checked=getattr(self, "_head_checked", False),
             prefill_chunk=None if whole else getattr(self, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
+            logprob_dtype=getattr(self, "softmax_dtype", torch.float32),
         )
         with torch.no_grad(), self._autocast():
             res = scorer.score(requests, max_length=self.max_length, batch_size=bs)

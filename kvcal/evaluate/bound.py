@@ -93,6 +93,13 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
 
         load_plan_for_model(spec.plan_file, spec.model, model_dir, kv)
     limit = kv.max_position_embeddings  # the lengths the config bounds: kl windows, generated tokens, prompts
+    if limit and spec.max_length is not None and spec.max_length > limit:
+        raise UsageError(
+            f"--max-length {spec.max_length} is longer than the model's {limit} positions "
+            f"(max_position_embeddings); use --max-length {limit} or less"
+        )
+    if dtype == "float32":  # log-softmax in the model's dtype is float32 too: the same numbers, the same hash
+        fields["logprob_dtype"] = None
     if limit and spec.has_kl and spec.kl_seq_len > limit:
         raise UsageError(
             f"--kl-seq-len {spec.kl_seq_len} is longer than the model's {limit} positions "

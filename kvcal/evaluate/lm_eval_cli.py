@@ -83,6 +83,11 @@ def offline_tasks(data: OfflineData) -> Iterator[None]:
         EvaluatorConfig.process_tasks = original  # type: ignore[method-assign]
 
 
+# What kvcal sets for the engine's process unless the user did: a step of the CPU build may take longer than
+# vLLM's 300 s RPC timeout on a small loaded CPU (vllm/envs.py VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS @ v0.32.0).
+ENGINE_ENV_DEFAULTS = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
+
+
 def engine_of(argv: Sequence[str]) -> str | None:
     """The serving engine `--model` names (lm-eval's `vllm` backend), or None for an in-process model."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -113,6 +118,7 @@ def run_in_engine(engine: str, argv: Sequence[str]) -> int:
     source = str(Path(__file__).resolve().parents[2])  # the folder holding the kvcal package
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
+    child_env.update({k: v for k, v in ENGINE_ENV_DEFAULTS.items() if k not in os.environ})
     return subprocess.run([env.python, "-m", module, *argv], env=child_env, check=False).returncode
 
 

@@ -136,9 +136,11 @@ def seeds(seed: int) -> dict[str, int]:
 
 
 def results_record(
-    parts: list[dict[str, Any]], bound: BoundSpec, runtime: dict[str, Any] | None
+    parts: list[dict[str, Any]], bound: BoundSpec, runtime: dict[str, Any] | None, max_length: int | None = None
 ) -> dict[str, Any]:
-    """results.json: lm-eval's results dict merged over the tasks, with the model args and seeds used."""
+    """results.json: lm-eval's results dict merged over the tasks, with the model args and seeds used, and as
+    lm-eval records it (lm_eval.loggers.utils.add_tokenizer_info) the `max_length` the model ran with (the LM's;
+    None: --max-length, else lm-eval's default from the model's config)."""
     config, recorded = bound.spec, bound.recorded
     assert recorded is not None
     merged = merge_results(parts)
@@ -162,6 +164,11 @@ def results_record(
     }
     if runtime is not None:  # the installed runtime's own description (KVRuntime.describe: per layer, first batch)
         merged["kvcal"]["runtime"] = runtime
+    if max_length is None:
+        from lm_eval.models.utils import resolve_max_length
+
+        max_length = config.max_length or resolve_max_length(bound.hf_config)
+    merged["max_length"] = int(max_length)
     merged["date"] = time.time()
     return merged
 
@@ -215,6 +222,10 @@ def model_args_string(recorded: RunConfig) -> str:
         args.append(f"kv_input_dtype={recorded.kv_input_dtype}")
     if recorded.skip_layers:
         args.append(f"skip_layers={recorded.skip_layers}")
+    if recorded.logprob_dtype:
+        args.append(f"logprob_dtype={recorded.logprob_dtype}")
+    if recorded.max_length:
+        args.append(f"max_length={recorded.max_length}")
     args.append(f"impl={recorded.impl}")
     return ",".join(args)
 

@@ -43,7 +43,7 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
     for task in plan.names:
         if task not in pending:
             say(f"{task}: already done, skipped")
-    described = None
+    described, window = None, None
     if pending:
         from kvcal.evaluate.adapter import KvcalLM
 
@@ -58,6 +58,8 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
             trust_remote_code=spec.trust_remote_code,
             scoring=spec.scoring,
             prefill_chunk=spec.prefill_chunk,
+            logprob_dtype=spec.logprob_dtype,
+            max_length=spec.max_length,
         )
         lm.sample_seed = seeds(spec.seed)["torch_random_seed"]  # sampled requests' seeds derive from it
         loop = TaskLoop(lm, ForwardTimer(lm.model), store, dist, say)
@@ -66,13 +68,14 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
                 loop.run(bound, task)
         finally:
             loop.close()
+        window = lm.max_length  # lm-eval's rolling window / truncation, as its results record it
         if lm.runtime is not None:  # its first-batch scales, when the run fixed them, are in its description
             described = lm.runtime.describe()
     if not dist.is_main:
         return store.root
     parts = store.finished_parts(plan.names)
     records = {
-        RESULTS: results_record(parts, bound, described),
+        RESULTS: results_record(parts, bound, described, window),
         ENV: environment(spec.device),
         METRICS: metrics_record(parts, bound),
     }

@@ -8,7 +8,8 @@ logits of every position, then reads only the last len(continuation) rows. Here 
     rest   = window[len(prefix):]                               = continuation[:-1] (after any left truncation)
 
 and only the rows that predict continuation tokens ever meet the LM head (the decoder's final hidden states are
-taken at the head's input, projected a block of rows at a time, log-softmax in float32 on those rows only), as
+taken at the head's input, projected a block of rows at a time, log-softmax on those rows only: in float32 unless
+`logprob_dtype=model` asks for lm-eval's HFLM default, the model's dtype), as
 engines do (transformers' `logits_to_keep`, vLLM's prompt log-probs of the requested positions).
 
 Requests whose prefixes are the same (a multiple-choice question's choices) share one prefill of the prefix: its
@@ -113,15 +114,16 @@ class _HeadInput:
 
 
 def score_rows(
-    head: _HeadInput, hidden: torch.Tensor, targets: torch.Tensor
+    head: _HeadInput, hidden: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype | None = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [n, d] final hidden states and targets [n] next tokens -> (float32 log-prob [n], greedy [n] bool), a
-    block of rows through the head at a time (peak: one block of logits, whatever n)."""
+    """hidden [n, d] final hidden states and targets [n] next tokens -> (log-prob [n] in `dtype`, greedy [n] bool),
+    a block of rows through the head at a time (peak: one block of logits, whatever n). `dtype`: the log-softmax's
+    (HFLM's softmax_dtype; None: the logits' own dtype, lm-eval's default)."""
     step = max(1, _HEAD_BUDGET // max(1, int(head.head.weight.shape[0])))
     logps, greedy = [], []
     for r0 in range(0, hidden.shape[0], step):
         t = targets[r0 : r0 + step]
-        lp = torch.log_softmax(head.project(hidden[r0 : r0 + step]).float(), dim=-1)  # [rows, V] float32
+        lp = torch.log_softmax(head.project(hidden[r0 : r0 + step]), dim=-1, dtype=dtype)  # [rows, V]
         logps.append(lp.gather(-1, t[:, None]).squeeze(-1))
         greedy.append(lp.argmax(-1) == t)
     return torch.cat(logps), torch.cat(greedy)
@@ -145,6 +147,7 @@ class Scorer:
         device: Any,
         checked: bool = False,
         prefill_chunk: int | None = None,
+        logprob_dtype: torch.dtype | None = torch.float32,
     ) -> None:
         self.head = _HeadInput(model)
         self.forward = forward
@@ -153,6 +156,8 @@ class Scorer:
         self.device = device
         self.checked = checked  # `project` verified on this model already (_verify)
         self.prefill_chunk = prefill_chunk  # longest single forward of one sequence (None: no limit)
+        # log-softmax and sums in this dtype (None: the logits' dtype, lm-eval's HFLM default softmax_dtype)
+        self.logprob_dtype = logprob_dtype
 
     def _verify(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """Once per model: `project` must give the model's own logits [B, k, V] bit for bit from the hidden states
@@ -237,8 +242,8 @@ class Scorer:
         """One prefill of the shared prefix, then every member's rest in one batch on copies of its cache."""
         cache = self.new_cache()
         ids = torch.tensor([prefix], dtype=torch.long, device=self.device)  # [1, P]
-        # [1, V] float32: the row that predicts every member's continuation[0], one log-softmax for all of them
-        first = torch.log_softmax(self._prefix_logits(ids, cache).float(), dim=-1)
+        # [1, V] (float32 by default): the row that predicts every member's continuation[0], one log-softmax for all of them
+        first = torch.log_softmax(self._prefix_logits(ids, cache), dim=-1, dtype=self.logprob_dtype)
         rests = [m.window[m.prefix_len :] for m in members]
         width = max(len(r) for r in rests)
         hidden: torch.Tensor | None = None
@@ -283,10 +288,10 @@ class Scorer:
         targets = torch.tensor(continuation, dtype=torch.long, device=self.device)
         if first is None:
             assert rows is not None
-            logp, greedy = score_rows(self.head, rows, targets)
+            logp, greedy = score_rows(self.head, rows, targets, self.logprob_dtype)
         else:
             logp, greedy = first[0, targets[:1]], first[0].argmax()[None] == targets[:1]
             if rows is not None:
-                rest_lp, rest_greedy = score_rows(self.head, rows, targets[1:])
+                rest_lp, rest_greedy = score_rows(self.head, rows, targets[1:], self.logprob_dtype)
                 logp, greedy = torch.cat([logp, rest_lp]), torch.cat([greedy, rest_greedy])
         return float(logp.sum()), bool(greedy.all())

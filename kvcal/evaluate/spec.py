@@ -89,6 +89,12 @@ class EvalConfig:
     # loglikelihood requests: "full" (lm-eval's own path, every position's logits) or "continuation" (only the
     # continuation rows reach the head, a question's choices share one prefill: kvcal.evaluate.scoring)
     scoring: str = "full"
+    # log-likelihoods' log-softmax and sums: "float32" (whatever the model's dtype; what engines compute) or "model"
+    # (lm-eval's HFLM default, softmax_dtype = the model's dtype: a bf16 document total rounds to tens of nats)
+    logprob_dtype: str = "float32"
+    # lm-eval's HFLM max_length: the rolling window of loglikelihood_rolling (wikitext) and the truncation of
+    # contexts; None = lm-eval's default (the model's positions); an engine's max_model_len
+    max_length: int | None = None
     # generative lm-eval tasks: each document generated `repeats` times (a seed per document and repeat), scored
     # as the mean over its repeats; `gen_kwargs` as lm-eval's --gen_kwargs ("temperature=0.6,top_p=0.95")
     repeats: int | None = None
@@ -215,6 +221,8 @@ class EvalSpec:
     output: str | None = None
     gpqa_password: str | None = field(default=None, repr=False, compare=False)
     scoring: str = "full"  # kvcal.evaluate.adapter's scoring of loglikelihood requests (SCORINGS)
+    logprob_dtype: str = "float32"  # LOGPROB_DTYPES: float32, or the model's dtype (lm-eval's HFLM default)
+    max_length: int | None = None  # lm-eval's max_length (None: the model's positions, lm-eval's default)
     plan_file: str | None = None  # `-f plan.json`: kv_format / skip_layers came from it; bind checks its binding
     repeats: int | None = None  # generations per document (None = lm-eval's task config: one)
     gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs parsed (parse_gen_kwargs), in the user's order
@@ -332,6 +340,9 @@ class EvalSpec:
             "nvfp4_global": self.nvfp4_global if self.any_nvfp4 and self.scales.kind == "none" else None,
             "attention": None if self.attention == "kv" else self.attention,
             "scoring": None if self.scoring == "full" else self.scoring,  # recorded only off the default
+            # bind records it only for a model dtype other than float32 (where both give the same numbers)
+            "logprob_dtype": self.logprob_dtype,
+            "max_length": self.max_length,  # recorded when given (results.json holds the window used)
             "repeats": self.repeats,
             "gen_kwargs": dict(self.gen_kwargs) or None,
             "prompts": self.prompts.record() if self.prompts else None,
@@ -555,6 +566,27 @@ def _from_plan_file(config: EvalConfig) -> tuple[EvalConfig, str | None, dict[st
 SCORINGS = ("full", "continuation", "continuation-whole")
 
 
+# float32: log-softmax and sums of log-likelihoods in float32 whatever the model's dtype (kvcal's default; engines
+# compute log-probs in float32); model: in the model's dtype, lm-eval's HFLM default (softmax_dtype None)
+LOGPROB_DTYPES = ("float32", "model")
+
+
+def check_logprob_dtype(name: str, flag: str = "--logprob-dtype") -> str:
+    """`name` if it is one of LOGPROB_DTYPES, else UsageError naming `flag`."""
+    if name not in LOGPROB_DTYPES:
+        raise UsageError(
+            f"{flag} must be float32 (the default) or model (lm-eval's HFLM: the model's dtype), got '{name}'"
+        )
+    return name
+
+
+def check_max_length(value: int | None, flag: str = "--max-length") -> int | None:
+    """A max length of at least 2 tokens (one of context, one scored), or None; UsageError naming `flag`."""
+    if value is not None and (isinstance(value, bool) or int(value) < 2):
+        raise UsageError(f"{flag} must be at least 2 tokens, got {value}")
+    return None if value is None else int(value)
+
+
 def check_scoring(name: str, flag: str = "--scoring") -> str:
     """`name` if it is one of SCORINGS, else UsageError naming `flag` (the CLI's option or lm-eval's model_args)."""
     if name not in SCORINGS:
@@ -641,6 +673,8 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         plan_file=plan_file,
         plan=plan,
         scoring=check_scoring(config.scoring),
+        logprob_dtype=check_logprob_dtype(config.logprob_dtype),
+        max_length=check_max_length(config.max_length),
         repeats=config.repeats,
         gen_kwargs=parse_gen_kwargs(config.gen_kwargs),
         prompts=_prompt_file(config.prompts, tasks),

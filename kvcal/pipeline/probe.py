@@ -37,6 +37,7 @@ from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.export import export_vllm
 from kvcal.engine_env import EngineEnv, find_engine
 from kvcal.errors import KvcalError, UsageError
+from kvcal.evaluate.lm_eval_cli import ENGINE_ENV_DEFAULTS
 from kvcal.io import atomic_write_json
 from kvcal.kernels.runtime import KVRuntime
 from kvcal.models.loading import LoadedModel, load_model
@@ -140,6 +141,8 @@ def engine_logprobs(
     child = dict(os.environ)
     child["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
     child.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    for key, value in ENGINE_ENV_DEFAULTS.items():
+        child.setdefault(key, value)
     proc = subprocess.run([env.python, "-m", "kvcal.evaluate.engine_logprobs", str(req), str(out)], env=child,
                           capture_output=True, text=True, check=False)  # fmt: skip
     if proc.returncode != 0:

@@ -184,8 +184,14 @@ class Comparison:
     def gate_passed(self) -> bool:
         """No configuration failed, every one was judged (or GateSettings.allow_unjudged lets it pass), and no
         engine run differs from kvcal's emulation of its configuration (conformance)."""
-        judged = self.settings.allow_unjudged or not self.unjudged_configs
+        judged = self.settings.allow_unjudged or not (self.unjudged_configs or self.conformance_unjudged)
         return not self.failures and judged and not any(c.conforms is False for c in self.conformance)
+
+    @property
+    def conformance_unjudged(self) -> list[str]:
+        """Engine runs whose conformance was not shown either way (no BF16 run, too few samples, not shown at
+        this sample size): the gate fails on them unless allow_unjudged."""
+        return [c.engine for c in self.conformance if c.conforms is None]
 
     def config_verdict(self, label: str) -> str:
         return config_verdict([r for r in self.by_config(label) if r.key or r.gated])
@@ -813,6 +819,7 @@ def compare_runs(
     allow_unjudged: bool = False,
     labels: Iterable[str] | dict[str, str] | None = None,
     at_lengths: Sequence[int] = agreement.AT_LENGTHS,
+    before_pairing: Callable[[list[Configuration]], None] | None = None,
 ) -> Comparison:
     """Load run directories (or folders of them), pick the baseline, and compare every configuration with it.
 
@@ -832,7 +839,8 @@ def compare_runs(
     gate could not judge (too few samples, no task in common) passes Comparison.gate_passed.
     `run_dirs` may also name lm-eval output folders (`lm_eval --output_path P --log_samples`: P, or P@DATE_ID for
     one of several results files; kvcal.report.lmeval_runs); `labels`: `--label NAME=PATH` values (or
-    {PATH: NAME}) naming a configuration.
+    {PATH: NAME}) naming a configuration. `before_pairing`: called with the configurations before any samples are
+    paired (kvcal.report.conformance's like-with-like check).
     """
     settings = _settings(max_drop, on_bad_run, alpha, min_samples, multiple_testing, gate, allow_unjudged)
     if context is not None and context < 1:
@@ -848,6 +856,8 @@ def compare_runs(
     runs, skipped = _load_runs(run_dirs, on_bad_run, _warn, parse_labels(labels))
     model = _one_model(runs)
     configs = _baseline_first(_configurations(runs), baseline)
+    if before_pairing is not None:
+        before_pairing(configs)
     ctx, ctx_source, sliding = _capacity_context(configs, context, context_source, _warn)
     _add_capacity(configs, ctx)
     results = _compare_configs(configs, settings, resampling, _warn)

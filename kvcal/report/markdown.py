@@ -39,7 +39,7 @@ def gate_summary(cmp: Comparison) -> str:
     """The gate's one line for the report (numbers.gate_line of this comparison)."""
     return fmt.gate_line(
         len(cmp.failures), len(cmp.insufficient), len(cmp.no_common_task), cmp.settings.allow_unjudged,
-        cmp.settings.gate, sum(c.conforms is False for c in cmp.conformance),
+        cmp.settings.gate, sum(c.conforms is False for c in cmp.conformance), len(cmp.conformance_unjudged),
     )  # fmt: skip
 
 
@@ -104,39 +104,41 @@ def _gate_lists(cmp: Comparison) -> list[str]:
 
 
 CONFORMANCE_INTRO = (
-    "Each engine run against kvcal's emulation of the configuration it claims, over the samples both scored "
-    "(engine minus emulation; Holm over the pair's key metrics, two-sided). Agreement: the share of paired samples "
-    "whose per-sample score is the same in both. Minimum detectable: the difference this many samples would show "
-    "with 80% power; a smaller one can hide under 'matches'."
+    "Each engine run against kvcal's emulation of the configuration it claims, by the quantization's damage: per "
+    "paired sample (engine quantized - engine BF16) - (emulation quantized - emulation BF16), in the key metric's "
+    "per-sample unit (damage: positive is worse). Equivalence test (TOST, statsmodels) of the mean gap against the "
+    "margin: the mean |engine BF16 - emulation BF16| per sample (the two implementations' own disagreement without "
+    "quantization), or --margin. Interval: 1 - 2 alpha (TOST's). Agreement: the share of the quantized runs' "
+    "paired samples whose score is the same."
 )
 
 
 def conformance_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of engine vs emulation (kvcal.report.conformance): a row per pair and key metric."""
-    header = ["engine", "emulation", "configuration claimed", "task", "metric", "n paired", "agreement", "difference [CI]", "p",
-              "min. detectable", "status"]  # fmt: skip
+    header = ["engine", "emulation", "BF16 runs", "configuration claimed", "task", "metric", "n paired", "agreement",
+              "damage: engine / emulation", "gap [CI]", "margin", "TOST p", "status"]  # fmt: skip
     rows = []
     for c in cmp.conformance:
+        refs = f"`{c.engine_bf16}` / `{c.emulation_bf16}`" if c.engine_bf16 and c.emulation_bf16 else "missing"
+        if not c.results:
+            rows.append([f"`{c.engine}`", f"`{c.emulation}`", refs, c.claimed, *["—"] * 8, "not judged"])
         for r in c.results:
-            agree = c.agreement.get(f"{r.task}/{r.label}")
-            ci = "—" if r.ci_low is None else f"[{r.ci_low:.4g}, {r.ci_high:.4g}]"
+            agree = c.agreement.get(f"{r.task}/{r.metric}")
+            need = f" (about {r.n_needed} samples needed)" if r.verdict.startswith("not shown") and r.n_needed else ""
             rows.append(
-                [f"`{c.engine}`", f"`{c.emulation}`", c.claimed, r.task, r.label, str(r.n),
-                 "—" if agree is None else f"{agree:.1%}", f"{r.diff:+.4g} {ci}", fmt.p_column(r),
-                 "—" if r.mdd is None else f"{r.mdd:.3g}", _conformance_status(r)]
+                [f"`{c.engine}`", f"`{c.emulation}`", refs, c.claimed, r.task, r.metric, str(r.n),
+                 "—" if agree is None else f"{agree:.1%}",
+                 f"{r.engine_damage:+.4g} / {r.emulation_damage:+.4g} {r.unit}",
+                 f"{r.gap:+.4g} [{r.ci_low:.4g}, {r.ci_high:.4g}]",
+                 f"±{r.margin:.4g} ({'BF16 pair' if r.margin_source == 'bf16 pair' else '--margin'})",
+                 "—" if r.p_equivalence is None else f"{r.p_equivalence:.2g}", r.verdict + need]
             )  # fmt: skip
     return header, rows
 
 
-def _conformance_status(r: MetricResult) -> str:
-    if r.insufficient:
-        return "insufficient data"
-    return "differs" if r.significant else "no significant difference"
-
-
 def conformance_verdict(conforms: bool | None) -> str:
-    """A pair's verdict in one word: MATCH, NO MATCH, or not judged."""
-    return {True: "MATCH", False: "NO MATCH", None: "not judged"}[conforms]
+    """A pair's verdict in a word or two: EQUIVALENT, NOT EQUIVALENT, or not judged."""
+    return {True: "EQUIVALENT", False: "NOT EQUIVALENT", None: "not judged"}[conforms]
 
 
 def _conformance(cmp: Comparison) -> list[str]:

@@ -105,16 +105,19 @@ def gate_line(
     allow_unjudged: bool = False,
     mode: str = "regression",
     mismatched: int = 0,
+    conformance_unjudged: int = 0,
 ) -> str:
-    """The gate's one line: what failed (results over the threshold, engine runs that do not compute what their
-    emulation does), or what was not judged (which fails unless --allow-unjudged)."""
+    """The gate's one line: what failed (results over the threshold, engine runs whose damage is not equivalent
+    to their emulation's), or what was not judged (which fails unless --allow-unjudged)."""
     if failures or mismatched:
         what = "regression(s)" if mode == "regression" else "result(s) not shown non-inferior"
         parts = ([f"{failures} {what}"] if failures else []) + (
-            [f"{mismatched} engine run(s) not matching their emulation"] if mismatched else []
+            [f"{mismatched} engine run(s) not equivalent to their emulation"] if mismatched else []
         )
         return f"FAILED ({'; '.join(parts)})"
     unjudged = []
+    if conformance_unjudged:
+        unjudged.append(f"{conformance_unjudged} engine run(s) not shown equivalent to their emulation")
     if insufficient:
         unjudged.append(f"{insufficient} key result(s) had {INSUFFICIENT} and were not judged")
     if no_common:

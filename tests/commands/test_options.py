@@ -58,7 +58,7 @@ def test_the_app_has_every_command() -> None:
     names = {" ".join(path) for path in LEAVES}
     assert names == {
         "capacity", "calibrate", "sensitivity", "show", "verify", "drift", "export", "eval", "sweep", "compare",
-        "release", "models list", "models install", "models path", "plan", "plan-export",
+        "release", "models list", "models install", "models path", "plan", "plan-export", "probe",
     }  # fmt: skip
 
 
@@ -94,6 +94,7 @@ def test_model_argument_has_one_help_everywhere() -> None:
         "eval",
         "release",
         "plan",
+        "probe",
     }
     assert {p.help for _, p in models} == {options.MODEL_HELP}
 

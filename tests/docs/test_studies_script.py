@@ -42,7 +42,7 @@ def _kl_run(d: Path, kv_format: str, kl: np.ndarray, limit: int = 12, seq_len: i
     ]
     (d / samples_file("kl")).write_text("".join(json.dumps(r) + "\n" for r in recs))
     (d / RESULTS).write_text(json.dumps({"results": {"kl": {"alias": "kl"}}, "configs": {}, "n-shot": {},
-                                         "versions": {}, "n-samples": {}}))  # fmt: skip
+                                         "versions": {}, "n-samples": {}, "max_length": 2048}))  # fmt: skip
     (d / METRICS).write_text(json.dumps({"tokens_per_s": 1.0, "capacity_multiplier_vs_bf16": 1.0}))
     (d / "env.json").write_text(json.dumps({"kvcal_version": "0.1.0", "kvcal_git_revision": "abcdef0123",
                                             "device": "cpu", "processor": "x86_64", "torch_threads": 2,
@@ -139,24 +139,29 @@ def test_the_repositorys_manifest_loads(studies: ModuleType):
 
 
 def test_conformance_and_gate_keys(studies: ModuleType, runs: Path, tmp_path: Path):
-    """`compare: {gate: noninferiority, conformance: [ENGINE=EMULATION]}`: the page has compare's engine-vs-
-    emulation rows (naming both runs) and verdicts, and the gate's mode; the compare command carries both."""
+    """`compare: {gate: noninferiority, conformance: [ENGINE=EMULATION], conformance_bf16: [...]}`: the page has
+    compare's engine-vs-emulation rows (naming both runs) and verdicts, and the gate's mode; the compare command
+    carries them."""
     rng = np.random.default_rng(1)
     emu = rng.uniform(0.004, 0.006, 12)
     _kl_run(runs / "runs" / "emu", "fp8_e4m3", emu)
     _kl_run(runs / "runs" / "engine", "fp8_e4m3", emu * 1.5)
+    _kl_run(runs / "runs" / "engine_bf16", "bf16", np.zeros(12))
     extra_runs = [{"name": n, "command": CMD.format(fmt="fp8", name=n)} for n in ("emu", "engine")]
+    extra_runs.append({"name": "engine_bf16", "command": CMD.format(fmt="bf16", name="engine_bf16")})
     m = _manifest(tmp_path, runs, {"compare": {"baseline": "bf16", "gate": "noninferiority",
-                                               "conformance": ["engine=emu"]}})  # fmt: skip
+                                               "conformance": ["engine=emu"],
+                                               "conformance_bf16": ["engine_bf16=bf16"], "margin": 0.0001}})  # fmt: skip
     raw = yaml.safe_load(m.read_text())
     raw["studies"]["tiny"]["runs"] += extra_runs
     m.write_text(yaml.safe_dump(raw))
     out = tmp_path / "pages"
     assert studies.main(["tiny", "--manifest", str(m), "--out", str(out)]) == 0
     page = (out / "tiny.md").read_text()
-    assert "--conformance engine=emu --gate noninferiority --json`" in page  # the manifest's keys, as YAML wrote them
-    assert "gate noninferiority: FAILED (" in page and "1 engine run(s) not matching their emulation" in page
+    # the manifest's keys, as YAML wrote them
+    assert "--conformance engine=emu --conformance-bf16 engine_bf16=bf16 --gate noninferiority --margin 0.0001 --json`" in page
+    assert "gate noninferiority: FAILED (" in page and "1 engine run(s) not equivalent to their emulation" in page
     assert "## Engine vs emulation" in page
     row = next(line for line in page.splitlines() if line.startswith("| `engine` | R4 vs R3 | `emu` |"))
-    assert "| kl | kl | 12 | 0.0% |" in row and row.endswith("| differs |")
-    assert "- `engine` (NO MATCH): does not match" in page
+    assert "| kl | kl | 12 | 0.0% |" in row and row.endswith("| not equivalent |")
+    assert "- `engine` (NOT EQUIVALENT): not equivalent" in page

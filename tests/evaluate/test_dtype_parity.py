@@ -1,8 +1,12 @@
-"""`kvcal eval --kv-format auto` at its defaults equals plain lm-eval (`--model hf`) at its defaults.
+"""`kvcal eval --kv-format auto` equals plain lm-eval (`--model hf`) on the same settings.
 
 lm-eval's HFLM loads a checkpoint in its own dtype (dtype="auto"); so must kvcal. The check runs on a tiny
 checkpoint SAVED in bfloat16 (where a float32 default would change every log-likelihood): results and per-sample
-responses are identical, and config.yaml records the dtype that was resolved.
+responses are identical, and config.yaml records the dtype that was resolved. One setting differs by default
+(issue 38): kvcal computes log-likelihoods' log-softmax and sums in float32 whatever the model's dtype, HFLM in the
+model's dtype (softmax_dtype None). So kvcal at its defaults equals `lm_eval --model hf` given
+`softmax_dtype=float32`, and `kvcal eval --logprob-dtype model` equals `lm_eval --model hf` at its defaults, each
+also with the same `max_length` (the rolling window).
 """
 
 from __future__ import annotations
@@ -55,14 +59,14 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory, lm_eval_task: Callable[..
     return d
 
 
-def _plain_lm_eval(model: Path, task_dir: Path) -> dict[str, Any]:
-    """`lm_eval --model hf --model_args pretrained=MODEL --include_path TASKS --tasks ... --device cpu`."""
+def _plain_lm_eval(model: Path, task_dir: Path, extra: str = "") -> dict[str, Any]:
+    """`lm_eval --model hf --model_args pretrained=MODEL[,extra] --include_path TASKS --tasks ... --device cpu`."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model}",
+        model_args=f"pretrained={model}" + (f",{extra}" if extra else ""),
         tasks=list(TASKS),
         task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
         device="cpu",
@@ -70,26 +74,37 @@ def _plain_lm_eval(model: Path, task_dir: Path) -> dict[str, Any]:
     )
 
 
-def test_auto_at_defaults_equals_plain_lm_eval_on_a_bf16_checkpoint(
-    bf16_model: Path, task_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [({}, "softmax_dtype=float32"), ({"logprob_dtype": "model"}, ""),
+     ({"max_length": 16}, "softmax_dtype=float32,max_length=16")],
+    ids=["float32-default", "model-dtype-on-request", "max-length"],
+)  # fmt: skip
+def test_auto_equals_plain_lm_eval_on_a_bf16_checkpoint(
+    bf16_model: Path, task_dir: Path, tmp_path: Path, ours: dict[str, Any], theirs: str
 ) -> None:
     from kvcal.evaluate.run import EvalConfig, run_eval
     from kvcal.evaluate.spec import eval_spec
 
-    ref = json.loads(json.dumps(_plain_lm_eval(bf16_model, task_dir), default=str))
+    ref = json.loads(json.dumps(_plain_lm_eval(bf16_model, task_dir, theirs), default=str))
     run = run_eval(eval_spec(
         EvalConfig(
             model=str(bf16_model),
             tasks=[",".join(TASKS)],
             include_path=str(task_dir),
             output=str(tmp_path / "run"),
+            **ours,
         )
     ))
-    ours = json.loads((run / "results.json").read_text())
-    assert yaml.safe_load((run / "config.yaml").read_text())["dtype"] == "bfloat16"
-    assert ours["config"]["dtype"] == "bfloat16"
+    ours_res = json.loads((run / "results.json").read_text())
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["dtype"] == "bfloat16" and ours_res["config"]["dtype"] == "bfloat16"
+    # recorded: the log-prob dtype (a 16-bit model), the window given and the one used (as lm-eval records it)
+    assert cfg["logprob_dtype"] == ours.get("logprob_dtype", "float32")
+    assert cfg.get("max_length") == ours.get("max_length")
+    assert ours_res["max_length"] == ref["max_length"] == ours.get("max_length", 256)
     for task in TASKS:
-        assert ours["results"][task] == ref["results"][task]
+        assert ours_res["results"][task] == ref["results"][task]
         mine = [json.loads(line) for line in (run / f"samples_{task}.jsonl").read_text().splitlines()]
         assert [(s["resps"], s["filtered_resps"]) for s in mine] == [
             (s["resps"], s["filtered_resps"]) for s in ref["samples"][task]

@@ -31,17 +31,25 @@ def _write_run(
     limit: int | None = None,
     granularity: str | None = None,
     skip: str = "",
+    dtype: str = "float32",
+    max_length: int | None = 2048,
+    task_configs: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """One run directory as `kvcal eval` writes it; `granularity` makes it a calibrated run."""
+    """One run directory as `kvcal eval` writes it; `granularity` makes it a calibrated run. `max_length`: the
+    window results.json records (None: none recorded); `task_configs`: lm-eval's configs[task] entries."""
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     scales = {"sha256": "0" * 64, "granularity": granularity, "observer": "minmax", "binding_differences": []}
     cfg = RunConfig(
         model=model, model_dir=model, kv_format=kv_format, tasks=list(tasks), limit=limit, skip_layers=skip,
         scales_path=f"/scales/{name}.safetensors" if granularity else None, scales=scales if granularity else None,
+        dtype=dtype,
     )  # fmt: skip
     (d / CONFIG).write_text(yaml.safe_dump(cfg.to_dict()))
-    results: dict[str, Any] = {"results": {}, "configs": {}, "n-shot": {}, "versions": {}, "n-samples": {}}
+    results: dict[str, Any] = {"results": {}, "configs": dict(task_configs or {}), "n-shot": {}, "versions": {},
+                               "n-samples": {}}  # fmt: skip
+    if max_length is not None:
+        results["max_length"] = max_length
     for task, recs in tasks.items():
         (d / samples_file(task)).write_text("".join(json.dumps(r) + "\n" for r in recs))
         results["results"][task] = {"alias": task}

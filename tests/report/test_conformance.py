@@ -1,7 +1,13 @@
-"""Engine vs emulation (issue 23, item 2): an engine run paired with kvcal's emulation of the configuration it
-claims. Known answers on written runs: one that computes something else (its answers flip on many samples) does
-not match; a faithful one (the same answers up to a few kernel-rounding flips) matches, with what it could miss.
-The real-model study and its commands are in docs/studies/conformance.md."""
+"""Engine vs emulation by the quantization's damage (issue 38, item 3): four runs — the engine's quantized and
+BF16 runs, kvcal's emulation and kvcal's BF16 run — and per document d = (engine_q - engine_bf16) -
+(emu_q - emu_bf16) in nats per word, tested for equivalence (TOST) against the margin the BF16 pair sets.
+
+Planted per-document values (written run directories, wikitext's (loglikelihood, words) records): the engine's
+BF16 run differs from kvcal's by ~0.002 nats per word per document (two correct implementations); an engine whose
+FP8 damage is the emulation's is equivalent; one whose damage is 2.5x (0.032 vs 0.013 nats per word, issue 38's
+numbers) is not; twelve noisy documents are not enough to show either, with the samples that would. Unlike
+configurations are refused naming each difference and its flag; without BF16 runs there is no verdict. The real
+lm-eval folders: tests/report/test_lmeval_conformance.py."""
 
 from __future__ import annotations
 
@@ -10,93 +16,163 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
+from statsmodels.stats.weightstats import ttost_paired
 
+from kvcal.errors import UsageError
 from kvcal.report.compare import compare_runs
-from kvcal.report.conformance import add_conformance
+from kvcal.report.conformance import EQUIVALENT, NOT_EQUIVALENT, NOT_SHOWN, add_conformance, before_pairing
 from kvcal.report.markdown import render_markdown
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]
-N = 200
+ROLLING = {"wikitext": {"output_type": "loglikelihood_rolling"}}
 
 
-def _runs(tmp_path: Path, write_run, kl_records) -> Path:  # noqa: ANN001
-    """bf16, kvcal's calibrated fp8 emulation, a faithful 'engine' (its windows' kl within rounding of the
-    emulation's) and one that ignores its scales (kl 30% higher on every window)."""
-    rng = np.random.default_rng(7)
-    calib = rng.uniform(0.004, 0.009, N)
-    ones = np.ones(N)
-    write_run(tmp_path, "bf16", "bf16", {"kl": kl_records(np.zeros(N), ones)})
-    write_run(tmp_path, "emu", "fp8_e4m3", {"kl": kl_records(calib, ones)}, granularity="tensor")
-    faithful = calib.copy()
-    faithful[:3] += [1e-6, -1e-6, 2e-6]  # three windows off by rounding, either way
-    write_run(tmp_path, "engine_ok", "fp8_e4m3", {"kl": kl_records(faithful, ones)}, granularity="tensor")
-    write_run(tmp_path, "engine_bad", "fp8_e4m3", {"kl": kl_records(calib * 1.3 + rng.normal(0, 1e-3, N), ones)},
-              granularity="tensor")  # fmt: skip
-    return tmp_path
+def _docs(n: int, seed: int) -> dict[str, np.ndarray]:
+    """Per-document NLL per word of each planted run (higher is worse)."""
+    rng = np.random.default_rng(seed)
+    words = rng.integers(200, 900, n)
+    base = rng.uniform(2.5, 4.0, n)  # kvcal's BF16
+    r = rng.normal(0.0005, 0.002, n)  # the engine's BF16 minus kvcal's: two implementations
+    damage = 0.013 + rng.normal(0.0, 0.004, n)  # kvcal's FP8 damage per document
+    return {
+        "words": words, "emu_bf16": base, "emu_fp8": base + damage, "eng_bf16": base + r,
+        "eng_ok": base + r + damage + rng.normal(0.0, 0.0005, n),  # the same damage, kernel rounding on top
+        "eng_bad": base + r + 2.5 * damage,  # 0.032 vs 0.013 nats per word
+        "eng_noisy": base + r + damage + _centred(rng.normal(0.0, 0.006, n)),  # gap 0, too noisy at n = 12
+    }  # fmt: skip
 
 
-def test_scales_ignored_does_not_match_faithful_does(tmp_path: Path, write_run, kl_records) -> None:  # noqa: ANN001
-    root = _runs(tmp_path, write_run, kl_records)
-    c = compare_runs([root], n_boot=500)
-    add_conformance(c, ["engine_bad=emu", "engine_ok=emu"])
+def _centred(x: np.ndarray) -> np.ndarray:
+    return x - x.mean()
+
+
+def _write(root: Path, write_run, wikitext_records, n: int = 200, seed: int = 3, **over) -> dict[str, np.ndarray]:  # noqa: ANN001
+    docs = _docs(n, seed)
+    for name in ("emu_bf16", "emu_fp8", "eng_bf16", "eng_ok", "eng_bad", "eng_noisy"):
+        fmt = "bf16" if name.endswith("bf16") else "fp8_e4m3"
+        kw = {"dtype": "bfloat16", "max_length": 8192, "task_configs": ROLLING, **over.get(name, {})}
+        recs = wikitext_records(-docs[name] * docs["words"], docs["words"])
+        write_run(root, name, fmt, {"wikitext": recs}, granularity=None if fmt == "bf16" else "tensor", **kw)
+    return docs
+
+
+def _conformance(root: Path, pairs: list[str], refs: list[str], margin: float | None = None):  # noqa: ANN202
+    c = compare_runs([root], baseline="emu_bf16", n_boot=200, before_pairing=before_pairing(pairs, refs, margin))
+    add_conformance(c, pairs, references=refs, margin=margin)
+    return c
+
+
+def test_equivalent_and_not_equivalent_damage(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
+    docs = _write(tmp_path, write_run, wikitext_records)
+    c = _conformance(tmp_path, ["eng_bad=emu_fp8", "eng_ok=emu_fp8"], ["eng_bf16=emu_bf16"])
     bad, ok = c.conformance
-    assert bad.conforms is False and bad.verdict.startswith("does not match")
-    assert "kl" in bad.verdict and bad.claimed == "fp8_e4m3, scales calib-tensor, skip none"
-    assert ok.conforms is True and ok.verdict.startswith("matches at this sample size")
-    assert "could miss differences below" in ok.verdict
-    assert ok.agreement["kl/kl"] == (N - 3) / N and bad.agreement["kl/kl"] == 0.0
-    assert not c.gate_passed  # a run that does not match its claim fails the gate
+    (rb,), (ro,) = bad.results, ok.results
+    # the margin: the BF16 pair's mean per-document disagreement, stated
+    r = docs["eng_bf16"] - docs["emu_bf16"]
+    assert ro.margin == pytest.approx(np.mean(np.abs(r)), rel=1e-9) and ro.margin_source == "bf16 pair"
+    assert ro.unit == "nats per word" and ro.n == 200
+    # the damages as planted (positive: worse), the gap engine minus emulation
+    assert ro.emulation_damage == pytest.approx(np.mean(docs["emu_fp8"] - docs["emu_bf16"]), rel=1e-9)
+    assert rb.engine_damage == pytest.approx(np.mean(docs["eng_bad"] - docs["eng_bf16"]), rel=1e-9)
+    assert rb.gap == pytest.approx(rb.engine_damage - rb.emulation_damage, rel=1e-9) and rb.gap > 0.015
+    # TOST is statsmodels' on the per-document damages
+    e_dmg, m_dmg = docs["eng_ok"] - docs["eng_bf16"], docs["emu_fp8"] - docs["emu_bf16"]
+    assert ro.p_equivalence == pytest.approx(ttost_paired(e_dmg, m_dmg, -ro.margin, ro.margin)[0], rel=1e-9)
+    assert ro.verdict == EQUIVALENT and ok.conforms is True and ok.verdict.startswith("equivalent:")
+    assert rb.verdict == NOT_EQUIVALENT and bad.conforms is False and bad.verdict.startswith("not equivalent:")
+    assert "nats per word" in bad.verdict and "margin ±" in bad.verdict
+    assert not c.gate_passed
     md = render_markdown(c)
-    assert "## Engine vs emulation" in md and "`engine_bad`" in md
-    assert "**Gate (regression):** FAILED (1 engine run(s) not matching their emulation)" in md
+    assert "## Engine vs emulation" in md and "1 engine run(s) not equivalent to their emulation" in md
+    assert "`eng_bf16` / `emu_bf16`" in md
     assert [x["conforms"] for x in c.to_dict()["conformance"]] == [False, True]
 
 
-def test_cli_conformance(tmp_path: Path, write_run, kl_records, invoke: Invoke) -> None:  # noqa: ANN001
-    root = _runs(tmp_path, write_run, kl_records)
-    code, out, err = invoke(["compare", str(root), "--conformance", "engine_ok=emu", "--json",
-                             "--fail-on-regression", "--max-drop", "0.05"])  # fmt: skip
+def test_underpowered_says_how_many_samples(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
+    _write(tmp_path, write_run, wikitext_records, n=12, seed=5)
+    c = _conformance(tmp_path, ["eng_noisy=emu_fp8"], ["eng_bf16=emu_bf16"])
+    (res,) = c.conformance
+    (r,) = res.results
+    assert r.verdict == NOT_SHOWN and res.conforms is None
+    assert abs(r.gap) < 1e-12 and (r.ci_low < -r.margin or r.ci_high > r.margin)  # the interval is too wide
+    assert r.n_needed is not None and r.n_needed > r.n
+    assert f"about {r.n_needed} paired samples would show equivalence" in res.verdict
+    assert not c.gate_passed  # not shown is not passed
+
+
+def test_margin_option_decides(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
+    """--margin replaces the BF16 pair's margin: 0.05 nats per word takes in even the 2.5x damage."""
+    _write(tmp_path, write_run, wikitext_records)
+    c = _conformance(tmp_path, ["eng_bad=emu_fp8"], ["eng_bf16=emu_bf16"], margin=0.05)
+    (r,) = c.conformance[0].results
+    assert r.margin == 0.05 and r.margin_source == "--margin" and r.verdict == EQUIVALENT
+    with pytest.raises(UsageError, match="--margin must be a positive number"):
+        _conformance(tmp_path, ["eng_bad=emu_fp8"], ["eng_bf16=emu_bf16"], margin=-1.0)
+
+
+def test_without_bf16_runs_no_verdict(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
+    _write(tmp_path, write_run, wikitext_records)
+    c = _conformance(tmp_path, ["eng_ok=emu_fp8"], [])  # both sides kvcal run directories: not found
+    (res,) = c.conformance
+    assert res.conforms is None and res.results == [] and res.verdict.startswith("not judged: no verdict")
+    assert "a BF16 run of the engine" in res.verdict and "a BF16 run of the emulation" in res.verdict
+    assert not c.gate_passed
+    with pytest.raises(UsageError, match="is a BF16 run"):
+        _conformance(tmp_path, ["eng_bf16=emu_bf16"], [])
+
+
+def test_unlike_configurations_are_refused_naming_each_difference(
+    tmp_path: Path, write_run, wikitext_records, invoke: Invoke
+) -> None:  # noqa: ANN001
+    """The engine served bfloat16 with 2048-token windows, the emulation ran float32 with 8192 (issue 38's
+    case): one Error naming the dtype, the log-prob dtype and the max length, each with its flag."""
+    over = {"eng_ok": {"dtype": "bfloat16", "max_length": 2048}, "emu_fp8": {"dtype": "float32"}}
+    _write(tmp_path, write_run, wikitext_records, **over)
+    with pytest.raises(UsageError) as exc:
+        _conformance(tmp_path, ["eng_ok=emu_fp8"], ["eng_bf16=emu_bf16"])
+    msg = str(exc.value)
+    runs = "eng_ok {}, emu_fp8 {}, eng_bf16 {}, emu_bf16 {}"
+    assert msg.startswith("conformance compares like with like, and these runs differ in 3 setting(s): ")
+    assert ("wikitext model dtype: " + runs.format("bfloat16", "float32", "bfloat16", "bfloat16")
+            + " (serve and emulate one dtype: kvcal eval --dtype D") in msg  # fmt: skip
+    assert ("wikitext log-prob dtype: " + runs.format("bfloat16", "float32", "bfloat16", "bfloat16")
+            + " (kvcal eval --logprob-dtype float32") in msg  # fmt: skip
+    assert "wikitext max length: " + runs.format(2048, 8192, 8192, 8192) + " (kvcal eval --max-length N" in msg
+    assert "vLLM: max_model_len=N" in msg
+    code, _, err = invoke(["compare", str(tmp_path), "--baseline", "emu_bf16", "--conformance", "eng_ok=emu_fp8",
+                           "--conformance-bf16", "eng_bf16=emu_bf16"])  # fmt: skip
+    assert code == 2 and err.count("Error:") == 1 and "max length" in err and "model dtype" in err
+
+
+def test_cli_conformance(tmp_path: Path, write_run, wikitext_records, invoke: Invoke) -> None:  # noqa: ANN001
+    _write(tmp_path, write_run, wikitext_records)
+    base = ["compare", str(tmp_path), "--baseline", "emu_bf16", "--conformance-bf16", "eng_bf16=emu_bf16",
+            "--max-drop", "0.05", "--fail-on-regression"]  # fmt: skip
+    code, out, err = invoke([*base, "--conformance", "eng_ok=emu_fp8", "--json"])
     assert code == 0, err
-    assert json.loads(out)["conformance"][0]["conforms"] is True
-    code, _, err = invoke(["compare", str(root), "--conformance", "engine_bad=emu", "--fail-on-regression",
-                           "--max-drop", "0.05"])  # fmt: skip
-    assert code == 1 and "Engine vs emulation: engine_bad: does not match" in " ".join(err.split())
-    code, _, err = invoke(["compare", str(root), "--conformance", "nope=emu"])
+    got = json.loads(out)["conformance"][0]
+    assert got["conforms"] is True and got["results"][0]["verdict"] == EQUIVALENT
+    code, _, err = invoke([*base, "--conformance", "eng_bad=emu_fp8"])
+    assert code == 1 and "Engine vs emulation: eng_bad: not equivalent" in " ".join(err.split())
+    code, _, err = invoke([*base, "--conformance", "nope=emu_fp8"])
     assert code == 2 and "write ENGINE=EMULATION" in err
 
 
-def _rows(html: str) -> dict[tuple[str, str], list[str]]:
-    """The conformance table's rows as cells, keyed by (engine, metric)."""
-    start = html.index("<h2>Engine vs emulation</h2>")
-    table = html[html.index("<table>", start) : html.index("</table>", start)]
-    rows = [[cell.split("</td>")[0] for cell in tr.split("<td>")[1:]] for tr in table.split("<tr>")[2:]]
-    return {(r[0].removeprefix("<code>").removesuffix("</code>"), r[4]): r[1:] for r in rows}
-
-
-def test_html_report_has_the_conformance_section(tmp_path: Path, write_run, kl_records, invoke: Invoke) -> None:  # noqa: ANN001
-    """`kvcal compare --conformance ... --html`: per pair the agreement, the paired difference with its
-    interval, the minimum detectable difference and the verdict, the same numbers as the JSON."""
-    root = _runs(tmp_path / "runs", write_run, kl_records)
+def test_html_report_has_the_conformance_section(tmp_path: Path, write_run, wikitext_records, invoke: Invoke) -> None:  # noqa: ANN001
+    _write(tmp_path / "runs", write_run, wikitext_records)
     page = tmp_path / "r.html"
-    code, out, err = invoke(["compare", str(root), "--conformance", "engine_bad=emu", "--conformance", "engine_ok=emu",
-                             "--html", str(page), "--json", "--max-drop", "0.05"])  # fmt: skip
+    code, out, err = invoke(["compare", str(tmp_path / "runs"), "--baseline", "emu_bf16", "--conformance",
+                             "eng_bad=emu_fp8", "--conformance", "eng_ok=emu_fp8", "--conformance-bf16",
+                             "eng_bf16=emu_bf16", "--html", str(page), "--json", "--max-drop", "0.05"])  # fmt: skip
     assert code == 0, err
     text = page.read_text()
     assert "<h2>Engine vs emulation</h2>" in text
-    assert "FAILED (1 engine run(s) not matching their emulation)" in text
-    assert "<b>NO MATCH</b>: does not match: engine_bad" in text and "<b>MATCH</b>: matches at this sample size" in text
-    rows = _rows(text)
+    assert "<b>NOT EQUIVALENT</b>: not equivalent: eng_bad" in text and "<b>EQUIVALENT</b>: equivalent:" in text
     pairs = json.loads(out)["conformance"]
-    assert len(rows) == sum(len(p["results"]) for p in pairs) == 4  # two pairs x (kl, top1_agree)
     for pair in pairs:
-        for r in pair["results"]:
-            cells = rows[(pair["engine"], r["metric"])]
-            assert cells[:3] == ["<code>emu</code>", "fp8_e4m3, scales calib-tensor, skip none", "kl"]
-            agree = pair["agreement"]["kl/" + r["metric"]]
-            assert cells[4] == str(N) and cells[5] == f"{agree:.1%}"
-            assert cells[6] == f"{r['diff']:+.4g} [{r['ci_low']:.4g}, {r['ci_high']:.4g}]"
-            assert cells[8] == ("—" if r["mdd"] is None else f"{r['mdd']:.3g}")
-    assert rows[("engine_bad", "kl")][9] == "differs" and rows[("engine_ok", "kl")][9] == "no significant difference"
-    # no conformance asked and no engine run: no section
-    assert invoke(["compare", str(root), "--html", str(page)])[0] == 0
+        (r,) = pair["results"]
+        assert f"{r['gap']:+.4g} [{r['ci_low']:.4g}, {r['ci_high']:.4g}]" in text
+        assert f"±{r['margin']:.4g} (BF16 pair)" in text
+    assert invoke(["compare", str(tmp_path / "runs"), "--baseline", "emu_bf16", "--html", str(page)])[0] == 0
     assert "Engine vs emulation" not in page.read_text()
