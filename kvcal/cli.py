@@ -47,6 +47,7 @@ class _Group(TyperGroup):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
+        _finite_floats(self)
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -65,6 +66,32 @@ class _Group(TyperGroup):
             print("Aborted.", file=sys.stderr)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _finite_floats(group: Any) -> None:
+    """Every number option of every command refuses NaN and infinities (click's float type takes 'nan' and
+    'inf'), the same way in every command: a usage error naming the option, before the command runs."""
+    import math
+    import typing
+
+    def check(callback: Any) -> Any:
+        def checked(ctx: Any, param: Any, value: Any) -> Any:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise click_errors.BadParameter(f"{value!r} is not a finite number", ctx=ctx, param=param)
+            return callback(ctx, param, value) if callback is not None else value
+
+        checked.kvcal_finite = True  # type: ignore[attr-defined]
+        return checked
+
+    for command in getattr(group, "commands", {}).values():
+        _finite_floats(command)
+        for param in command.params:
+            desc = getattr(param, "type_descriptor", None)
+            ann = getattr(desc, "annotation", None)
+            number = ann is float or float in typing.get_args(ann)  # float, float | None, list[float]
+            if number and not getattr(param.callback, "kvcal_finite", False):
+                param.callback = check(param.callback)
 
 
 def _usage_message(exc: click_errors.UsageError) -> str:

@@ -39,6 +39,25 @@ def temp_dir_beside(path: str | os.PathLike[str]) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
 
 
+def output_problem(path: str | os.PathLike[str], flag: str = "-o", folder: bool = False) -> str | None:
+    """Before any work: why `path` (a file, or with `folder` a folder) cannot be written, found without creating
+    anything, or None. A file must not be a folder (a folder not a file); the nearest existing parent must be a
+    folder this process can write and enter. The message names `flag` and the fix (callers raise it as their
+    usage error: this module sits below kvcal.errors)."""
+    out = Path(path).expanduser()
+    kind = "folder" if folder else "file"
+    if out.exists() and out.is_dir() != folder:
+        return f"{flag} '{out}' is a {'file' if folder else 'folder'}; pass a {kind} path"
+    probe = out.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot write {flag} '{out}': '{probe}' is a file, not a folder; choose another {flag} path"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot write {flag} '{out}': folder '{probe}' is not writable; choose another {flag} path"
+    return None
+
+
 def public_mode(mode: int) -> int:
     """`mode` filtered by the process umask (what open() would have given a new file)."""
     umask = os.umask(0)

@@ -119,8 +119,10 @@ def load_plan(path: str | os.PathLike[str]) -> PlanFile:
         for r in rows:
             k, v = kv_pair(f"k={r['k']},v={r['v']}")
             layers.append(k.name if k is v else f"k={k.name},v={v.name}")
-        record["binding"]["num_layers"]  # noqa: B018 - must exist
-    except (KeyError, TypeError, ValueError) as exc:
+        n = record["binding"]["num_layers"]
+        if isinstance(n, bool) or not isinstance(n, int) or n != len(layers):
+            raise ValueError(f"{len(layers)} layers listed for a model of {n!r} (binding.num_layers)")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"plan file '{p}' is malformed ({exc}); write it again with `kvcal plan`") from None
     return PlanFile(path=p, layers=layers, record=record)
 

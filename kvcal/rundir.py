@@ -41,6 +41,11 @@ def samples_file(task: str) -> str:
     return f"samples_{task}.jsonl"
 
 
+# config.yaml's whole-number fields (None where not set)
+_COUNTS = ("limit", "num_fewshot", "batch_size", "seed", "kl_seq_len", "prefill_chunk", "kl_subsample",
+           "max_gen_toks", "repeats", "tq_boundary_layers", "prefix_tokens", "run_format")  # fmt: skip
+
+
 @dataclass
 class RunConfig:
     """What one run measured, as config.yaml records it. `scales` is None for an uncalibrated / dynamic run,
@@ -148,6 +153,12 @@ class RunConfig:
                 raise ValueError(f"config.yaml has no '{required}'")
         known.setdefault("model_dir", "")
         known.setdefault("tasks", [])
+        for key in _COUNTS:  # a hand-edited or damaged file: refused here, not met as a NaN in a report
+            v = known.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"config.yaml's {key} is {v!r}, not a whole number")
+        if not isinstance(known["tasks"], list) or not all(isinstance(t, str) for t in known["tasks"]):
+            raise ValueError(f"config.yaml's tasks is {known['tasks']!r}, not a list of task names")
         return cls(**known, extra={k: v for k, v in raw.items() if k not in names})
 
     def identity(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from kvcal.commands.progress import ProgressRenderer
 
 # Options that shape the command line itself, not a keyword of kvcal.calibrate.run.calibrate().
 CLI_ONLY = ("json_out", "percentile", "num_processes")
+DEFAULT_PERCENTILE = 99.99
 
 
 def calibrate_cmd(
@@ -45,8 +46,9 @@ def calibrate_cmd(
     ] = "tensor",
     observer: Annotated[str, typer.Option("--observer", help="minmax, percentile or mse.")] = "minmax",
     percentile: Annotated[
-        float, typer.Option("--percentile", help="Percentile of |x| for --observer percentile.")
-    ] = 99.99,
+        float | None,
+        typer.Option("--percentile", help=f"Percentile of |x| for --observer percentile (default {DEFAULT_PERCENTILE})."),
+    ] = None,
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
     num_samples: NumSamplesOpt = 128,
@@ -88,8 +90,11 @@ def calibrate_cmd(
     if num_processes != 1:
         run_in_processes(ctx, num_processes, {"calibration samples (--num-samples)": num_samples})
     from kvcal.calibrate.run import calibrate
+    from kvcal.errors import UsageError
 
-    observer_params = {"percentile": percentile} if observer == "percentile" else None
+    if percentile is not None and observer != "percentile":
+        raise UsageError(f"--percentile applies to --observer percentile (this run's observer is {observer}); drop it")
+    observer_params = {"percentile": DEFAULT_PERCENTILE if percentile is None else percentile} if observer == "percentile" else None
     with ProgressRenderer(enabled=not json_out and is_main_process()) as progress:
         result = calibrate(
             **library_kwargs(calibrate, options, cli_only=CLI_ONLY),

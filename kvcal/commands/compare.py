@@ -121,12 +121,17 @@ def compare_cmd(
     """Compare run directories against a baseline: report with error bars and a regression gate."""
     from kvcal.errors import UsageError
     from kvcal.evaluate.passkey import parse_lengths
+    from kvcal.io import output_problem
     from kvcal.pipeline.sweep import recorded_context
     from kvcal.report.compare import compare_runs
     from kvcal.report.conformance import add_conformance, before_pairing
 
     if bootstrap < 100:
         raise UsageError(f"--bootstrap must be at least 100, got {bootstrap}")
+    for flag, path in (("-o", output), ("--html", html_out)):
+        if path is not None:  # before any run is read: the report has somewhere to go
+            if (problem := output_problem(path, flag)) is not None:
+                raise UsageError(problem)
     source = "--context"
     if context is None:  # a sweep's RUNS_DIR says which context its capacity assumes (sweep.yaml `context:`)
         context = next((c for c in map(recorded_context, map(Path, run_dirs)) if c is not None), None)
@@ -280,6 +285,7 @@ def sweep_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvcal.errors import UsageError
+    from kvcal.io import output_problem
     from kvcal.pipeline.sweep import (
         execute_sweep,
         load_sweep_config,
@@ -290,6 +296,8 @@ def sweep_cmd(
     )
 
     slice_ = parse_shard(shard) if shard is not None else None
+    if (problem := output_problem(output, "-o", folder=True)) is not None:
+        raise UsageError(problem)
     if slice_ is not None and report_only:
         raise UsageError("--report-only assembles every slice's cells; drop --shard")
     cfg = load_sweep_config(config)

@@ -233,6 +233,41 @@ StrictOpt = Annotated[
 ]
 
 
+def _refuse_unused(ctx: typer.Context, spec: Any) -> None:
+    """An option typed on the command line that nothing asked uses is an error naming why (a sweep or release
+    applies its shared settings to the tasks they fit; here the user named the option for this run)."""
+    from typer._click.core import ParameterSource  # typer 0.29 vendors click
+
+    from kvcal.errors import UsageError
+    from kvcal.evaluate.tasks import DIVERGENCE_TASKS, KL_TASK, PASSKEY_TASKS
+    from kvcal.formats import is_tq_preset
+
+    own = {KL_TASK, *PASSKEY_TASKS, *DIVERGENCE_TASKS}
+    lm_eval_tasks = [t for t in spec.tasks if t not in own]
+    generates = [t for t in spec.tasks if t != KL_TASK]
+
+    def typed(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+    needs = [
+        ("kl_seq_len", "--kl-seq-len", spec.has_kl, "sets the kl task's window; add kl to --tasks or drop it"),
+        ("kl_subsample", "--kl-subsample", spec.has_kl, "thins the kl task's positions; add kl or drop it"),
+        ("passkey_lengths", "--passkey-lengths", spec.has_passkey, "sets the passkey tasks' prompt lengths; add "
+         "passkey or passkey_mc to --tasks or drop it"),
+        ("passkey_depths", "--passkey-depths", spec.has_passkey, "sets the passkey tasks' key depths; add passkey "
+         "or passkey_mc to --tasks or drop it"),
+        ("tq_boundary_layers", "--tq-boundary-layers", is_tq_preset(spec.kv_format), "counts a TurboQuant preset's "
+         f"BF16 boundary layers; --kv-format {spec.kv_format} is not one: drop it"),
+        ("repeats", "--repeats", bool(lm_eval_tasks), "repeats a generative lm-eval task's generations; "
+         f"{', '.join(spec.tasks)} {'is' if len(spec.tasks) == 1 else 'are'} kvcal's own: drop it"),
+        ("gen_kwargs", "--gen-kwargs", bool(generates), "sets how tasks generate; kl generates nothing: drop it"),
+        ("max_gen_toks", "--max-gen-toks", bool(generates), "caps generated tokens; kl generates nothing: drop it"),
+    ]  # fmt: skip
+    for name, flag, applies, why in needs:
+        if typed(name) and not applies:
+            raise UsageError(f"{flag} {why}")
+
+
 def eval_cmd(
     ctx: typer.Context,
     model: ModelArg,
@@ -289,6 +324,7 @@ def eval_cmd(
 
     config = config_from_options(EvalConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
     spec = eval_spec(config)  # parsed and checked once
+    _refuse_unused(ctx, spec)
     if force_scales and scales:
         warn(
             "--force-scales: scales measured on another checkpoint will be used; the run's config records it"

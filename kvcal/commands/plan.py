@@ -214,7 +214,7 @@ def plan_export_cmd(
     """A plan file as the engine reads it: ModelOpt's per-layer map, vLLM skip layers, or TRT-LLM's range string."""
     from kvcal import __version__
     from kvcal.errors import UsageError
-    from kvcal.io import atomic_write_text
+    from kvcal.io import atomic_write_text, output_problem
     from kvcal.models.config import load_config
     from kvcal.models.geometry import kv_spec
     from kvcal.pipeline.plan_export import (
@@ -228,6 +228,14 @@ def plan_export_cmd(
 
     if engine not in ENGINES:
         raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got '{engine}'")
+    if output is not None and engine != "vllm-modelopt":
+        raise UsageError(
+            f"-o writes vllm-modelopt's hf_quant_config.json; --engine {engine} prints its settings (nothing to "
+            "write): drop -o, or use --engine vllm-modelopt"
+        )
+    if output is not None:
+        if (problem := output_problem(output, "-o")) is not None:
+            raise UsageError(problem)
     if model is not None:
         from kvcal.models.real import resolve_real_name
         from kvcal.planfile import load_plan_for_model

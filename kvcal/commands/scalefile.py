@@ -196,11 +196,22 @@ def export_cmd(
 ) -> None:
     """Export scales as a vLLM checkpoint folder or an SGLang scale JSON (FP8 E4M3)."""
     from kvcal.calibrate.export import export_sglang, export_vllm
+    from kvcal.io import output_problem
     from kvcal.scales import load_scales_for_model, resolve_model_and_spec
 
     engine = to.strip().lower()
     if engine not in ("vllm", "sglang"):
         raise UsageError(f"unknown export target '{to}'; use --to vllm or --to sglang")
+    if tp_size < 1:
+        raise UsageError(f"--tp-size must be at least 1, got {tp_size}")
+    if engine == "vllm" and (tp_size != 1 or reduce_heads):
+        given = "--tp-size" if tp_size != 1 else "--reduce-heads"
+        raise UsageError(
+            f"{given} shapes SGLang's JSON; vLLM's checkpoint export holds the scales as calibrated (vLLM splits "
+            f"them across ranks itself): drop {given}, or export --to sglang"
+        )
+    if (problem := output_problem(output, "-o", folder=engine == "vllm")) is not None:
+        raise UsageError(problem)
     model_dir, kv = resolve_model_and_spec(model)
     ss = load_scales_for_model(scales, model, model_dir, kv, force=force)
     for w in ss.binding_warnings:

@@ -55,7 +55,7 @@ def _as_bool(value: Any) -> bool:
 class KvcalLM(HFLM):
     """HFLM with kvcal's quantized KV cache. Extra model_args: kv_format, kv_scales, skip_layers, impl,
     force_scales, nvfp4_global (nvfp4 without scales: one | per_sequence), model_ref (the name recorded in results; defaults to `pretrained`),
-    kv_input_dtype (K/V rounded to it before quantization; default: as computed); kv_scales=first-batch is vLLM's
+    kv_input_dtype (K/V rounded to it before quantization; default: kvcal eval's, bfloat16); kv_scales=first-batch is vLLM's
     calculate_kv_scales; attention (kv | fp8: vLLM's FlashAttention-3 FP8 attention); scoring (full: lm-eval's
     every-position path, the default | continuation: only the continuation rows meet the LM head); prefill_chunk
     (continuation scoring prefills a longer sequence chunk by chunk; default 2048); prefix_serde +
@@ -75,15 +75,15 @@ class KvcalLM(HFLM):
     def __init__(
         self,
         pretrained: str | Any,
-        kv_format: str = "auto",
+        kv_format: str | None = None,
         kv_scales: str | None = None,
         skip_layers: str | None = None,
-        impl: str = "auto",
+        impl: str | None = None,
         force_scales: bool | str = False,
         model_ref: str | None = None,
-        nvfp4_global: str = "one",
+        nvfp4_global: str | None = None,
         kv_input_dtype: str | None = None,
-        attention: str = "kv",
+        attention: str | None = None,
         device_map: str | None = None,
         max_memory: str | None = None,
         offload_folder: str | None = None,
@@ -92,7 +92,8 @@ class KvcalLM(HFLM):
         **kwargs: Any,
     ) -> None:
         # lm-eval's command line and Python: the model_args strings parsed here, once, by the same eval_spec and
-        # bind that kvcal eval uses; kvcal eval itself builds the LM with `from_bound`
+        # bind that kvcal eval uses, with kvcal eval's defaults for what is not given (None here: EvalConfig's);
+        # kvcal eval itself builds the LM with `from_bound`
         bound = bind_model_args(
             pretrained,
             kv_format=kv_format,
@@ -167,6 +168,13 @@ class KvcalLM(HFLM):
         self.runtime: Any = None
         if self.cache.quantized:
             self.activate_runtime()
+        self.kvcal_config = resolved_config(bound, self.model, self.scoring, self.prefill_chunk)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """HFLM's model info (lm-eval's simple_evaluate adds it to the results' `config`) and kvcal's whole
+        resolved configuration under `kvcal`: what a kvcal eval run's config.yaml records of the cache, defaults
+        included, so `kvcal compare` reads the configuration lm-eval ran, not only what was typed."""
+        return {**super().get_model_info(), "kvcal": self.kvcal_config}
 
     # ---- lm-eval's collectives over torch.distributed (HFLM's go through accelerate, GPU runs only) --------
 
@@ -416,29 +424,33 @@ def _given(value: Any) -> str | None:
 
 def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
     """lm-eval's `--model_args` of the cache (strings as typed) parsed by `eval_spec`, the parser kvcal eval uses,
-    and bound to the checkpoint by `bind`: the spec has no tasks (lm-eval runs its own); the kv input dtype
-    defaults to none (K/V quantized as computed, the adapter's behaviour before the option existed).
-    `pretrained`: a folder, hub id, .gguf file or real-model name, or an already-built transformers model."""
+    and bound to the checkpoint by `bind`: the spec has no tasks (lm-eval runs its own). An option not given (or
+    given empty / none) takes EvalConfig's default, kvcal eval's: the two doors resolve one configuration the same
+    way (the kv input dtype bfloat16, nvfp4's global scale one, ...). `pretrained`: a folder, hub id, .gguf file
+    or real-model name, or an already-built transformers model."""
     from kvcal.evaluate.spec import EvalConfig, eval_spec
 
     trust = _as_bool(model_args.get("trust_remote_code", False))
     built = not isinstance(pretrained, (str, os.PathLike))
+    given = {
+        "kv_format": _given(model_args.get("kv_format")),
+        "scales": _given(model_args.get("kv_scales")),
+        "skip_layers": _given(model_args.get("skip_layers")),
+        "impl": _given(model_args.get("impl")),
+        "nvfp4_global": _given(model_args.get("nvfp4_global")),
+        "kv_input_dtype": _given(model_args.get("kv_input_dtype")),
+        "attention": _given(model_args.get("attention")),
+        "prefix_serde": _given(model_args.get("prefix_serde")),
+        "prefix_tokens": _as_tokens(model_args.get("prefix_tokens")),
+        "device_map": _given(model_args.get("device_map")),
+        "max_memory": _given(model_args.get("max_memory")),
+        "offload_folder": _given(model_args.get("offload_folder")),
+    }
     config = EvalConfig(
         model=str(model_args.get("model_ref") or _name_of(pretrained)),
-        kv_format=str(model_args.get("kv_format") or "auto"),
-        scales=_given(model_args.get("kv_scales")),
-        skip_layers=_given(model_args.get("skip_layers")),
-        impl=str(model_args.get("impl") or "auto"),
         force_scales=_as_bool(model_args.get("force_scales", False)),
-        nvfp4_global=str(model_args.get("nvfp4_global") or "one"),
-        kv_input_dtype=_given(model_args.get("kv_input_dtype")),
-        attention=str(model_args.get("attention") or "kv"),
-        prefix_serde=_given(model_args.get("prefix_serde")),
-        prefix_tokens=_as_tokens(model_args.get("prefix_tokens")),
-        device_map=_given(model_args.get("device_map")),
-        max_memory=_given(model_args.get("max_memory")),
-        offload_folder=_given(model_args.get("offload_folder")),
         trust_remote_code=trust,
+        **{k: v for k, v in given.items() if v is not None},
     )
     spec = eval_spec(config, own_tasks=False)
     if built:  # its folder (for the scale file's binding) and its config
@@ -446,6 +458,31 @@ def bind_model_args(pretrained: Any, **model_args: Any) -> BoundSpec:
             spec, model_dir=Path(getattr(pretrained, "name_or_path", ".")), hf_config=pretrained.config
         )
     return bind(spec, model_dir=resolve_model(pretrained, trust_remote_code=trust))
+
+
+def resolved_config(bound: BoundSpec, model: Any, scoring: str, prefill_chunk: int) -> dict[str, Any]:
+    """The cache configuration lm-eval's model runs, resolved (config.yaml's names, kvcal.rundir.RunConfig): the
+    spec's record without its tasks (lm-eval's), the checkpoint folder, the model's dtype as loaded, the skipped
+    layer indices, the scale file's sha256 and granularity, the scoring path."""
+    fields = bound.spec.recorded_fields()
+    for key in ("tasks", "limit", "num_fewshot", "data_dir", "kl_seq_len", "passkey_lengths", "passkey_depths",
+                "prompts", "repeats", "gen_kwargs", "max_gen_toks", "batch_size", "seed", "device"):  # fmt: skip
+        fields.pop(key, None)  # lm-eval's own settings, in its record
+    dtype = getattr(model, "dtype", None)
+    scales = None
+    if bound.scales is not None:  # config.yaml's `scales` record, its identity part
+        from kvcal.filecache import sha256_file
+
+        scales = {"sha256": sha256_file(str(bound.spec.scales.path)), "granularity": bound.scales.granularity}
+    fields.update(
+        model_dir=str(bound.model_dir),
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else bound.dtype,
+        skip_layer_indices=sorted(bound.skip_layers),
+        scales=scales,
+        scoring=scoring,
+        prefill_chunk=prefill_chunk if scoring != "full" else None,
+    )
+    return fields
 
 
 @contextmanager

@@ -50,6 +50,17 @@ class BoundSpec:
     recorded: RunConfig | None = None
 
 
+def _check_repeats(plan: TaskPlan, repeats: int) -> None:
+    """--repeats N of every lm-eval task of the plan as the run will apply it (kvcal.evaluate.repeats.with_repeats:
+    generative tasks only), checked now rather than when the task runs, after the model has loaded."""
+    from kvcal.evaluate.repeats import with_repeats
+    from kvcal.evaluate.tasks import task_manager_for
+
+    manager = task_manager_for(plan)
+    for name, task in plan.lm_eval_specs.items():
+        with_repeats(task, repeats, name, manager)
+
+
 def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None) -> BoundSpec:
     """Bind `spec` to its checkpoint (UsageError / KvcalError before anything is written). `model_dir` /
     `hf_config`: an already resolved folder / loaded config (lm-eval's model given a built model). One straight
@@ -58,6 +69,8 @@ def bind(spec: EvalSpec, *, model_dir: Path | None = None, hf_config: Any = None
     scale file (loaded once, checked against the checkpoint), the passkey documents."""
     fields = spec.recorded_fields()
     plan = spec.task_plan() if spec.tasks else None
+    if plan is not None and spec.repeats is not None and spec.repeats > 1:
+        _check_repeats(plan, spec.repeats)  # before the run directory records them: a refused run leaves none
     if model_dir is None:
         model_dir = resolve_model(spec.model, trust_remote_code=spec.trust_remote_code)
     if hf_config is None:

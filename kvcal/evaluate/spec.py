@@ -18,6 +18,7 @@ through here too (kvcal.evaluate.adapter.bind_model_args). What needs the checkp
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -523,7 +524,8 @@ def parse_gen_kwargs(text: str | None) -> tuple[tuple[str, Any], ...]:
     for key, (lo, hi) in _GEN_FLOATS.items():
         if key in out:
             v = out[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < lo or (hi is not None and v > hi):
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo
+                    or (hi is not None and v > hi)):  # fmt: skip
                 bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
                 raise UsageError(f"--gen-kwargs {key}={v} must be a number {bound}")
     return tuple(out.items())

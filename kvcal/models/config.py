@@ -53,8 +53,41 @@ def folder_config(folder: Path, trust_remote_code: bool = False, model: str | No
     then AutoConfig. `model`: the name to put in errors (default: the folder)."""
     from transformers import AutoConfig
 
-    check_remote_code(Path(folder) / "config.json", model or str(folder), trust_remote_code)
-    return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    name = model or str(folder)
+    check_remote_code(Path(folder) / "config.json", name, trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except KvcalError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' refusals of a broken file have many types
+        if "trust_remote_code" in str(exc):
+            raise UsageError(_remote_code_message(name, None)) from exc
+        first = str(exc).strip().splitlines()
+        raise UsageError(
+            f"'{name}' has a config.json transformers cannot read ({first[-1].strip() if first else type(exc).__name__});"
+            " pass a Hugging Face model folder with its config.json as saved"
+        ) from None
+    check_config_sizes(config, name)
+    return config
+
+
+# the sizes a decoder's config must hold as positive integers where it has them (a config.json edited by hand or
+# cut short otherwise reaches torch as a negative dimension, or the KV geometry as nonsense)
+_SIZES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+          "intermediate_size", "vocab_size", "max_position_embeddings")  # fmt: skip
+
+
+def check_config_sizes(config: Any, model: str) -> None:
+    """UsageError naming the key when a size of the (text) config is not a positive integer."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in _SIZES:
+        value = getattr(text, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(
+                f"'{model}' config.json: {key} must be a positive integer, got {value!r}; fix or re-download it"
+            )
 
 
 def _remote_code_message(model: str, entry: str | None) -> str:

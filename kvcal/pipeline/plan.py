@@ -264,7 +264,41 @@ def read_damage_file(path: str) -> dict[str, Any] | None:
         raise UsageError(f"--checkpoint '{path}' is not a kvcal plan damage file ({exc}); pass another path") from exc
     if not ok:
         raise UsageError(f"--checkpoint '{path}' is not a kvcal plan damage file; pass another path")
+    _check_damage_shape(path, record)
     return record
+
+
+def _check_damage_shape(path: str, record: dict[str, Any]) -> None:
+    """A damage record's schema: `key` a mapping, `per_sample` a [N, L, K] nested list (N, L, K >= 1) of finite
+    numbers. UsageError naming what is wrong, before the model loads (a file written by kvcal always passes)."""
+    bad = f"--checkpoint '{path}' is a damaged kvcal plan damage file"
+    if not isinstance(record.get("key"), dict):
+        raise UsageError(f"{bad}: 'key' is not a mapping; delete it to measure again")
+    per = record.get("per_sample")
+    if not (isinstance(per, list) and per and all(isinstance(s, list) and s for s in per)):
+        raise UsageError(f"{bad}: 'per_sample' is not an [N, L, K] list of samples; delete it to measure again")
+    shape = (len(per[0]), len(per[0][0]) if isinstance(per[0][0], list) else -1)
+    for sample in per:
+        if len(sample) != shape[0] or any(not isinstance(row, list) or len(row) != shape[1] for row in sample):
+            raise UsageError(f"{bad}: 'per_sample' rows differ in shape; delete it to measure again")
+        for row in sample:
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in row):
+                raise UsageError(
+                    f"{bad}: 'per_sample' holds a value that is not a finite number; delete it to measure again"
+                )
+    if shape[1] < 1:
+        raise UsageError(f"{bad}: 'per_sample' is not an [N, L, K] list of samples; delete it to measure again")
+
+
+def check_damage_fits(path: str, record: dict[str, Any], layers: int, candidates: Sequence[str]) -> None:
+    """The saved damage's [N, L, K] against this model's layers and these candidates (before the model loads)."""
+    per = record["per_sample"]
+    have = (len(per[0]), len(per[0][0]))
+    if have != (layers, len(candidates)):
+        raise UsageError(
+            f"--checkpoint '{path}' holds damage of {have[0]} layers x {have[1]} candidates; this model has {layers}"
+            f" layers and {len(candidates)} candidates ({', '.join(candidates)}): use a different checkpoint path"
+        )
 
 
 def load_damage(path: str, record: dict[str, Any], key: dict[str, Any]) -> Damage:
@@ -376,6 +410,9 @@ def plan(
         raise UsageError(f"--refine must be a number of rounds >= 0, got {refine}")
     if heldout_windows < 1:
         raise UsageError(f"--heldout-windows must be at least 1, got {heldout_windows}")
+    for flag, n in (("--seq-len", seq_len), ("--heldout-seq-len", heldout_seq_len)):
+        if n < 2:  # the KL of the next-token distributions: one token attends only to itself
+            raise UsageError(f"{flag} must be at least 2 tokens (damage is measured on the next tokens), got {n}")
     out = check_output_path(output)
     opts = ObserveOptions.parse(
         dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
@@ -387,12 +424,16 @@ def plan(
         check_device(device)  # the budget needs the config only: refused before the load
         pre = kv_spec(load_config(resolve_real_name(model)))
         check_reachable(pre, cands, budget)
+        if saved is not None and checkpoint is not None:
+            check_damage_fits(checkpoint, saved, pre.num_layers, cands)
     lm = (
         model
         if isinstance(model, LoadedModel)
         else load_model(model, dtype=dtype, device=device, placement=Placement())
     )
     kv = kv_spec(lm.model.config)
+    if saved is not None and checkpoint is not None:  # a model given loaded: checked here, before any forward
+        check_damage_fits(checkpoint, saved, kv.num_layers, cands)
     costs, limit, _unit = integer_costs(kv, cands, budget)
     check_reachable(kv, cands, budget)
     binding = compute_binding(lm.ref, lm.model_dir, kv)

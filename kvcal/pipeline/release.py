@@ -28,8 +28,10 @@ Steps, each reusing what OUT already holds (so a rerun with nothing changed runs
 5. export — on a pass, for each of `export.engines`: vLLM checkpoint folder OUT/exports/vllm-<scale file>/,
    SGLang JSON OUT/exports/sglang-<scale file>-tp<N>.json (earlier exports there are replaced), and the exact
    serving flags.
-6. OUT/release.md, then OUT/release.json (written last, atomically; removed when a release starts, so it exists
-   exactly when the last release finished). Exit 0 ship, 1 gate or drift policy failed, 2 usage.
+6. OUT/release.md, then OUT/release.json (written last, atomically, each replacing the previous release's only
+   when complete: a release that fails or is refused leaves the last decision byte for byte). Every input is
+   checked before any work and before OUT is created (check_out, check_evaluations, check_tasks, the traffic
+   sample, the scale file in service, the checkpoint's fit). Exit 0 ship, 1 gate or drift policy failed, 2 usage.
 """
 
 from __future__ import annotations
@@ -116,12 +118,18 @@ class Context:
 
 
 def check_out(out: Path) -> None:
-    """OUT must be a folder we can write in: created when missing, probed with a file that is removed again."""
+    """OUT must be a folder we can write in, checked without creating anything: an existing folder is probed with
+    a file that is removed again; a missing one needs its nearest existing parent to be a writable folder. OUT is
+    created only once every input has been accepted (run_release)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o '{out}' is a file; pass a folder for the release")
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write to -o '{out}' ('{parent}' is a file); pass a writable folder")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".kvcal-write-probe-{os.getpid()}"
+        probe = parent / f".kvcal-write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
@@ -504,16 +512,48 @@ def solve_plans(ctx: Context, scales: Scales) -> tuple[dict[int, Path], list[dic
     return files, records
 
 
-def check_tasks(ctx: Context) -> None:
+def check_tasks(model: str, cfg: ReleaseConfig, gpqa_password: str | None) -> None:
     """Everything kvcal eval checks without a model (tasks, data files), once per task, before any work."""
     from kvcal.evaluate.spec import EvalConfig, eval_spec
 
-    e = ctx.cfg.evaluate
+    e = cfg.evaluate
     for task in e.tasks:
-        options = EvalConfig(model=ctx.model, kv_format="bf16", tasks=[task], include_path=e.include_path,
-                             data_dir=e.data_dir, gpqa_password=ctx.gpqa_password, impl=e.impl, dtype="auto",
-                             device=e.device, limit=ctx.scfg.limit_for(task))  # fmt: skip
+        options = EvalConfig(model=model, kv_format="bf16", tasks=[task], include_path=e.include_path,
+                             data_dir=e.data_dir, gpqa_password=gpqa_password, impl=e.impl, dtype="auto",
+                             device=e.device, limit=sweep_config(model, cfg).limit_for(task))  # fmt: skip
         eval_spec(options).task_plan()
+
+
+def check_evaluations(model: str, cfg: ReleaseConfig) -> None:
+    """Every evaluation the release will run, built now by kvcal eval's spec builder (the sweep's cell_spec) for
+    each configuration and task, before any work: a setting kvcal eval would refuse (evaluate.batch_size 0, an
+    impl or device this machine lacks, a prefix serde without prefix tokens ...) is a UsageError naming the YAML
+    key, not the command-line option. Plan recipes are checked as their format with 16-bit layers to come."""
+    from kvcal.pipeline.settings import yaml_words
+
+    e, ship = cfg.evaluate, cfg.ship
+    scfg = sweep_config(model, cfg)
+    cal = sweep.Calibration(cfg.calibration, ship.kv_format, ship.granularity, Path("scales.safetensors"), "todo")
+    # (YAML place, format, calibrated, skip layers, baseline, plan file)
+    checks: list[tuple[str, str, bool, str, bool, str | None]] = [
+        ("evaluate", "bf16", False, "none", True, None),
+        ("ship", ship.kv_format, True, ship.skip_layers, False, None),
+    ]
+    for i, c in enumerate(e.candidates):
+        where = f"evaluate.candidates[{i + 1}]"
+        fmt = get_format(c.kv_format).name
+        calibrated = _calibrated(cfg, fmt, c.scales) and fmt not in ("auto", "bf16")
+        plan = c.file if isinstance(c, PlanCandidate) else None
+        checks.append((where, fmt, calibrated, "none" if plan else c.skip_layers, False, plan))
+    for task in e.tasks:
+        for where, fmt, calibrated, skip, baseline, plan in checks:
+            settings = dataclasses.replace(scfg, prefix_serde=None, prefix_tokens=None) if baseline else scfg
+            label = f"calib-{ship.granularity}" if calibrated else "none"
+            try:
+                sweep.cell_spec(settings, model, task, fmt, label, skip, cal if calibrated else None, plan)
+            except UsageError as exc:
+                msg = yaml_words(str(exc), "evaluate", where)
+                raise UsageError(msg if msg.startswith(("evaluate", "ship")) else f"{where}: {msg}") from None
 
 
 def evaluate(
@@ -657,20 +697,23 @@ def run_release(
     """Run the release (module docstring) and return the record written to OUT/release.json."""
     t0 = time.perf_counter()
     out_dir = Path(out)
+    # Every input is checked before any work and before OUT is created: nothing below this block refuses input
+    # that could have been refused here, and a refused release leaves OUT as it was (release.json included).
     check_out(out_dir)
+    check_evaluations(model, cfg)
+    check_tasks(model, cfg, gpqa_password)
     traffic_sha = check_traffic(cfg)
-    ctx = _context(
-        model, cfg, out_dir, progress or (lambda _m: None), warn or (lambda _m: None), gpqa_password
-    )
-    check_tasks(ctx)
     # A missing or corrupt scale file in service is bad input: refused before any work.
     if cfg.scales is not None:
         from kvcal.scales import load_scale_file
 
         load_scale_file(cfg.scales)
-    # From here on, release.json exists only once this release has finished.
-    for name in (RELEASE_JSON, RELEASE_MD):
-        (out_dir / name).unlink(missing_ok=True)
+    ctx = _context(
+        model, cfg, out_dir, progress or (lambda _m: None), warn or (lambda _m: None), gpqa_password
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The previous release.json / release.md stay until this release replaces them (atomically, at the end): a
+    # release that fails on the way leaves the last decision as it was.
     timings: dict[str, float] = {}
     t = time.perf_counter()
     scales = decide_scales(ctx)

@@ -207,6 +207,10 @@ def sensitivity(
         raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
     if scales and not fmt.calibratable:
         raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
+    if seq_len < 2:  # the KL of the next-token distributions: one token attends only to itself
+        raise UsageError(f"--seq-len must be at least 2 tokens (damage is measured on the next tokens), got {seq_len}")
+    if factor is not None and factor <= 0:
+        raise UsageError(f"--factor must be a positive multiple of the median damage, got {factor:g}")
     out = check_output_path(output)
     # K/V as the model computes them (kv_input_dtype None): sensitivity fake-quantizes them unrounded
     opts = ObserveOptions.parse(

@@ -9,6 +9,7 @@ the set ones to the spec builder by name, so a sweep cell and a release candidat
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +236,28 @@ def eval_options(settings: EvalSettings, task: str) -> dict[str, Any]:
     limit = settings.limit.get(task, settings.limit.get("default")) if isinstance(settings.limit, dict) else settings.limit
     out["limit"] = limit
     return out
+
+
+_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+# the options of one configuration (not the shared evaluation settings): named by the configuration's own keys
+_CONFIG_KEYS = ("kv_format", "scales", "skip_layers")
+
+
+def yaml_words(message: str, section: str | None, config: str | None = None) -> str:
+    """`kvcal eval`'s option names in an eval_spec message as the YAML keys that set them: `--batch-size` ->
+    `evaluate.batch_size` (`section` None: top-level keys, a sweep config's), `--kv-format` -> `<config>.kv_format`
+    (the configuration's own key, when given). Other text is left as it is."""
+    fields = {f.name for f in dataclasses.fields(EvalSettings)}
+
+    def key(m: re.Match[str]) -> str:
+        name = m.group(1).replace("-", "_")
+        if name in fields:
+            return f"{section}.{name}" if section else name
+        if config is not None and name in _CONFIG_KEYS:
+            return f"{config}.{name}"
+        return m.group(0)
+
+    return _FLAG.sub(key, message)
 
 
 def read_fields(cls: type, raw: dict[str, Any], base: Path | None, what: str) -> dict[str, Any]:

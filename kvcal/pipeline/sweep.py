@@ -72,6 +72,7 @@ from kvcal.pipeline.settings import (
     read_tokens,
     yaml_field,
     yaml_key,
+    yaml_words,
 )
 from kvcal.rundir import COMPLETE, CONFIG, RunConfig
 from kvcal.scales import load_scale_file
@@ -379,7 +380,10 @@ def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
             if key not in calibrations:
                 calibrations[key] = _calibration(root, recipe, fmt, gran)
             cal = calibrations[key]
-        cells.extend(task_cells(cfg, root, fmt, label, skip, cal, baseline, plan))
+        try:
+            cells.extend(task_cells(cfg, root, fmt, label, skip, cal, baseline, plan))
+        except UsageError as exc:  # kvcal eval's refusal of a setting, in the sweep YAML's words
+            raise UsageError(f"sweep config: {yaml_words(str(exc), None)}") from None
     return SweepPlan(root, cells, list(calibrations.values()))
 
 

@@ -126,6 +126,18 @@ def engine_kv_format(backend: str, name: Any) -> str:
         raise UsageError(f"{backend} kv_cache_dtype={text}: {exc}") from None
 
 
+def _kvcal_kv_format(name: Any) -> str:
+    """`--model kvcal`'s kv_format as kvcal eval records it: one format, a K/V pair or a TurboQuant preset (the
+    canonical name, formats.pair_name); UsageError naming it when kvcal does not know it."""
+    from kvcal.formats import kv_pair, pair_name, parse_kv_format
+
+    text = "auto" if name in (None, "") else str(name).strip()
+    try:
+        return pair_name(*kv_pair(parse_kv_format(text)))
+    except UsageError as exc:
+        raise UsageError(f"kvcal kv_format={text}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What an lm-eval run's record says about its KV cache."""
@@ -151,7 +163,7 @@ def engine_config(config: dict[str, Any]) -> EngineConfig:
         scales = args.get("kv_scales")
         first = scales == "first-batch"
         return EngineConfig(
-            backend, model, engine_kv_format("", args.get("kv_format")), None if first or not scales else str(scales),
+            backend, model, _kvcal_kv_format(args.get("kv_format")), None if first or not scales else str(scales),
             "first-batch" if first else None, str(args.get("skip_layers") or ""), dtype,
         )  # fmt: skip
     if backend in _ENGINE_BACKENDS:
@@ -275,6 +287,7 @@ def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
         kvcal_version="", extra={"lm_eval": {"backend": ec.backend, "date_id": date_id,
                                              "results": str(results_file)}},
     )  # fmt: skip
+    config = _with_kvcal_record(config, results["config"])
     run = Run(path=folder, name=name, config=config, results=results, metrics={}, env={})
     for task in tasks:
         f = folder / f"{SAMPLES_PREFIX}{task}_{date_id}.jsonl"
@@ -286,6 +299,28 @@ def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
         run.samples[task], run.metric_order[task] = read_samples_file(f, f"lm-eval output {folder}")
         run.sample_files[task] = f
     return run
+
+
+# what `--model kvcal` records of its resolved cache configuration (kvcal.evaluate.adapter.resolved_config, in
+# the results' config under `kvcal`) that a RunConfig holds: read over what model_args said
+_KVCAL_RECORDED = ("kv_format", "scales_path", "scales", "scale_source", "kv_input_dtype", "nvfp4_global", "attention", "impl",
+                   "skip_layers", "skip_layer_indices", "force_scales", "tq_boundary_layers", "prefix_serde",
+                   "prefix_tokens", "plan", "model_dir", "dtype")  # fmt: skip
+
+
+def _with_kvcal_record(config: RunConfig, record: dict[str, Any]) -> RunConfig:
+    """`config` with kvcal's resolved configuration where an lm-eval run of `--model kvcal` recorded it (kvcal
+    issue 43 on): the defaults it resolved (kv input dtype, nvfp4's global scale, ...) are then part of the
+    run's configuration as they are of a kvcal eval run's, so runs of different configurations do not pair."""
+    kv = record.get("kvcal")
+    if not isinstance(kv, dict):
+        return config
+    import dataclasses
+
+    values = {k: kv[k] for k in _KVCAL_RECORDED if k in kv and kv[k] is not None}
+    if kv.get("scoring") not in (None, "full"):
+        values["scoring"] = kv["scoring"]
+    return dataclasses.replace(config, **values)
 
 
 def _default_label(given: Path, folder: Path, results: dict[str, Any]) -> str:

@@ -107,9 +107,10 @@ class Runner:
                 for i, w in enumerate(words[:-1]):
                     if w in SIZES:
                         words[i + 1] = SIZES[w]
+                tasks = words[words.index("--tasks") + 1].split(",") if "--tasks" in words[:-1] else []
                 if (
-                    words[1] == "eval" and "--kl-seq-len" not in words
-                ):  # its default (256) > the tiny models' 64
+                    words[1] == "eval" and "--kl-seq-len" not in words and "kl" in tasks
+                ):  # its default (256) > the tiny models' 64 (refused without the kl task: issue 43)
                     words += ["--kl-seq-len", SIZES["--kl-seq-len"]]
                 rc, _, err = self.invoke(words[1:])
             elif words[0] == "kvcal-lm-eval":  # lm-eval's CLI: its own process, as the console script runs it

@@ -131,6 +131,6 @@ def test_lm_eval_model_args_give_the_spec_paths_cache_plan(llama: Path, scale_fi
     for mine, theirs in ((lm.cache.scales.k_scales, spec_plan.scales.k_scales), (lm.cache.scales.v_scales,
                          spec_plan.scales.v_scales)):  # fmt: skip
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
-    # without kv_input_dtype lm-eval's model quantizes K/V as computed (its behaviour before the option)
+    # without kv_input_dtype lm-eval's model takes kvcal eval's default (issue 43: one configuration, one answer)
     plain = KvcalLM.create_from_arg_string(f"pretrained={llama},kv_format=fp8_e5m2", {"device": "cpu"})
-    assert plain.cache.kv_input_dtype is None and plain.cache.kv_format == "fp8_e5m2"
+    assert plain.cache.kv_input_dtype == "bfloat16" and plain.cache.kv_format == "fp8_e5m2"

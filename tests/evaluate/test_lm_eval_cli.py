@@ -72,7 +72,7 @@ def test_offline_wikitext_equals_kvcal_eval(
     """No network (HF_DATASETS_OFFLINE=1): without --data-dir lm-eval would have to reach the hub's
     EleutherAI/wikitext_document_level; with it, each document's log-likelihood equals kvcal eval's bit for bit."""
     model = tiny_lm_dir("llama", CORPUS)
-    # the adapter's kv_input_dtype defaults to as-computed; kvcal eval's default (bfloat16) is given to it
+    # kv_input_dtype given as kvcal eval's default (bfloat16): what both doors take when it is not given
     out = tmp_path / "lm_eval_out"
     args = ["--model", "kvcal", "--model_args", f"pretrained={model},dtype=float32,kv_format=fp8_e4m3,kv_input_dtype=bfloat16",
             "--tasks", "wikitext", "--data-dir", str(data_dir), "--limit", "3", "--device", "cpu",
