@@ -93,6 +93,7 @@ def test_bits_per_element() -> None:
         "auto": 16.0,
         "bf16": 16.0,
         "fp8_e4m3": 8.0,
+        "fp8_e4m3_cpu": 8.0,
         "fp8_e5m2": 8.0,
         "int8_per_token_head": 8.25,
         "int8_per_tensor": 8.0,
