@@ -107,7 +107,7 @@ def test_bits_per_element() -> None:
     }
     assert FORMATS["auto"].bits_per_element(64, model_bits=32) == 32.0
     calibratable = [f.name for f in FORMATS.values() if f.calibratable]
-    assert calibratable == ["fp8_e4m3", "fp8_e5m2", "int8_per_tensor", "nvfp4", "nvfp4_4over6"]
+    assert calibratable == ["fp8_e4m3", "fp8_e4m3_cpu", "fp8_e5m2", "int8_per_tensor", "nvfp4", "nvfp4_4over6"]
 
 
 # ----------------------------------------------------------------------------------------------------- layout
