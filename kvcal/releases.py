@@ -180,8 +180,13 @@ def parse_release(engine: str, version: str | None) -> Release:
     table = RELEASES.get(engine)
     if table is None:
         raise UsageError(f"kvcal has release tables for {', '.join(RELEASES)} only, not '{engine}'")
-    if version is None or not str(version).strip():
+    if version is None:
         return table[DEFAULT_RELEASE[engine]]
+    if not str(version).strip():
+        raise UsageError(
+            f"--engine-release is empty; name one of {', '.join(table)} or leave it out for "
+            f"{DEFAULT_RELEASE[engine]}"
+        )
     v = re.sub(rf"^({engine}(-cpu)?\s*==\s*|v)", "", str(version).strip().lower())
     if v.count(".") == 1:
         v += ".0"

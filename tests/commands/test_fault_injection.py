@@ -422,6 +422,9 @@ CASES: list[Case] = [
         "probe", str(i.scales), str(i.model), "--num-prompts", "0"], says="--num-prompts"),
     _option_case("probe", "output-unwritable", lambda i, w: [
         "probe", str(i.scales), str(i.model), "-o", str(_ro_out(w))]),
+    _option_case("formats", "release-unknown", lambda i, w: ["formats", "--engine-release", "0.31.0"],
+                 says="0.31.0"),
+    _option_case("formats", "release-empty", lambda i, w: ["formats", "--engine-release", ""]),
     _option_case("models list", "option-unknown", lambda i, w: ["models", "list", "--all"]),
     _option_case("models install", "name-unknown", lambda i, w: ["models", "install", "llama-70b"]),
     _option_case("models path", "name-unknown", lambda i, w: ["models", "path", "llama-70b"]),

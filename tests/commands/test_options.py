@@ -58,7 +58,7 @@ def test_the_app_has_every_command() -> None:
     names = {" ".join(path) for path in LEAVES}
     assert names == {
         "capacity", "calibrate", "sensitivity", "show", "verify", "drift", "export", "eval", "sweep", "compare",
-        "release", "models list", "models install", "models path", "plan", "plan-export", "probe",
+        "release", "models list", "models install", "models path", "plan", "plan-export", "probe", "formats",
     }  # fmt: skip
 
 
