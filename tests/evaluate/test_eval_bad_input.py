@@ -116,8 +116,10 @@ def test_lengths_beyond_the_models_positions(invoke: Invoke, model: Path, tmp_pa
     _refused(code, err, "--kl-seq-len 1000", "256 positions", "max_position_embeddings")
     code, err = _eval(invoke, model, tmp_path / "run", "--tasks", "kl", "--kl-seq-len", "1")
     _refused(code, err, "--kl-seq-len", "at least 2")
-    code, err = _eval(invoke, model, tmp_path / "run", "--tasks", "kl", "--max-gen-toks", "256")
+    code, err = _eval(invoke, model, tmp_path / "run", "--tasks", "divergence", "--max-gen-toks", "256")
     _refused(code, err, "--max-gen-toks 256", "256 positions")
+    code, err = _eval(invoke, model, tmp_path / "run", "--tasks", "kl", "--max-gen-toks", "8")
+    _refused(code, err, "--max-gen-toks", "kl generates nothing")  # an option no task asked for uses
     assert not (tmp_path / "run").exists()
 
 

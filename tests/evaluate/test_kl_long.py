@@ -37,7 +37,7 @@ CORPUS = [
 ]
 
 
-def _lm(model_dir: Path, kv_format: str, kv_input_dtype: str | None = None) -> Any:
+def _lm(model_dir: Path, kv_format: str, kv_input_dtype: str | None = "float32") -> Any:
     from kvcal.evaluate.adapter import KvcalLM
 
     return KvcalLM(
