@@ -15,7 +15,6 @@ only, as vLLM's own platform check answers it (`0.32.0+cpu`): nothing is written
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -48,29 +47,9 @@ def resolve_distribution(import_name: str = "vllm") -> str | None:
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's CLI, with kvcal's `--data-dir` / `--gpqa-password` (kvcal.evaluate.lm_eval_cli) and the engine's
     distribution resolved. Exit codes are lm-eval's; kvcal's anticipated errors are one `Error:` line."""
-    from kvcal.errors import KvcalError
-    from kvcal.evaluate.lm_eval_cli import offline_tasks, split_argv
+    from kvcal.evaluate.lm_eval_cli import run_harness
 
-    args_in = list(sys.argv[1:] if argv is None else argv)
-    try:
-        data, rest = split_argv(args_in)
-        resolve_distribution("vllm")
-        from lm_eval._cli import HarnessCLI
-        from lm_eval.utils import setup_logging
-
-        setup_logging()
-        parser = HarnessCLI()
-        sys.argv = [sys.argv[0], *rest]
-        args = parser.parse_args()
-        with offline_tasks(data):
-            parser.execute(args)
-    except KvcalError as exc:
-        if os.environ.get("KVCAL_DEBUG"):
-            import traceback
-
-            traceback.print_exc()
-        print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+    run_harness(list(sys.argv[1:] if argv is None else argv), prepare=lambda: resolve_distribution("vllm"))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -137,8 +137,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(exc.exit_code)
     import kvcal.evaluate.adapter  # noqa: F401  (registers the `kvcal` model with lm-eval)
 
+    run_harness(args_in)
+
+
+def run_harness(argv: Sequence[str], prepare: Callable[[], object] | None = None) -> None:
+    """lm-eval's CLI on `argv` with kvcal's own options split off and its offline task data; `prepare` runs after
+    kvcal's options are checked and before lm-eval is imported (the engine's launcher resolves its distribution
+    there). kvcal's anticipated errors are one `Error:` line with their exit code (KVCAL_DEBUG=1: the traceback)."""
     try:
-        data, rest = split_argv(args_in)
+        data, rest = split_argv(argv)
+        if prepare is not None:
+            prepare()
         from lm_eval._cli import HarnessCLI
         from lm_eval.utils import setup_logging
 
@@ -155,7 +164,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             traceback.print_exc()
         print(f"Error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-
 
 if __name__ == "__main__":
     main()
