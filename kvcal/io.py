@@ -17,18 +17,45 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it is renamed onto `path`, on error removed."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    tmp_path: Path | None = None
     try:
+        with _sigint_deferred():  # Ctrl-C cannot land between the file's creation and `finally` owning it
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            os.close(fd)
+            tmp_path = Path(tmp)
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp_path, public_mode(0o666))  # mkstemp made it 0600; outputs are shared like any new file
         os.replace(tmp_path, target)
     finally:
-        if tmp_path.exists():
+        if tmp_path is not None and tmp_path.exists():
             tmp_path.unlink()
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """SIGINT held back for the block (a few instructions that a KeyboardInterrupt must not split) and acted on
+    when it ends. Python runs signal handlers in the main thread whichever thread the kernel delivers to, so the
+    handler is swapped for one that only records, not the thread's signal mask. Elsewhere than the main thread
+    there is no handler to swap."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):
+            old(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
+        elif got and old == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+
 
 
 def temp_dir_beside(path: str | os.PathLike[str]) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -225,12 +226,14 @@ def test_vllm_cpu_build_commands_run_on_the_cpu_build() -> None:
                     data_dir="../shared/data", label="fp8")  # fmt: skip
     cpu = _by_engine(s)["vllm-cpu"]
     assert cpu["serve_argv"] == ["vllm", "serve", "ckpt", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
-                                 "--enforce-eager", "--max-model-len", "8192", "--host", "127.0.0.1"]  # fmt: skip
+                                 "--enforce-eager", "--max-model-len", "8192", "--kv-cache-memory-bytes",
+                                 str(4 * 2**30), "--host", "127.0.0.1"]  # fmt: skip  # no config: the 4 GiB fallback
     assert "--attention-backend" not in cpu["serve_argv"] and "attention_backend" not in cpu["lm_eval"]
     data, args = _kvcal_lm_eval_args(cpu["lm_eval_argv"])
     assert data.data_dir == "../shared/data" and args.model == "vllm" and args.tasks == ["wikitext"]
     assert args.model_args == {"pretrained": "ckpt", "kv_cache_dtype": "fp8", "dtype": "bfloat16",
-                               "enforce_eager": True, "max_model_len": 8192}  # fmt: skip
+                               "enforce_eager": True, "max_model_len": 8192,
+                               "kv_cache_memory_bytes": 4 * 2**30}  # fmt: skip
     assert any("AVX-512" in n for n in cpu["notes"])
     # the GPU line keeps its backend (Hopper's default FA3 would quantize Q too) and gets the window as well
     gpu = _by_engine(s)["vllm"]
@@ -242,8 +245,36 @@ def test_vllm_cpu_build_refusals_and_warnings() -> None:
     assert "CPU_ATTN" in _by_engine(EngineSetup("ckpt", "int8_per_token_head"))["vllm-cpu"]["refused"]
     assert "Hopper" in _by_engine(EngineSetup("ckpt", "fp8_e4m3", attention="fp8"))["vllm-cpu"]["refused"]
     bf16 = _by_engine(EngineSetup("ckpt", "bf16", dtype="bfloat16"))["vllm-cpu"]
-    assert bf16["serve_argv"][-4:] == ["auto", "--enforce-eager", "--host", "127.0.0.1"]  # CPU_ATTN: no 'bfloat16'
+    assert bf16["serve_argv"][5:8] == ["--kv-cache-dtype", "auto", "--enforce-eager"]  # CPU_ATTN: no 'bfloat16'
     head = _by_engine(EngineSetup("ckpt", "fp8_e4m3", scales_path="s.safetensors", granularity="head"))
     assert any(n.startswith("WARNING") and "maximum of the per-head" in n for n in head["vllm-cpu"]["notes"])
     f32 = _by_engine(EngineSetup("ckpt", "fp8_e4m3", dtype="float32"))
     assert any("--dtype bfloat16" in n for n in f32["vllm-cpu"]["notes"] + f32["vllm"]["notes"])
+
+
+def test_vllm_cpu_build_cache_is_sized_from_the_checkpoint(tiny_llama_dir: Path) -> None:
+    """Without --kv-cache-memory-bytes the CPU build reserves 92% of the machine's memory and refuses to start when
+    less is free: the printed command sizes the cache for CPU_KV_SEQUENCES sequences of the window, from the
+    checkpoint's own layers, K/V heads and head size."""
+    from kvcal.engines import CPU_KV_SEQUENCES
+    from kvcal.models.config import load_config
+    from kvcal.models.geometry import kv_spec
+
+    kv = kv_spec(load_config(tiny_llama_dir))
+    per_token = 2 * 2 * sum(layer.kv_heads * layer.head_dim for layer in kv.layers)
+    cpu = _by_engine(EngineSetup(str(tiny_llama_dir), "fp8_e4m3", tasks=("wikitext",), max_length=100))[
+        "vllm-cpu"
+    ]
+    want = -(-CPU_KV_SEQUENCES * 100 * per_token // 2**20) * 2**20
+    flag = cpu["serve_argv"].index("--kv-cache-memory-bytes")
+    assert (
+        cpu["serve_argv"][flag + 1] == str(want)
+        and want % 2**20 == 0
+        and want >= CPU_KV_SEQUENCES * 100 * per_token
+    )
+    _, args = _kvcal_lm_eval_args(cpu["lm_eval_argv"])
+    assert args.model_args["kv_cache_memory_bytes"] == want
+    assert any(
+        n.startswith(f"--kv-cache-memory-bytes {want}: room for 8 sequences of 100 tokens")
+        for n in cpu["notes"]
+    )

@@ -4,8 +4,9 @@
 kv_format=fp8_e4m3,kv_input_dtype=bfloat16` write the folders an engine's `lm_eval --model vllm ... --log_samples
 --output_path P` writes (results_<date>.json, samples_<task>_<date>.jsonl); they stand in for an engine's FOLDER
 FORMAT only (what is parsed: config.model_args, the results' max_length, the task configs) — neither is an engine.
-(kv_input_dtype=bfloat16 is kvcal eval's default K/V input; the adapter's default, as computed, moves this model's
-FP8 damage by ~1e-4 nats per word: a third folder, found "not equivalent" at a 1e-5 margin.) kvcal eval's run
+(kv_input_dtype=bfloat16 is kvcal eval's default K/V input and the adapter's; kv_input_dtype=float32, K/V as
+computed, moves this model's FP8 damage by ~1e-4 nats per word: a third folder, found "not equivalent" at a 1e-5
+margin.) kvcal eval's run
 directories are the emulation side. First the hf run is given other settings than the emulation (dtype bfloat16,
 max_length 16 against float32 and the model's 256 positions): refused with one Error naming each. Then on the same
 settings the verdict is computed: the two sides are one implementation here, so their BF16 runs agree on every
@@ -62,9 +63,10 @@ def outputs(
     _run(["-m", "kvcal.evaluate.lm_eval_cli", "--model", "kvcal", "--model_args",
           f"pretrained={model},dtype=float32,kv_format=fp8_e4m3,kv_input_dtype=bfloat16", "--output_path", str(out["kvcal_fp8"]), *common],
          root)  # fmt: skip
-    out["kvcal_fp8_as_computed"] = root / "kvcal_fp8_as_computed"  # the adapter's default K/V input: as computed
+    out["kvcal_fp8_as_computed"] = root / "kvcal_fp8_as_computed"  # K/V quantized as computed (float32 here)
     _run(["-m", "kvcal.evaluate.lm_eval_cli", "--model", "kvcal", "--model_args",
-          f"pretrained={model},dtype=float32,kv_format=fp8_e4m3", "--output_path", str(out["kvcal_fp8_as_computed"]),
+          f"pretrained={model},dtype=float32,kv_format=fp8_e4m3,kv_input_dtype=float32",
+          "--output_path", str(out["kvcal_fp8_as_computed"]),
           *common], root)  # fmt: skip
     for fmt in ("auto", "fp8_e4m3"):  # auto: the model's own cache, as hf's (kvcal's bf16 rounds a float32 K/V)
         out[f"emu_{fmt}"] = root / "runs" / f"emu_{fmt}"
@@ -106,8 +108,8 @@ def test_lm_eval_folders_damage_verdict(outputs: dict[str, Path]) -> None:
 
 
 def test_lm_eval_folders_another_k_v_input_is_not_equivalent(outputs: dict[str, Path]) -> None:
-    """The kvcal door at its default K/V input (as computed, float32 here) against kvcal eval's (rounded to bf16
-    first): another cache, whose FP8 damage the test tells apart from the emulation's at --margin 0 ... 1e-5."""
+    """The kvcal door with K/V quantized as computed (kv_input_dtype=float32) against kvcal eval's default (rounded
+    to bf16 first): another cache, whose FP8 damage the test tells apart from the emulation's at --margin 0 ... 1e-5."""
     paths = [outputs["hf"], outputs["kvcal_fp8_as_computed"], outputs["emu_auto"], outputs["emu_fp8_e4m3"]]
     c = _compare(paths, ["kvcal_fp8_as_computed=emu_fp8_e4m3"], ["hf=emu_auto"], margin=1e-5)
     (res,) = c.conformance
