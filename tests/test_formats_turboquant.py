@@ -225,7 +225,7 @@ def test_slot_sizes_and_boundary_layers_are_vllms() -> None:
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([8, 16, 64, 128]),
        dtype=st.sampled_from(["bf16", "f32"]), preset=st.sampled_from(PRESETS[1:]))  # fmt: skip
-@example(seed=39916799, d=128, dtype="bf16", preset="turboquant_k3v4_nc")
+@example(seed=39916799, d=128, dtype="bf16", preset="turboquant_k3v4_nc")  # torch's f32 sqrt is 1 ulp off
 def test_keys_equal_vllm(seed: int, d: int, dtype: str, preset: str) -> None:
     """MSE keys: packed codes and the fp16 norm bit for bit, and the dequantized (un-rotated) key."""
     kf = formats.TQ_PRESETS[preset][0]

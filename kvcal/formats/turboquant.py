@@ -1,9 +1,10 @@
 """TurboQuant (vLLM `--kv-cache-dtype turboquant_*`): each preset is a K/V pair of side formats (docs/formats.md:
 turboquant_*). The side rows and presets live here; the numbers (rotation, centroids, packing) in
 `kvcal.formats.tq_numbers`. Transcribed from vllm-project/vllm:
-  vllm/model_executor/layers/quantization/turboquant/config.py @ 1471680b24719d9d3b2fe1235878196142af89cc
-    (TQ_PRESETS, key_packed_size / value_packed_size / slot_size_aligned, get_boundary_skip_layers)
-and the files named in tq_numbers."""
+  vllm/model_executor/layers/quantization/turboquant/config.py @ 1471680b24719d9d3b2fe1235878196142af89cc, the
+    same in the 0.32.0 / 0.33.0 wheels (TQ_PRESETS, key_packed_size / value_packed_size / slot_size_aligned,
+    get_boundary_skip_layers)
+and the files named in tq_numbers; tests/conformance/test_vllm_turboquant.py runs the release's own store path."""
 
 from __future__ import annotations
 

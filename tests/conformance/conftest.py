@@ -2,10 +2,12 @@
 
 `vllm_kernel(relpath, name)` executes the `@triton.jit` function `name` of the installed release's file
 (`kvcal.releases.engine_package`: <repo>/.venv-vllm, or $KVCAL_VLLM_VENV) with kvcal's real `triton` in place of
-`vllm.triton_utils`, under the Triton interpreter (TRITON_INTERPRET=1, set per test). Only the jit functions are
-executed (compiled from the file itself, so their source and line numbers are the release's); the file's
-Python launcher imports vLLM's platform layer, which needs the engine's environment, so each test launches the
-kernel with the launcher's own arguments (read from the file where it computes them). Nothing is copied.
+`vllm.triton_utils`, under the Triton interpreter (TRITON_INTERPRET=1, set per test). Only the named functions are
+executed (compiled from the file itself, so their source and line numbers are the release's), not the file's
+imports: a launcher that imports vLLM's platform layer, which needs the engine's environment, is replaced by the
+launcher's own arguments (read from the file where it computes them); one whose names a test can supply runs
+itself (TurboQuant's `triton_turboquant_store`, and methods of its backend named 'Class.method'). Nothing is
+copied.
 """
 
 from __future__ import annotations
