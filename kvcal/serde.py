@@ -31,25 +31,29 @@ What each serde computes, transcribed from LMCache/LMCache (read for their seman
   an entire stored object, which holds every layer of a chunk of tokens, so layer 0's reloaded V depends on the V of
   later layers, which a forward writing one layer at a time has not computed (a per-layer scale would be another
   codec). Its storage bytes are reported by `kvcal capacity`.
-- `turboquant_k8v4` / `turboquant_4bit_nc` / `turboquant_k3v4_nc` / `turboquant_3bit_nc` — the `turboquant` serde
-  with that `preset` (`lmcache/v1/distributed/serde/turboquant/turboquant.py` @
+- `turboquant_k8v4` / `turboquant_4bit_nc` / `turboquant_k3v4_nc` / `turboquant_3bit_nc` — the `turboquant`
+  serde with that `preset` (`lmcache/v1/distributed/serde/turboquant/turboquant.py` @
   2375bc65df5d7a3c98faaea07a3c6efa901600ea, its kernels `turboquant/store_kernel.py` @
   1a7aa029f424d328012ce5f3df048ab8580096c8 and `turboquant/decode_kernel.py` @
   06597f1c5ecf6b6236e48bf6a0e5bb66e5befc8c). The store is vLLM's TurboQuant store ported (the same TQ_PRESETS,
-  rotation signs seeded 42 + 1337 x layer index, Lloyd-Max centroids and midpoints, binary-search bucketize,
-  float16 norm; values min / max, scale floored at 1e-8, codes trunc(+0.5), float16 scale and zero; FP8 keys cast
-  saturating to e4m3 on Hopper): kvcal's `turboquant_*` transcription (`formats.quantize` of a TurboQuant side) is
-  reused. The load is LMCache's own: `_tq_full_dequant_kv` writes K and V as float16 — keys float16(norm16 x
-  corrected centroid) in the ROTATED basis (`formats.tq_mse_rotated`), FP8 keys exactly, values float16(code x
-  scale16 + zero16) — then the host rotates keys back, `(k_fp16.float() @ PiT.T).to(float16)`, and casts K and V
-  to the destination dtype: float16 roundings vLLM's own decode never makes, and for a bf16 engine a second
-  rounding to bf16. kvcal rotates with `formats.tq_rotate` (float64 sums rounded once to float32; LMCache's cuBLAS
-  GEMM rounds in its own order, to an ulp of float32 before the float16 rounding). Layers: the first and last 2
-  (`skip_first_layers` / `skip_last_layers` = 2, `_layer_ranges`: quantized = [min(2, L), max(that, L - 2)), not
-  capped at half as vLLM's boundary) are stored raw: an identity there (`serde_for_layer`). head_dim must be a
-  power of two for every preset (`_build_hadamard_cpu`), at least 8 with 3-bit codes; LMCache's `head_dim` setting
-  is taken to be the model's. Non-finite rows follow kvcal's TurboQuant policy (a row with NaN / Inf reads back
-  NaN). On Ampere / Ada LMCache stores FP8 keys as float8e4b15 instead (not emulated: Hopper's e4m3 is).
+  Lloyd-Max centroids and midpoints, binary-search bucketize, float16 norm; values min / max, scale floored at
+  1e-8, codes trunc(+0.5), float16 scale and zero; FP8 keys cast saturating to e4m3 on Hopper): kvcal's
+  `turboquant_*` transcription is reused, with ONE difference LMCache keeps and the vLLM releases dropped: MSE
+  keys rotate by diag(s) H / sqrt(D), s = +-1 signs of the layer (`_make_tq_tensors_for_layer`:
+  `_generate_wht_signs`, torch.randint(0, 2) from a CPU generator seeded 42 + 1337 x layer index;
+  `lmcache_tq_signs`), where vLLM 0.32.0 / 0.33.0 rotate every layer by H / sqrt(D). The load is LMCache's
+  own: `_tq_full_dequant_kv` writes K and V as float16 — keys float16(norm16 x corrected centroid) in the
+  ROTATED basis (`formats.tq_mse_rotated`), FP8 keys exactly, values float16(code x scale16 + zero16) — then
+  the host rotates keys back, `(k_fp16.float() @ PiT.T).to(float16)`, and casts K and V to the destination
+  dtype: float16 roundings vLLM's own decode never makes, and for a bf16 engine a second rounding to bf16.
+  kvcal rotates with `formats.tq_rotate` (float64 sums rounded once to float32; LMCache's cuBLAS GEMM rounds
+  in its own order, to an ulp of float32 before the float16 rounding). Layers: the first and last 2
+  (`skip_first_layers` / `skip_last_layers` = 2, `_layer_ranges`: quantized = [min(2, L), max(that, L - 2)),
+  not capped at half as vLLM's boundary) are stored raw: an identity there (`serde_for_layer`). head_dim must
+  be a power of two for every preset (`_build_hadamard_cpu`), at least 8 with 3-bit codes; LMCache's
+  `head_dim` setting is taken to be the model's. Non-finite rows follow kvcal's TurboQuant policy (a row with
+  NaN / Inf reads back NaN). On Ampere / Ada LMCache stores FP8 keys as float8e4b15 instead (not emulated:
+  Hopper's e4m3 is).
 
 Which tokens: each sequence's own first N tokens (token index < N counted over that sequence's real tokens: left
 padding of a batched generation does not count), in every layer, whatever the live format or `--skip-layers` keep
@@ -66,7 +70,10 @@ import torch
 
 from kvcal import formats
 from kvcal.errors import UsageError
-from kvcal.formats import TQ_PRESETS, tq_slot_bytes
+from kvcal.formats import TQ_PRESETS, check_tq_head_dim, tq_slot_bytes
+
+# LMCache turboquant.py `_make_tq_tensors_for_layer`: seed = 42 + layer_idx * _TQ_LAYER_SEED_STRIDE (1337)
+LMCACHE_TQ_SEED, LMCACHE_TQ_LAYER_SEED_STRIDE = 42, 1337
 
 LMCACHE_REPO = "LMCache/LMCache"
 
@@ -200,6 +207,15 @@ def check_serde_geometry(name: str | None, head_dims: dict[int, int]) -> None:
                 raise UsageError(f"LMCache's {name} serde packs 3-bit codes in groups of 8: head_dim must be >= 8, got {d}")
 
 
+def lmcache_tq_signs(d: int, layer: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """LMCache's +-1 signs float32 [d] of layer `layer`'s MSE-key rotation (`_generate_wht_signs`): torch.randint(0,
+    2) from a CPU generator seeded 42 + layer * 1337, times 2 minus 1."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(LMCACHE_TQ_SEED + layer * LMCACHE_TQ_LAYER_SEED_STRIDE)
+    bits = torch.randint(0, 2, (d,), generator=gen, device="cpu")
+    return (bits.float() * 2 - 1).to(device)
+
+
 def _tq_round_trip(preset: str, x: torch.Tensor, side: str, layer: int) -> torch.Tensor:
     """LMCache's TurboQuant serde of one quantized layer's K (side 'k') or V ('v'), x [..., D] in the destination
     dtype: vLLM's store (kvcal's transcription), then _tq_full_dequant_kv's float16 outputs, the host's inverse
@@ -207,9 +223,10 @@ def _tq_round_trip(preset: str, x: torch.Tensor, side: str, layer: int) -> torch
     k_side, v_side = TQ_PRESETS[preset]
     f = k_side if side == "k" else v_side
     d = x.shape[-1]
-    if f.codec.has_state:  # an MSE key side: its layer's rotation signs
-        signs = f.layer_state(d, layer, x.device)  # seed 42 + 1337 * layer (the absolute index)
-        q = formats.quantize(x, f, scale=signs)
+    if f.element == "tq_mse":  # LMCache rotates MSE keys with its layer's signs
+        check_tq_head_dim(f.name, d)
+        signs = lmcache_tq_signs(d, layer, x.device)  # seed 42 + 1337 * layer (the absolute index)
+        q = formats.tq_quantize_mse(formats.as_f32(x), f, signs)
         k_rot = formats.tq_mse_rotated(q, f, d).to(torch.float16)  # the kernel's K_out store
         # turboquant.py: torch.matmul(k_layer.to(float32), pi_t.T).to(k_out.dtype)
         y = formats.tq_rotate(k_rot.float(), signs, inverse=True).to(torch.float16)

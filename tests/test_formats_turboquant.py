@@ -4,9 +4,8 @@ a literal transcription of vLLM's arithmetic, one (token, head) row at a time in
 - vllm/model_executor/layers/quantization/turboquant/config.py @ 1471680b24719d9d3b2fe1235878196142af89cc
   (TQ_PRESETS, key_packed_size, value_packed_size, slot_size_aligned, get_boundary_skip_layers),
 - .../turboquant/centroids.py @ 06d0369d75e060e83dffac3e0190ceff8fc37e12 (solve_lloyd_max),
-- .../turboquant/quantizer.py (generate_wht_signs) and attention.py's _init_turboquant_buffers (seed 42 + 1337 i),
-- vllm/v1/attention/backends/turboquant_attn.py @ bcbe0bc87502ab0f12208c359954c8940fe0aec8 (_build_hadamard,
-  _ensure_on_device),
+- vllm/v1/attention/backends/turboquant_attn.py of vLLM 0.32.0 / 0.33.0 (the same file in both wheels:
+  _build_hadamard_cached, _ensure_on_device: PiT = Pi = H / sqrt(d) for every layer, no signs),
 - vllm/v1/attention/ops/triton_turboquant_store.py @ 0135d081c30fa476130ae77a152539ce317ab8b1 and
   triton_turboquant_decode.py @ 055e47c28003156421365af985d676fc921cb075 (store, decode and dequant kernels).
 
@@ -37,20 +36,12 @@ PRESETS = list(formats.TQ_PRESETS)
 # ---- transcriptions --------------------------------------------------------------------------------------------
 
 
-def vllm_signs(d: int, layer: int) -> torch.Tensor:
-    """generate_wht_signs(d, seed=42 + layer * 1337)."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(42 + layer * 1337)
-    return torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
-
-
-def vllm_pit(d: int, layer: int) -> np.ndarray:
-    """_ensure_on_device's PiT = signs[:, None] * H / sqrt(d) (Sylvester H built on CPU in float32), float64."""
+def vllm_pit(d: int) -> np.ndarray:
+    """_ensure_on_device's PiT = _build_hadamard(d) = H / sqrt(d) (Sylvester H built on CPU in float32), float64."""
     h = torch.tensor([[1.0]])
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    h = h / math.sqrt(d)
-    return (vllm_signs(d, layer).unsqueeze(1) * h).double().numpy()
+    return (h / math.sqrt(d)).double().numpy()
 
 
 def vllm_centroids(d: int, bits: int) -> np.ndarray:
@@ -203,15 +194,12 @@ def test_centroids_and_midpoints_are_vllms(d: int, bits: int) -> None:
 
 @pytest.mark.parametrize("d", [8, 64, 128, 256])
 def test_rotation_is_vllms_pit(d: int) -> None:
-    for layer in (0, 1, 17):
-        assert torch.equal(formats.tq_signs(d, layer), vllm_signs(d, layer))
-        pit = vllm_pit(d, layer)
-        x = torch.randn(3, d)
-        want = torch.from_numpy(np.stack([exact_dot_f32(r, pit) for r in x.numpy()]))
-        _same(formats.tq_rotate(x, formats.tq_signs(d, layer)), want)
-        back = torch.from_numpy(np.stack([exact_dot_f32(r, pit.T.copy()) for r in x.numpy()]))
-        _same(formats.tq_rotate(x, formats.tq_signs(d, layer), inverse=True), back)
-    assert not torch.equal(formats.tq_signs(64, 0), formats.tq_signs(64, 1))  # each layer its own rotation
+    """x @ PiT with PiT = H / sqrt(d), every layer's; PiT is symmetric, so the inverse Pi = PiT^T is the same map."""
+    pit = vllm_pit(d)
+    assert np.array_equal(pit, pit.T)
+    x = torch.randn(3, d)
+    want = torch.from_numpy(np.stack([exact_dot_f32(r, pit) for r in x.numpy()]))
+    _same(formats.tq_rotate(x), want)
 
 
 def test_slot_sizes_and_boundary_layers_are_vllms() -> None:
@@ -235,18 +223,18 @@ def test_slot_sizes_and_boundary_layers_are_vllms() -> None:
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([8, 16, 64, 128]), layer=st.integers(0, 40),
+@given(seed=st.integers(0, 2**31 - 1), d=st.sampled_from([8, 16, 64, 128]),
        dtype=st.sampled_from(["bf16", "f32"]), preset=st.sampled_from(PRESETS[1:]))  # fmt: skip
-@example(seed=39916799, d=128, layer=37, dtype="bf16", preset="turboquant_k3v4_nc")  # torch's f32 sqrt is 1 ulp off
-def test_keys_equal_vllm(seed: int, d: int, layer: int, dtype: str, preset: str) -> None:
+@example(seed=39916799, d=128, dtype="bf16", preset="turboquant_k3v4_nc")  # torch's f32 sqrt is 1 ulp off
+def test_keys_equal_vllm(seed: int, d: int, dtype: str, preset: str) -> None:
     """MSE keys: packed codes and the fp16 norm bit for bit, and the dequantized (un-rotated) key."""
     kf = formats.TQ_PRESETS[preset][0]
     x = _rows(seed, d, 3, torch.bfloat16 if dtype == "bf16" else torch.float32)
-    q = formats.quantize(x, kf, formats.tq_signs(d, layer))
+    q = formats.quantize(x, kf)
     assert q.codes.dtype == torch.uint8 and q.codes.shape == (1, 2, 3, d * kf.bits // 8)
     assert q.block_scales.dtype == torch.float16 and q.block_scales.shape == (1, 2, 3, 1)
     got = formats.dequantize(q, kf)
-    pit, cents = vllm_pit(d, layer), vllm_centroids(d, kf.bits)
+    pit, cents = vllm_pit(d), vllm_centroids(d, kf.bits)
     mids = (np.sort(cents)[:-1] + np.sort(cents)[1:]) / F32(2)
     for h in range(2):
         for t in range(3):
@@ -347,18 +335,18 @@ def test_dequantized_attention_is_vllms_decode(preset: str) -> None:
     values idx * scale + zero. kvcal dequantizes K back to the unrotated basis instead: the same attention up to
     float32 rounding (here computed in float64 from the stored codes)."""
     torch.manual_seed(5)
-    d, tk, layer = 64, 23, 7
+    d, tk = 64, 23
     kf, vf = formats.TQ_PRESETS[preset]
     k = torch.randn(1, 1, tk, d).bfloat16()
     v = torch.randn(1, 1, tk, d).bfloat16()
     q = torch.randn(1, 2, 1, d)  # GQA: two query heads on one KV head
-    kq, vq = formats.quantize(k, kf, formats.tq_signs(d, layer)), formats.quantize(v, vf)
+    kq, vq = formats.quantize(k, kf), formats.quantize(v, vf)
     if kf.element == "tq_fp8":
         scores = q.double() @ kq.codes.double().transpose(-1, -2)
     else:
         c = formats.tq_centroids(d, kf.bits).double()[formats.tq_unpack(kq.codes, kf.bits, d)]
         c = c / c.norm(dim=-1, keepdim=True)
-        q_rot = q.double() @ torch.from_numpy(vllm_pit(d, layer))
+        q_rot = q.double() @ torch.from_numpy(vllm_pit(d))
         scores = (q_rot @ c.transpose(-1, -2)) * kq.block_scales.double().transpose(-1, -2)
     p = torch.softmax(scores * d**-0.5, dim=-1)  # [1, 2, 1, tk]
     w = vq.block_scales.double()

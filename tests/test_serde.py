@@ -203,6 +203,13 @@ def _sylvester(d: int) -> list[list[int]]:
     return h
 
 
+def _lmcache_signs(d: int, layer: int) -> torch.Tensor:
+    """LMCache turboquant.py `_generate_wht_signs(head_dim, seed=42 + layer_idx * 1337)`: randint(0, 2) * 2 - 1."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(42 + layer * 1337)
+    return torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+
+
 def _lmcache_tq_row(preset: str, side: str, q: object, idx: tuple[int, ...], d: int, layer: int) -> list[float]:
     """One (token, head) row of LMCache's load in float32 values of float16 results (before the dst cast)."""
     import numpy as np
@@ -227,7 +234,7 @@ def _lmcache_tq_row(preset: str, side: str, q: object, idx: tuple[int, ...], d: 
     norm16 = np.float32(float(q.block_scales[idx].item()))  # type: ignore[attr-defined]
     k_rot16 = [np.float16(norm16 * np.float32(v * inv)) for v in c]  # K_out store
     # host: k_rot16.float() @ PiT.T, PiT = diag(signs) H / sqrt(D); sums exact in float64, rounded once to float32
-    signs = formats.tq_signs(d, layer).tolist()
+    signs = _lmcache_signs(d, layer).tolist()
     h = _sylvester(d)
     entry = formats.tq_hadamard_entry(d)
     out = []
@@ -250,8 +257,10 @@ def test_turboquant_round_trip_is_lmcaches_load_row_by_row(preset: str, side: st
     got = serde.round_trip(preset, x, side, layer)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     f = formats.TQ_PRESETS[preset][0 if side == "k" else 1]
-    signs = formats.tq_signs(d, layer)
-    q = formats.quantize(x, f, scale=signs) if f.element == "tq_mse" else formats.quantize(x, f)
+    # LMCache's store is the vLLM store kvcal transcribes, but MSE keys keep LMCache's per-layer signed rotation
+    signs = _lmcache_signs(d, layer)
+    assert torch.equal(serde.lmcache_tq_signs(d, layer), signs)
+    q = formats.tq_quantize_mse(x.float(), f, signs) if f.element == "tq_mse" else formats.quantize(x, f)
     for idx in [(b, h, t) for b in range(2) for h in range(2) for t in range(3)]:
         row16 = torch.tensor(_lmcache_tq_row(preset, side, q, idx, d, layer), dtype=torch.float16)
         assert _bits(got[idx]) == _bits(row16.to(torch.bfloat16)), (preset, side, idx)  # float16 -> bf16 dst

@@ -22,10 +22,9 @@ def quantize(
 
     `scale`: fp8_* — the static scale (x ~ codes * scale): float / 0-d / [H_kv] along dim 1 / [B, 1, 1, 1] per
     sequence, default 1.0; nvfp4 / nvfp4_4over6 — the global scale (same shapes), default
-    `nvfp4_dynamic_global(x)`; a TurboQuant MSE key side — its layer's rotation signs [D] (`tq_signs`, default
-    layer 0's); other formats ignore it. `scale_checked`: scale is a tensor `check_scale` returned (or one computed
-    positive and finite), not validated again. `e2m1`: how scaled values round to E2M1 (the spec's; kvcal.kernels.fast
-    passes another pair with the same bits for small tensors)."""
+    `nvfp4_dynamic_global(x)`; other formats ignore it. `scale_checked`: scale is a tensor `check_scale` returned
+    (or one computed positive and finite), not validated again. `e2m1`: how scaled values round to E2M1 (the
+    spec's; kvcal.kernels.fast passes another pair with the same bits for small tensors)."""
     f = get_format(fmt)
     codec = f.codec
     if codec.quantize is not None:

@@ -2,10 +2,10 @@
 
 A row of the table (`kvcal.formats.table`) names one format; its `element` picks the codec of its family, which
 every consumer asks instead of matching names: quantize / dequantize, storage widths and bits, the geometry rule
-(head_dim, boundary layers, sliding windows), the per-layer state (TurboQuant's rotation signs) and the data the C
-write needs beside the codes (`c_aux`). The kernel ids (Triton's family, cpu_write.c's format id) are columns of
-the row. One module per family (`kvcal.formats.fp8`, `int8`, `fp4`, `int4`, `turboquant`, `plain`) builds its
-codecs and `register`s them; a new family is one such module, its rows, its Triton loader and its C id.
+(head_dim, boundary layers, sliding windows) and the data the C write needs beside the codes (`c_aux`). The
+kernel ids (Triton's family, cpu_write.c's format id) are columns of the row. One module per family
+(`kvcal.formats.fp8`, `int8`, `fp4`, `int4`, `turboquant`, `plain`) builds its codecs and `register`s them; a new
+family is one such module, its rows, its Triton loader and its C id.
 """
 
 from __future__ import annotations
@@ -37,11 +37,7 @@ def _any_head_dim(name: str, f: KVFormat, d: int) -> None:
         )
 
 
-def _no_state(f: KVFormat, head_dim: int, layer: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-    return None
-
-
-def _no_aux(f: KVFormat, head_dim: int, state: torch.Tensor | None) -> torch.Tensor | None:
+def _no_aux(f: KVFormat, head_dim: int) -> torch.Tensor | None:
     return None
 
 
@@ -63,17 +59,10 @@ class Codec:
     packed_e2m1: bool = False  # two E2M1 codes per byte
     check_head_dim: Callable[[str, KVFormat, int], None] = _any_head_dim  # UsageError naming `name` unless d fits
     pow2_head_dim: bool = False  # the rule refuses every head_dim that is not a power of two
-    # the per-layer state a layer's side carries (TurboQuant's MSE keys: the layer's rotation signs [D])
-    layer_state: Callable[..., torch.Tensor | None] = _no_state
     boundary_layers: int = 0  # first and last n layers the engine keeps out of this family (vLLM's TurboQuant: 2)
     sliding: bool = True  # whether the engine builds it on sliding-window layers
-    # float32 array the C write reads beside the codes (`side_t.aux`), from the layer's state; None = none
-    c_aux: Callable[[KVFormat, int, torch.Tensor | None], torch.Tensor | None] = _no_aux
-
-    @property
-    def has_state(self) -> bool:
-        """Whether a layer's side carries state (`layer_state`; TurboQuant's MSE keys: the rotation signs)."""
-        return self.layer_state is not _no_state
+    # float32 array the C write reads beside the codes (`side_t.aux`) of (row, head_dim); None = none
+    c_aux: Callable[[KVFormat, int], torch.Tensor | None] = _no_aux
 
     @property
     def scale_default(self) -> float | None:
@@ -140,6 +129,3 @@ class KVFormat:
         """UsageError (naming `name`, default the row's) unless the engine builds this format for head_dim."""
         self.codec.check_head_dim(name or self.name, self, head_dim)
 
-    def layer_state(self, head_dim: int, layer: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """The per-layer state of this side on layer `layer` (TurboQuant MSE keys: the rotation signs [D])."""
-        return self.codec.layer_state(self, head_dim, layer, device)

@@ -56,8 +56,6 @@ PTH_SCALE_MIN = 1e-6  # vLLM's floor of a per-token-head scale (tl.maximum(..., 
 INT4_LEVELS = 15.0
 
 # TurboQuant (kvcal.formats.turboquant: the vLLM files and commits these come from)
-TQ_SEED = 42  # TurboQuantConfig.seed
-TQ_LAYER_SEED_STRIDE = 1337  # _init_turboquant_buffers: seed = 42 + layer_idx * 1337
 TQ_BOUNDARY_LAYERS = 2  # get_boundary_skip_layers(model_config, n=2): first and last 2 layers stay 'auto'
 TQ_NORM_EPS = 1e-8  # x / (norm + 1e-8)
 TQ_SCALE_MIN = 1e-8  # values: tl.where(v_scale > 1e-8, v_scale, 1e-8)

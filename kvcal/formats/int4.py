@@ -122,6 +122,6 @@ INT4_RHT = Codec(
     quantize=_quantize,
     check_head_dim=_check_head_dim,
     pow2_head_dim=True,
-    c_aux=lambda f, d, state: rht_signs(d),  # [D] float32, cached
+    c_aux=lambda f, d: rht_signs(d),  # [D] float32, cached
 )
 register(INT4_RHT)

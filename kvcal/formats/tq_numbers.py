@@ -1,14 +1,16 @@
-"""TurboQuant's numbers: the per-layer rotation (signs, Hadamard entry), the Lloyd-Max centroids, the b-bit packing
-(docs/formats.md: turboquant_*). Transcribed from vllm-project/vllm:
-   .../turboquant/centroids.py @ 06d0369d75e060e83dffac3e0190ceff8fc37e12 (solve_lloyd_max, get_centroids)
-   .../turboquant/quantizer.py @ 52768069832's version with generate_wht_signs (torch.randint signs) and
-   vllm/model_executor/layers/attention/attention.py (_init_turboquant_buffers: seed 42 + layer * 1337)
-   vllm/v1/attention/backends/turboquant_attn.py @ bcbe0bc87502ab0f12208c359954c8940fe0aec8 (_build_hadamard,
-     _ensure_on_device: PiT = signs[:, None] * H / sqrt(D), midpoints of the sorted centroids)
-   vllm/v1/attention/ops/triton_turboquant_store.py @ 0135d081c30fa476130ae77a152539ce317ab8b1 (launcher: norm,
-     x / (norm + 1e-8), @ PiT; _tq_fused_store_mse / _fp8 / _store_quantized_value)
-   vllm/v1/attention/ops/triton_turboquant_decode.py @ 055e47c28003156421365af985d676fc921cb075 (_tq_decode_stage1,
-     _tq_full_dequant_kv: NORM_CORRECTION, value = idx * scale + zero)
+"""TurboQuant's numbers: the rotation (the orthonormal Hadamard matrix H / sqrt(D), shared by every layer), the
+Lloyd-Max centroids, the b-bit packing (docs/formats.md: turboquant_*). Those of the vLLM releases kvcal matches
+(0.32.0 and 0.33.0: the files are the same in both wheels, and tests/conformance/test_vllm_turboquant.py runs them):
+   vllm/model_executor/layers/quantization/turboquant/centroids.py (solve_lloyd_max, get_centroids)
+   vllm/v1/attention/backends/turboquant_attn.py (_build_hadamard_cached: Sylvester H in float32 on CPU, divided by
+     math.sqrt(D); _ensure_on_device: PiT = Pi = H / sqrt(D) for every layer, "random sign flips do not improve
+     Lloyd-Max quantization quality"; the midpoints of the sorted float32 centroids)
+   vllm/v1/attention/ops/triton_turboquant_store.py (triton_turboquant_store: norm, x / (norm + 1e-8), @ PiT;
+     _tq_fused_store_mse / _fp8 / _store_quantized_value)
+   vllm/v1/attention/ops/triton_turboquant_decode.py (_tq_decode_stage1, _tq_full_dequant_kv: NORM_CORRECTION,
+     value = idx * scale + zero)
+LMCache's TurboQuant serde (kvcal.serde) rotates by diag(s) H / sqrt(D) with per-layer random signs s of its own:
+`tq_rotate` takes them, the releases' store never does.
 """
 
 from __future__ import annotations
@@ -19,24 +21,11 @@ from functools import cache
 
 import torch
 
-from kvcal.formats.constants import _CONST_CACHE, TQ_LAYER_SEED_STRIDE, TQ_SEED
+from kvcal.formats.constants import _CONST_CACHE, TQ_NORM_EPS
 from kvcal.formats.e2m1 import _pack
 from kvcal.formats.int4 import hadamard
 
 _LLOYD_MAX_ITER, _LLOYD_MAX_TOL, _TRAPZ_N = 200, 1e-10, 200
-
-
-def tq_signs(d: int, layer: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The +-1 signs float32 [d] of layer `layer`'s rotation (vLLM's generate_wht_signs): torch.randint(0, 2) from a
-    CPU generator seeded 42 + layer * 1337, times 2 minus 1."""
-    key = (f"tq_signs:{d}:{layer}", torch.device(device))
-    t = _CONST_CACHE.get(key)
-    if t is None:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(TQ_SEED + layer * TQ_LAYER_SEED_STRIDE)
-        bits = torch.randint(0, 2, (d,), generator=gen, device="cpu")
-        t = _CONST_CACHE[key] = (bits.float() * 2 - 1).to(device)
-    return t
 
 
 @cache
@@ -49,20 +38,29 @@ def tq_hadamard_entry(d: int) -> float:
     return float(h[0, 0])
 
 
-def tq_rotate(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x float32 [..., D] times vLLM's rotation: forward `x @ PiT` with PiT = diag(signs) H / sqrt(D), inverse
-    `x @ Pi` (Pi = PiT^T). Each output is h * (a sum of +-x_i), h = `tq_hadamard_entry`: kvcal sums in float64 (the
-    butterfly `hadamard`, exact but in the rarest cases) and rounds h * sum to float32 once, so the result never
-    depends on a BLAS or on the tensor's shape; vLLM's cuBLAS GEMM rounds each product and sums in its own order
-    (the same value to an ulp or two)."""
+def tq_rotate(x: torch.Tensor, signs: torch.Tensor | None = None, inverse: bool = False) -> torch.Tensor:
+    """x float32 [..., D] times the releases' rotation `x @ PiT`, PiT = H / sqrt(D) (symmetric: its own inverse).
+    Each output is h * (a sum of +-x_i), h = `tq_hadamard_entry`: kvcal sums in float64 (the butterfly `hadamard`,
+    exact but in the rarest cases) and rounds h * sum to float32 once, so the result never depends on a BLAS or on
+    the tensor's shape; the release's float32 GEMM (cuBLAS; torch's CPU matmul where its launcher runs on a CPU)
+    rounds each product and sums in its own order (the same value to an ulp or two).
+    signs [D] (LMCache's serde only): PiT = diag(signs) H / sqrt(D), forward `x @ PiT`, inverse `x @ PiT^T`."""
     xd = x.double()
-    s = signs.to(device=x.device, dtype=torch.float64)
-    if not inverse:
+    s = None if signs is None else signs.to(device=x.device, dtype=torch.float64)
+    if s is not None and not inverse:
         xd = xd * s
     y = hadamard(xd) * tq_hadamard_entry(x.shape[-1])
-    if inverse:
+    if s is not None and inverse:
         y = y * s
     return y.float()
+
+
+def tq_unit_rotate(x: torch.Tensor, signs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The store launcher's first steps on finite keys x float32 [..., D]: (norm float32 [..., 1], y float32
+    [..., D] = tq_rotate(x / (norm + 1e-8))). The release's `k_flat.norm(dim=1)` is a float32 reduction in its own
+    order; kvcal takes the float64 norm rounded once (no reduction order to depend on)."""
+    norm = x.double().square().sum(dim=-1, keepdim=True).sqrt().float()  # [..., 1]
+    return norm, tq_rotate(x / (norm + TQ_NORM_EPS), signs)
 
 
 def _lloyd_max(d: int, bits: int) -> list[float]:

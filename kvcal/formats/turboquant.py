@@ -1,9 +1,10 @@
 """TurboQuant (vLLM `--kv-cache-dtype turboquant_*`): each preset is a K/V pair of side formats (docs/formats.md:
 turboquant_*). The side rows and presets live here; the numbers (rotation, centroids, packing) in
 `kvcal.formats.tq_numbers`. Transcribed from vllm-project/vllm:
-  vllm/model_executor/layers/quantization/turboquant/config.py @ 1471680b24719d9d3b2fe1235878196142af89cc
-    (TQ_PRESETS, key_packed_size / value_packed_size / slot_size_aligned, get_boundary_skip_layers)
-and the files named in tq_numbers."""
+  vllm/model_executor/layers/quantization/turboquant/config.py @ 1471680b24719d9d3b2fe1235878196142af89cc, the
+    same in the 0.32.0 / 0.33.0 wheels (TQ_PRESETS, key_packed_size / value_packed_size / slot_size_aligned,
+    get_boundary_skip_layers)
+and the files named in tq_numbers; tests/conformance/test_vllm_turboquant.py runs the release's own store path."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from kvcal.formats.constants import (
     FP8_E4M3_MAX,
     TQ_BOUNDARY_LAYERS,
     TQ_NC_EPS,
-    TQ_NORM_EPS,
     TQ_SCALE_MIN,
 )
 from kvcal.formats.qtensor import QTensor, _to, _to_keep_inf, as_f32
@@ -28,7 +28,7 @@ from kvcal.formats.tq_numbers import (
     tq_midpoints,
     tq_pack,
     tq_rotate,
-    tq_signs,
+    tq_unit_rotate,
     tq_unpack,
 )
 
@@ -143,20 +143,18 @@ def _quantize_tq_fp8(xf: torch.Tensor) -> QTensor:
     return QTensor(codes=xf.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
 
 
-def _quantize_tq_mse(xf: torch.Tensor, f: KVFormat, signs: torch.Tensor) -> QTensor:
-    """Keys xf float32 [..., D]: codes of the rotated unit vector, fp16 norm. signs: the layer's [D]."""
+def tq_quantize_mse(xf: torch.Tensor, f: KVFormat, signs: torch.Tensor | None = None) -> QTensor:
+    """Keys xf float32 [..., D] of a tq_mse side: codes of the rotated unit vector, fp16 norm (the releases'
+    triton_turboquant_store: no signs). signs [D]: LMCache's serde rotates by diag(signs) H / sqrt(D) instead."""
     d = xf.shape[-1]
     bad = ~torch.isfinite(xf).all(dim=-1, keepdim=True)  # [..., 1]
-    xz = torch.where(bad, 0.0, xf)
-    # k_flat.norm(dim=1) in float32: kvcal takes the float64 norm rounded once (no reduction order to depend on)
-    norm = xz.double().square().sum(dim=-1, keepdim=True).sqrt().float()  # [..., 1]
-    y = tq_rotate(xz / (norm + TQ_NORM_EPS), signs)  # x_hat @ PiT, [..., D]
+    norm, y = tq_unit_rotate(torch.where(bad, 0.0, xf), signs)  # [..., 1], x_hat @ PiT [..., D]
     # the kernel's binary search: code = number of midpoints <= y
     idx = torch.bucketize(y, tq_midpoints(d, f.bits, xf.device), right=True).to(torch.uint8)
     idx = torch.where(bad, 0, idx)
     # NaN marker: a non-finite row is stored with a NaN norm (vLLM's NaN / Inf norm makes the row NaN / +-Inf too)
     norm16 = _nan_rows(bad, norm.to(torch.float16))  # beyond 65504 the fp16 norm is Inf, as the engine's
-    return QTensor(codes=tq_pack(idx, f.bits), block_scales=norm16, scale=signs)
+    return QTensor(codes=tq_pack(idx, f.bits), block_scales=norm16)
 
 
 def _quantize_tq_uniform(xf: torch.Tensor, f: KVFormat) -> QTensor:
@@ -190,10 +188,10 @@ def tq_mse_rotated(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
 
 
 def _dequantize_tq_mse(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
-    """Unrotated float32 keys: norm * centroid (unit-norm corrected) rotated back by Pi. vLLM's decode instead
-    rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits to float32 rounding."""
-    signs = q.scale if q.scale is not None else tq_signs(d, 0, q.codes.device)
-    return tq_rotate(tq_mse_rotated(q, f, d), signs, inverse=True)
+    """Unrotated float32 keys: norm * centroid (unit-norm corrected) rotated back by Pi = H / sqrt(D) (= PiT).
+    vLLM's decode instead rotates the query (q @ PiT) and scores norm * (q_rot . c): the same logits to float32
+    rounding."""
+    return tq_rotate(tq_mse_rotated(q, f, d))
 
 
 def _dequantize_tq_uniform(q: QTensor, f: KVFormat, d: int) -> torch.Tensor:
@@ -210,33 +208,23 @@ def _tq_head_dim(q: QTensor, f: KVFormat) -> int:
 
 
 def _quantize_tq(x: torch.Tensor, f: KVFormat, scale: torch.Tensor | float | None, checked: bool = False) -> QTensor:
-    """A TurboQuant side; `scale` of a key side (tq_mse) is the layer's rotation signs [D] (`tq_signs`; default
-    layer 0's), ignored by the others (TurboQuant applies no k_scale / v_scale)."""
+    """A TurboQuant side; `scale` is ignored (TurboQuant applies no k_scale / v_scale)."""
     check_tq_head_dim(f.name, x.shape[-1])
     xf = as_f32(x)
     if f.element == "tq_fp8":
         return _quantize_tq_fp8(xf)
     if f.element == "tq_uniform":
         return _quantize_tq_uniform(xf, f)
-    if isinstance(scale, torch.Tensor) and scale.dim() == 1 and scale.numel() == x.shape[-1]:
-        signs = scale
-    else:
-        signs = tq_signs(x.shape[-1], 0, x.device)
-    return _quantize_tq_mse(xf, f, signs)
+    return tq_quantize_mse(xf, f)
 
 
 def _check_side_head_dim(name: str, f: KVFormat, d: int) -> None:
     check_tq_head_dim(name if name in TQ_PRESETS else f.name, d)
 
 
-def _mse_state(f: KVFormat, head_dim: int, layer: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A key side's per-layer state: the layer's rotation signs [D] (vLLM seeds each layer's own)."""
-    return tq_signs(head_dim, layer, device)
-
-
-def _mse_c_aux(f: KVFormat, d: int, signs: torch.Tensor | None) -> torch.Tensor:
-    """cpu_write.c's aux of an MSE key side: the layer's signs [D], the centroids [2**bits], the Hadamard entry."""
-    return torch.cat([signs, tq_centroids(d, f.bits), torch.tensor([tq_hadamard_entry(d)])])  # type: ignore[list-item]
+def _mse_c_aux(f: KVFormat, d: int) -> torch.Tensor:
+    """cpu_write.c's aux of an MSE key side: the centroids [2**bits] ascending, then the Hadamard entry."""
+    return torch.cat([tq_centroids(d, f.bits), torch.tensor([tq_hadamard_entry(d)])])
 
 
 def _side_bits(f: KVFormat, d: int, model_bits: int) -> float:
@@ -273,7 +261,6 @@ TQ_FP8 = _side_codec(
 TQ_MSE = _side_codec(
     "tq_mse",
     lambda q, f, dtype: _to_keep_inf(_dequantize_tq_mse(q, f, _tq_head_dim(q, f)), dtype),
-    layer_state=_mse_state,
     c_aux=_mse_c_aux,
 )
 TQ_UNIFORM = _side_codec(

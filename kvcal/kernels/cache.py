@@ -29,7 +29,7 @@ Inf included) reaches a scale or, through attention's P.V, a real token. Every d
 Roles of a layer (`QuantizedLayer`): storage per side (`_Side`: codes and block scales in TokenBuffers, the torch
 path's workspace), a scale policy per side (`kvcal.kernels.scale_policy`: static, first-batch, one, per-sequence;
 chosen from the plan when the layer is built) and a writer: the C kernel (`kvcal.kernels.cpu_write`) for decode
-steps where the layer's formats, K/V dtype, head_dim and state suit it — decided once, at the layer's first write —
+steps where the layer's formats, K/V dtype and head_dim suit it — decided once, at the layer's first write —
 else torch ops (the same bits).
 
 Scales:
@@ -117,9 +117,6 @@ class LayerPlan:
     # `prefix_tokens` tokens round-trip through this serde before this layer's format stores them; None = off
     prefix_serde: str | None = None
     prefix_tokens: int = 0
-    # K's per-layer state (its codec's `layer_state`: a TurboQuant key side's rotation signs [D]); None = none. (A
-    # stateful side given its state in k_scale instead, the older form, is read the same way.)
-    k_state: torch.Tensor | None = None
 
     def side_format(self, which: str) -> KVFormat:
         """The format K ('k') or V ('v') is stored in."""
@@ -335,9 +332,8 @@ class QuantizedLayer(CacheLayerMixin):
     def _scale_policies(self) -> dict[str, ScalePolicy]:
         """K's and V's scale policies (`kvcal.kernels.scale_policy`), chosen from the plan."""
         p = self.plan
-        k_state = p.k_state if p.k_state is not None else p.k_scale
         return side_policies(
-            p.side_format("k"), p.side_format("v"), (k_state, p.v_scale), p.first_batch, p.nvfp4_global, p.index,
+            p.side_format("k"), p.side_format("v"), (p.k_scale, p.v_scale), p.first_batch, p.nvfp4_global, p.index,
             self._done,
         )  # fmt: skip
 
@@ -345,10 +341,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self._policies["k"].init(key_states)
         self._policies["v"].init(value_states)
-        if self._c_write:  # what the C kernel needs of this layer's K/V (dtype, device, head_dim, state)
+        if self._c_write:  # what the C kernel needs of this layer's K/V (dtype, device, head_dim)
             self._c_write = all(
-                cpu_write.supports_layer(self.plan.side_format(w), x, self.plan.kv_input_dtype, pol.fixed(x.device))
-                for w, x, pol in (("k", key_states, self._policies["k"]), ("v", value_states, self._policies["v"]))
+                cpu_write.supports_layer(self.plan.side_format(w), x, self.plan.kv_input_dtype)
+                for w, x in (("k", key_states), ("v", value_states))
             )
         self.is_initialized = True
 
@@ -462,7 +458,7 @@ class QuantizedLayer(CacheLayerMixin):
     ) -> tuple[QTensor, QTensor] | None:
         """A decode step's write by the C kernel (`kvcal.kernels.cpu_write`): codes and block scales appended to
         the storage and float32 values to the torch path's workspace in one call, the same bytes as `_write` +
-        `_Side.append` + the attention's dequantization. Whether the layer's formats, K/V dtype, head_dim and state
+        `_Side.append` + the attention's dequantization. Whether the layer's formats, K/V dtype and head_dim
         suit the kernel was decided once (`_c_write`, at the first write); per write, None (the caller writes with
         torch ops, the same bits) unless the kernel is built, the write is a decode step's (small, at most
         `fast.WORKSPACE_MAX_QUERIES` tokens: a read that keeps its values), both workspaces hold every token
@@ -477,11 +473,9 @@ class QuantizedLayer(CacheLayerMixin):
         fixed = (self._policies["k"].fixed(k.device), self._policies["v"].fixed(v.device))
         if any(s is False for s in fixed):
             return None
-        # a calibratable side's validated scale; a stateful side's state (TurboQuant's key signs) as it is; else None
+        # a calibratable side's validated scale; else None
         ks, vs = scales = tuple(
-            formats.static_scale(s, k, sf.codec.scale_default, checked=True)
-            if sf.calibratable
-            else (s if sf.codec.has_state else None)
+            formats.static_scale(s, k, sf.codec.scale_default, checked=True) if sf.calibratable else None
             for s, sf in zip(fixed, (f, fv), strict=True)
         )
         for side, s in zip(sides, scales, strict=True):

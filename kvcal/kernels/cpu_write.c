@@ -184,12 +184,13 @@ static void tq_pack(const uint8_t *idx, int D, int nbits, uint8_t *out) {
     }
 }
 
-/* TurboQuant MSE keys (formats._quantize_tq_mse, then _dequantize_tq_mse for the values): x[D] -> packed codes, the
- * fp16 norm, float32 values. aux: signs [D], centroids [2**nbits] ascending, the Hadamard entry. */
+/* TurboQuant MSE keys (formats.tq_quantize_mse, then _dequantize_tq_mse for the values): x[D] -> packed codes, the
+ * fp16 norm, float32 values. The rotation is the releases' H / sqrt(D), its own inverse. aux: centroids [2**nbits]
+ * ascending, then the Hadamard entry. */
 static void write_tq_mse(const float *x, int D, int nbits, const float *aux, uint8_t *codes, uint16_t *norm16,
                          float *vals) {
-    const float *signs = aux, *cent = aux + D;
-    const double h = (double)aux[D + (1 << nbits)];
+    const float *cent = aux;
+    const double h = (double)aux[1 << nbits];
     int n = 1 << nbits, bad = 0;
     for (int d = 0; d < D; d++) bad |= !isfinite(x[d]);
     double acc = 0.0, y[1024];
@@ -198,7 +199,7 @@ static void write_tq_mse(const float *x, int D, int nbits, const float *aux, uin
         acc += v * v;
     }
     float norm = (float)sqrt(acc), den = norm + 1e-8f;
-    for (int d = 0; d < D; d++) y[d] = (double)((bad ? 0.0f : x[d]) / den) * (double)signs[d];
+    for (int d = 0; d < D; d++) y[d] = (double)((bad ? 0.0f : x[d]) / den);
     hadamard64(y, D);
     uint8_t idx[1024];
     for (int d = 0; d < D; d++) {
@@ -218,7 +219,7 @@ static void write_tq_mse(const float *x, int D, int nbits, const float *aux, uin
     float inv = (float)(1.0 / (double)root), nv = f16_value(w);
     for (int d = 0; d < D; d++) y[d] = (double)(nv * (cent[idx[d]] * inv));
     hadamard64(y, D);
-    for (int d = 0; d < D; d++) vals[d] = (float)(y[d] * h * (double)signs[d]);
+    for (int d = 0; d < D; d++) vals[d] = (float)(y[d] * h);
 }
 
 /* TurboQuant uniform values (formats._quantize_tq_uniform / _dequantize_tq_uniform): x[D] -> packed codes, fp16
@@ -260,9 +261,8 @@ typedef struct {
     const float *scale; /* fp8 static scale / nvfp4 global; NULL = 1.0 */
     int64_t gb, gh;
     /* fp4_e2m1: torch's log2 of the block ratios, contiguous [B, H, T, D/16]; int4_per_token_head: the Hadamard
-     * transform's +-1 signs [D] (formats.rht_signs); TurboQuant MSE keys: the layer's rotation signs [D]
-     * (formats.tq_signs), then the Lloyd-Max centroids [2**bits] ascending, then the Hadamard entry 1/sqrt(D) as
-     * float32 (formats.tq_hadamard_entry); NULL otherwise */
+     * transform's +-1 signs [D] (formats.rht_signs); TurboQuant MSE keys: the Lloyd-Max centroids [2**bits]
+     * ascending, then the Hadamard entry 1/sqrt(D) as float32 (formats.tq_hadamard_entry); NULL otherwise */
     const float *aux;
 } side_t;
 

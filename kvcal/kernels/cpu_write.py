@@ -180,12 +180,9 @@ def _ascending_centroids(d: int, bits: int) -> bool:
     return bool(formats.tq_centroids(d, bits).diff().gt(0).all())
 
 
-def supports_layer(
-    fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, state: torch.Tensor | None
-) -> bool:
+def supports_layer(fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None) -> bool:
     """Whether the C kernel can write a layer side of `fmt` whose new tokens look like x [B, H_kv, T, D] (its dtype,
-    device, head_dim) with this input dtype and the side's state (a TurboQuant key side's rotation signs [D]): what
-    a layer decides once (the scale of each write: `scale_fits`)."""
+    device, head_dim) with this input dtype: what a layer decides once (the scale of each write: `scale_fits`)."""
     if not (
         fmt.name in FORMATS
         and x.device.type == "cpu"
@@ -200,14 +197,14 @@ def supports_layer(
         fmt.check_head_dim(d)  # the family's geometry rule (blocks; a power of two for a rotation)
     except UsageError:
         return False
-    if fmt.bits:  # a TurboQuant side: the kernel's 3-bit groups need d >= 8
-        return d >= 8 and (not fmt.codec.has_state or _state_fits(fmt, d, state))
+    if fmt.bits:  # a TurboQuant side: the kernel's 3-bit groups need d >= 8; MSE keys' midpoints from neighbours
+        return d >= 8 and (fmt.element != "tq_mse" or _ascending_centroids(d, fmt.bits))
     return d % (2 if fmt.is_fp4 else 1) == 0
 
 
 def scale_fits(fmt: KVFormat, scale: torch.Tensor | None, x: torch.Tensor) -> bool:
     """Whether the kernel reads this write's scale of a `fmt` side (fp32 on the CPU, 0-d, [H_kv] or [B, 1, 1, 1]);
-    a TurboQuant side's `scale` is its state, checked by `supports_layer`."""
+    a TurboQuant side takes none (whatever is passed is not read)."""
     return bool(fmt.bits) or scale is None or (
         scale.dtype == torch.float32 and scale.device.type == "cpu" and _scale_strides(scale, x) is not None
     )
@@ -216,23 +213,9 @@ def scale_fits(fmt: KVFormat, scale: torch.Tensor | None, x: torch.Tensor) -> bo
 def supports(
     fmt: KVFormat, x: torch.Tensor, kv_input_dtype: torch.dtype | None, scale: torch.Tensor | None
 ) -> bool:
-    """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale (a
-    TurboQuant key side's: its rotation signs [D]): `supports_layer` and `scale_fits`, x unit-strided along D."""
-    state = scale if fmt.bits else None
-    return x.stride(-1) == 1 and supports_layer(fmt, x, kv_input_dtype, state) and scale_fits(fmt, scale, x)
-
-
-def _state_fits(fmt: KVFormat, d: int, state: torch.Tensor | None) -> bool:
-    """Whether the C kernel can read a side's state (TurboQuant MSE keys: the layer's signs [D], float32, CPU,
-    contiguous) with ascending centroids."""
-    return (
-        state is not None
-        and state.shape == (d,)
-        and state.dtype == torch.float32
-        and state.device.type == "cpu"
-        and state.is_contiguous()
-        and _ascending_centroids(d, fmt.bits)
-    )
+    """Whether the C kernel can write new tokens x [B, H_kv, T, D] of `fmt` with this input dtype and scale:
+    `supports_layer` and `scale_fits`, x unit-strided along D."""
+    return x.stride(-1) == 1 and supports_layer(fmt, x, kv_input_dtype) and scale_fits(fmt, scale, x)
 
 
 def _scale_strides(s: torch.Tensor, x: torch.Tensor) -> tuple[int, int] | None:
@@ -274,8 +257,7 @@ def write_into(
     """Quantize new K and V [B, H_kv, T, D] (`supports` holds for both) and append their codes, block scales and
     float32 values to the (codes, block scales, values) TokenBuffers of K and of V; returns the non-finite counts
     of K's and V's real tokens. valid: [B, T] bool or None (all real); kv_input_dtype: the dtype K/V are rounded
-    to first (bf16, or None / their own: as they are); v_fmt: V's format when a K/V pair differs (TurboQuant).
-    A TurboQuant key side's scale is its rotation signs [D]."""
+    to first (bf16, or None / their own: as they are); v_fmt: V's format when a K/V pair differs (TurboQuant)."""
     lib = library()
     assert lib is not None
     round_bf16 = kv_input_dtype == torch.bfloat16 and k.dtype != torch.bfloat16
@@ -294,11 +276,11 @@ def write_into(
         c = _buffer_side(x, cbuf, cdt, cw, t)  # type: ignore[arg-type]
         sc = (0, 0, 0, 0) if sdt is None else _buffer_side(x, sbuf, sdt, sw, t)  # type: ignore[arg-type]
         vl = _buffer_side(x, vbuf, torch.float32, d, t)
-        # a static / global scale (a TurboQuant key side's `scale` is its state, the layer's signs)
+        # a static / global scale
         g = (0, 0, 0) if s is None or not f.calibratable else (s.data_ptr(), *_scale_strides(s, x))  # type: ignore[misc]
         sides.append(_Side(x.data_ptr(), xs[0], xs[1], xs[2], *c, *sc, *vl, *g))
-        aux = f.codec.c_aux(f, d, None if f.calibratable else s)  # float32 array (int4: its signs; TQ keys: signs,
-        if aux is not None:  # centroids, Hadamard entry)
+        aux = f.codec.c_aux(f, d)  # float32 array (int4: its signs; TQ keys: centroids, Hadamard entry)
+        if aux is not None:
             keep.append(aux)
             sides[-1].aux = aux.data_ptr()
     vp, vb = (None, 0) if valid is None else (valid.data_ptr(), valid.stride(0))
@@ -336,7 +318,7 @@ def decode_write(
 ) -> tuple[QTensor, QTensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The C kernel on fresh storage: (K's QTensor, V's, K's float32 values, V's, non-finite counts of K / V).
     Same arguments and results as the torch reference, `decode_write_ref` in kvcal/kernels/testing.py.
-    Scales: already validated (formats.check_scale / static_scale); a TurboQuant key side's: its signs [D].
+    Scales: already validated (formats.check_scale / static_scale); TurboQuant sides take none.
     v_fmt: V's format when it differs from K's (`fmt`)."""
     f = formats.get_format(fmt)
     fv = None if v_fmt is None else formats.get_format(v_fmt)

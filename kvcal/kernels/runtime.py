@@ -42,7 +42,7 @@ from kvcal.kernels.cache import (
 )
 from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
 from kvcal.kernels.triton_env import interpreting, triton_available
-from kvcal.models.geometry import KVSpec, LayerSpec, kv_spec, parse_skip_layers
+from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.loading import input_device
 from kvcal.scales import query_scales
 
@@ -145,11 +145,6 @@ def _first_batch_store(
 
 def _as_scale(s: Any) -> torch.Tensor:
     return torch.as_tensor(s, dtype=torch.float32)
-
-
-def _layer_state(fmt: formats.KVFormat, layer: LayerSpec, skipped: bool) -> torch.Tensor | None:
-    """K's per-layer state (a TurboQuant key side's rotation signs: vLLM seeds each layer's own); None otherwise."""
-    return None if skipped else fmt.layer_state(layer.head_dim, layer.index)
 
 
 def check_block_fits(fmt: formats.KVFormat, kv: KVSpec) -> None:
@@ -354,7 +349,6 @@ class KVRuntime:
                     fmt=bf16 if skipped else self.fmt,
                     window=layer.window,
                     k_scale=_as_scale(self.scales.k_scales[layer.index]) if use_scales else None,
-                    k_state=_layer_state(self.fmt, layer, skipped),
                     v_scale=_as_scale(self.scales.v_scales[layer.index]) if use_scales else None,
                     skipped=skipped,
                     nvfp4_global=self.nvfp4_global,

@@ -1,8 +1,8 @@
 """The scale policy of one cache side (K or V of one layer): which scale each write quantizes with.
 
 Chosen once per side when the layer is built (`side_policies`), from its format's codec and the layer plan:
-- `NoScale`: a format without a static scale (dynamic per-token / per-block scales, bf16); a TurboQuant key side
-  quantizes with its per-layer state, the rotation signs [D] (`LayerPlan.k_state`).
+- `NoScale`: a format without a static scale (dynamic per-token / per-block scales, bf16, TurboQuant's sides):
+  writes quantize with none (a plan's scale for such a side is not read).
 - `StaticScale`: fp8_* / int8_per_tensor with a scale file's scale (or None: formats' default 1.0); nvfp4 with a
   scale file's global.
 - `FirstBatch`: vLLM's calculate_kv_scales (`FirstBatchScales`): the layer's first write fixes the scale.
@@ -71,7 +71,7 @@ def per_sequence(s: torch.Tensor | None) -> bool:
 
 
 def _on_device(s: torch.Tensor | float, x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """A plan's scale (or state) as fp32 on x's device; a calibratable side's validated once here: every write
+    """A plan's scale as fp32 on x's device; a calibratable side's validated once here: every write
     passes this tensor (or a scale computed positive and finite) with scale_checked."""
     s = torch.as_tensor(s, dtype=torch.float32).to(x.device)
     s = s.reshape(()) if s.numel() == 1 else s
@@ -83,7 +83,7 @@ class ScalePolicy:
 
     def __init__(self, fmt: KVFormat, initial: torch.Tensor | None = None) -> None:
         self.fmt = fmt
-        self.initial = initial  # the plan's scale / state
+        self.initial = initial  # the plan's scale
         self.s: torch.Tensor | None = initial
 
     def init(self, x: torch.Tensor) -> None:
@@ -108,7 +108,7 @@ class ScalePolicy:
 
 
 class NoScale(ScalePolicy):
-    """No static scale; `s` is the side's per-layer state (TurboQuant's key signs) or None."""
+    """No static scale: `s` stays None."""
 
 
 class StaticScale(ScalePolicy):
@@ -183,12 +183,12 @@ def side_policies(
     layer: int,
     done: SequencesFixed,
 ) -> dict[str, ScalePolicy]:
-    """K's and V's policies of one layer: `scales` = the plan's (k, v) scale or state; `done` the layer's record
+    """K's and V's policies of one layer: `scales` = the plan's (k, v) scales; `done` the layer's record
     of the sequences that fixed their per-sequence global."""
     out: dict[str, ScalePolicy] = {}
     for which, fmt, s in (("k", k_fmt, scales[0]), ("v", v_fmt, scales[1])):
         if not fmt.calibratable:
-            out[which] = NoScale(fmt, s)
+            out[which] = NoScale(fmt)
         elif first_batch is not None:
             out[which] = FirstBatch(fmt, first_batch, layer, which)
         elif not fmt.codec.global_scale or (s is not None and not per_sequence(s)):

@@ -14,14 +14,15 @@ No dequantized copy of K or V is ever written; each K/V tile is dequantized in r
     even and odd output columns — no interleave. A code becomes an fp16 number by moving its bits (no lookup, no
     branches); the block scale (E4M3, or E8M0 = 2**(e-127)) multiplies the tile; nvfp4's global scale is folded
     like an fp8 scale. fp8 / nvfp4 scales may be per tensor, per KV head or per sequence ([B, 1, 1, 1]).
-  - TurboQuant (vLLM's turboquant_* presets, a K/V pair of side formats): FP8 keys (`tq_fp8`) are fp8_e4m3 codes at
-    scale 1 (the fp8 family). MSE keys (`tq_mse4_nc` / `tq_mse3_nc`) are read in the rotated domain, as vLLM's
-    decode kernel does: the query is rotated once before the kernel (q_rot = q @ PiT, `formats.tq_rotate`; PiT is
-    orthonormal, so q_rot . k_rot = q . k and the logit scale is unchanged), each packed 3/4-bit code becomes its
-    Lloyd-Max centroid by a gather from the [2**bits] table, and the fp16 norm times the norm correction
-    1 / sqrt(sum(c * c) + 1e-16) (summed over the tile's row) multiplies the logit column. Uniform values
-    (`tq_uniform4` / `tq_uniform3`) dequantize in registers to code * scale16 + min16 (the product is exact, so one
-    rounding, as the engine's FMA) and enter P.V like any float tile; the output needs no rotation.
+  - TurboQuant (vLLM's turboquant_* presets, a K/V pair of side formats): FP8 keys (`tq_fp8`) are fp8_e4m3
+    codes at scale 1 (the fp8 family). MSE keys (`tq_mse4_nc` / `tq_mse3_nc`) are read in the rotated domain,
+    as vLLM's decode kernel does: the query is rotated once before the kernel (q_rot = q @ PiT,
+    `formats.tq_rotate`; PiT = H / sqrt(D) is orthonormal, so q_rot . k_rot = q . k and the logit scale is
+    unchanged), each packed 3/4-bit code becomes its Lloyd-Max centroid by a gather from the [2**bits] table,
+    and the fp16 norm times the norm correction 1 / sqrt(sum(c * c) + 1e-16) (summed over the tile's row)
+    multiplies the logit column. Uniform values (`tq_uniform4` / `tq_uniform3`) dequantize in registers to
+    code * scale16 + min16 (the product is exact, so one rounding, as the engine's FMA) and enter P.V like any
+    float tile; the output needs no rotation.
   - NaN markers of `kvcal.formats` (int8 code -128, E2M1 code 8, a TurboQuant NaN norm / scale) decode to NaN, as in
     the torch reference.
   - bf16 / auto: plain loads.
@@ -932,15 +933,10 @@ def attention(
         qk, sc = formats.rht(q.float()), float(scaling) / d
     elif tq_k:
         # TurboQuant MSE keys are codes of the rotated unit vector k_rot = k @ PiT: as vLLM's TurboQuant decode, the
-        # query is rotated by the same PiT (the layer's signs, k.scale; formats' default, layer 0's, where none is
-        # stored, as formats.dequantize reads it). PiT is orthonormal, so q_rot . k_rot = q . k: the logit scale
-        # stays; the values are not rotated, so neither is the output. q_rot [B, H_q, Tq, D] float32.
-        signs = k.scale if k.scale is not None else formats.tq_signs(d, 0, q.device)
-        if signs.numel() != d:
-            raise UsageError(
-                f"{f.name} K needs its layer's rotation signs [{d}] (QTensor.scale), got {tuple(signs.shape)}"
-            )
-        qk = formats.tq_rotate(q.float(), signs.to(q.device).reshape(d))
+        # query is rotated by the same PiT = H / sqrt(D), every layer's. PiT is orthonormal, so q_rot . k_rot =
+        # q . k: the logit scale stays; the values are not rotated, so neither is the output. q_rot [B, H_q, Tq, D]
+        # float32.
+        qk = formats.tq_rotate(q.float())
     out = _attention(qk, k, v, f, fv, sc, q_start, k_start, causal, sliding_window, softcap, sinks, key_padding,
                      None, config, num_splits)  # fmt: skip
     if rot_v:

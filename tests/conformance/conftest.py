@@ -2,10 +2,12 @@
 
 `vllm_kernel(relpath, name)` executes the `@triton.jit` function `name` of the installed release's file
 (`kvcal.releases.engine_package`: <repo>/.venv-vllm, or $KVCAL_VLLM_VENV) with kvcal's real `triton` in place of
-`vllm.triton_utils`, under the Triton interpreter (TRITON_INTERPRET=1, set per test). Only the jit functions are
-executed (compiled from the file itself, so their source and line numbers are the release's); the file's
-Python launcher imports vLLM's platform layer, which needs the engine's environment, so each test launches the
-kernel with the launcher's own arguments (read from the file where it computes them). Nothing is copied.
+`vllm.triton_utils`, under the Triton interpreter (TRITON_INTERPRET=1, set per test). Only the named functions are
+executed (compiled from the file itself, so their source and line numbers are the release's), not the file's
+imports: a launcher that imports vLLM's platform layer, which needs the engine's environment, is replaced by the
+launcher's own arguments (read from the file where it computes them); one whose names a test can supply runs
+itself (TurboQuant's `triton_turboquant_store`, and methods of its backend named 'Class.method'). Nothing is
+copied.
 """
 
 from __future__ import annotations
@@ -59,23 +61,43 @@ def interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    """The module-level functions of a file by name, and each class's methods as 'Class.method'."""
+    out: dict[str, ast.FunctionDef] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            out.update({f"{node.name}.{m.name}": m for m in node.body if isinstance(m, ast.FunctionDef)})
+    return out
+
+
 def _load(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """Execute the named functions of the release's file (a method as 'Class.method', defined under its own name:
+    call it with an object standing for `self`) in a namespace holding triton, tl, torch, math and functools."""
+    import functools
+    import math
+
     import triton
     import triton.language as tl
 
     tree = ast.parse(path.read_text(), filename=str(path))
-    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    missing = set(names) - {n.name for n in wanted}
+    found = _functions(tree)
+    missing = set(names) - set(found)
     if missing:
         raise AssertionError(f"{path} has no function {sorted(missing)}: the release's kernel moved")
-    ns: dict[str, Any] = {"triton": triton, "tl": tl, "torch": torch, "__name__": f"vllm_release_{path.stem}"}
+    wanted = [found[n] for n in names]
+    ns: dict[str, Any] = {
+        "triton": triton, "tl": tl, "torch": torch, "math": math, "functools": functools,
+        "__name__": f"vllm_release_{path.stem}",
+    }  # fmt: skip
     exec(compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec"), ns)  # noqa: S102 - the release's own source
     return ns
 
 
 @pytest.fixture
 def vllm_kernel(vllm_pkg: Path, interpret: None) -> Callable[..., Any]:
-    """(relpath under the package's parent, *names) -> {name: the release's jit function} (interpreted)."""
+    """(relpath under the package's parent, *names) -> {name: the release's function} (jit ones interpreted)."""
 
     def load(relpath: str, *names: str) -> dict[str, Any]:
         return _load(vllm_pkg.parent / relpath, names)

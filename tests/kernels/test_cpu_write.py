@@ -72,8 +72,6 @@ def _check(ref: tuple, got: tuple) -> None:
 def _scale(fmt: str, kind: str, heads: int, batch: int, g: torch.Generator) -> torch.Tensor | None:
     """A validated scale of `kind` (formats.static_scale's shapes), or None for formats without one."""
     f = formats.get_format(fmt)
-    if f.element == "tq_mse":
-        return formats.tq_signs(64, heads + batch)  # a TurboQuant key side's "scale": some layer's rotation signs
     if not f.calibratable:
         return None
     if kind == "one":
@@ -157,8 +155,6 @@ def test_any_float32_bits(fmt: str, words: list[int], log_scale: float) -> None:
     s = None
     if formats.get_format(fmt).calibratable:
         s = formats.static_scale(torch.tensor(2.0**log_scale), x[0], None)
-    elif formats.get_format(fmt).element == "tq_mse":
-        s = formats.tq_signs(64, int(log_scale) + 40)
     _check(decode_write_ref(x[0], x[1], fmt, s, s), cpu_write.decode_write(x[0], x[1], fmt, s, s))
 
 

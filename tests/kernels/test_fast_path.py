@@ -102,8 +102,6 @@ def test_decode_through_the_cache_equals_the_reference(
     write = cpu_write.write_into
     monkeypatch.setattr(cpu_write, "write_into", lambda *a: calls.append(1) or write(*a))
     k_scale = torch.tensor([0.05, 0.2]) if fk.calibratable else None
-    if fk.element == "tq_mse":
-        k_scale = formats.tq_signs(32, 3)  # a TurboQuant key side's "scale": its layer's rotation signs
     plan = LayerPlan(index=0, fmt=fk, window=window, v_fmt=None if fv is fk else fv, k_scale=k_scale)
     cache = QuantizedKVCache([plan])
     g = torch.Generator().manual_seed(7)

@@ -8,8 +8,8 @@ quantized storage, so the comparison isolates the kernel's arithmetic.
 The interpreter runs each program instance in numpy, so sizes are tiny; the cases cover every format, decode
 (split-K and not) and prefill, lengths 1/17/257, GQA ratios 1/3/4/8, head_dim 64/128/256, sliding windows (with a
 window-sized cache, k_start > 0), softcap, sinks, key padding (including empty rows) and batch > 1, without the
-full cartesian product. vLLM's TurboQuant presets (K/V pairs of side formats, MSE keys with a non-default layer's
-rotation signs) each run decode and prefill at an odd length (37 keys) with GQA.
+full cartesian product. vLLM's TurboQuant presets (K/V pairs of side formats, MSE keys rotated by H / sqrt(D))
+each run decode and prefill at an odd length (37 keys) with GQA.
 
 TRITON_INTERPRET=1 is set per test (monkeypatch), not at import: `triton_attention` creates its jit kernels on first
 use for the current mode and calls none of the jit helpers that triton decorates at its own import, so it does not
@@ -148,9 +148,6 @@ def _run(case: Case) -> tuple[float, float, float]:
         scale = amax / {"fp8": 448.0, "int": 127.0}.get(case.fmt[:3], 448.0 * 6.0)
     kf, vf = formats.kv_pair(case.fmt)  # a TurboQuant preset: two side formats; otherwise the format twice
     v_scale = None if scale is None else scale * 0.5
-    # MSE keys: a layer's rotation signs (not layer 0's, formats' default), so the kernel must read k.scale
-    if kf.element == "tq_mse":
-        scale = formats.tq_signs(case.d, 5)
     kq = formats.quantize(k, kf, scale=scale)
     vq = formats.quantize(v, vf, scale=v_scale)
     q_start = case.q_start if case.q_start is not None else case.k_start + case.tk - case.tq
@@ -294,23 +291,19 @@ def test_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_turboquant_bad_inputs() -> None:
     """What the TurboQuant path refuses before any kernel runs: a head_dim vLLM builds no Hadamard matrix for, an FP8
-    query (FlashAttention-3's FP8 attention reads fp8_e4m3 caches only), rotation signs of another head_dim."""
+    query (FlashAttention-3's FP8 attention reads fp8_e4m3 caches only), packed codes of another head_dim."""
     kf, vf = formats.kv_pair("turboquant_4bit_nc")
     kw = dict(scaling=0.125, q_start=7, k_start=0, v_fmt=vf)
     k, v = torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64)
-    kq, vq = formats.quantize(k, kf, formats.tq_signs(64, 2)), formats.quantize(v, vf)
+    kq, vq = formats.quantize(k, kf), formats.quantize(v, vf)
     q = torch.randn(1, 2, 1, 64)
     with pytest.raises(UsageError, match="power-of-two head_dim"):
         ta.quantized_attention_triton(torch.randn(1, 2, 1, 48), kq, vq, kf, **kw)
     with pytest.raises(UsageError, match="--attention fp8"):
         ta.quantized_attention_triton(q, kq, vq, kf, q_scale=1.0, **kw)
-    wrong = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(32, 2))
-    with pytest.raises(UsageError, match=r"rotation signs \[64\]"):
-        ta.quantized_attention_triton(q, wrong, vq, kf, **kw)
-    # packed codes of another head_dim than q's (signs of q's)
-    other = formats.QTensor(codes=kq.codes, block_scales=kq.block_scales, scale=formats.tq_signs(128, 2))
+    # packed codes of another head_dim than q's
     with pytest.raises(UsageError, match="do not fit together"):
-        ta.quantized_attention_triton(torch.randn(1, 2, 1, 128), other, vq, kf, **kw)
+        ta.quantized_attention_triton(torch.randn(1, 2, 1, 128), kq, vq, kf, **kw)
     # FP8 keys (k8v4) are read as the fp8 family but apply no scale, whatever QTensor.scale holds (formats.dequantize)
     kf8, vf8 = formats.kv_pair("turboquant_k8v4")
     k8 = formats.quantize(k, kf8)
@@ -439,13 +432,12 @@ def test_cuda_kernels_compile_for_sm90(variant: str, monkeypatch: pytest.MonkeyP
 def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
     """The cache hands the attention views of buffers with spare room (`kvcal.kernels.buffer`: non-contiguous
     codes and block scales); the kernel reads them by their strides: the same output, bit for bit, as from
-    contiguous copies. TurboQuant: packed codes, fp16 norms / (scale, min), a layer's signs in the plan."""
+    contiguous copies. TurboQuant: packed codes, fp16 norms / (scale, min)."""
     from kvcal.kernels.cache import LayerPlan, QuantizedKVCache
 
     g = torch.Generator().manual_seed(4)
     kf, vf = formats.kv_pair(fmt)
-    signs = formats.tq_signs(64, 3) if kf.element == "tq_mse" else None
-    cache = QuantizedKVCache([LayerPlan(index=0, fmt=kf, v_fmt=None if vf is kf else vf, k_scale=signs)])
+    cache = QuantizedKVCache([LayerPlan(index=0, fmt=kf, v_fmt=None if vf is kf else vf)])
     for n in (9, 1, 1):
         kph, _ = cache.update(torch.randn(2, 2, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g), 0)
     read = kph.kvcal_read
@@ -457,7 +449,5 @@ def test_kernel_reads_the_cache_buffer_views(fmt: str) -> None:
 
     q = torch.randn(2, 4, 1, 64, generator=g)
     kw = dict(scaling=0.125, q_start=read.q_start, k_start=read.k_start, v_fmt=read.v_fmt)
-    if signs is not None:
-        assert torch.equal(read.k.scale, signs)
     out = ta.attention(q, read.k, read.v, kf, **kw)
     assert torch.equal(out, ta.attention(q, copy(read.k), copy(read.v), kf, **kw))

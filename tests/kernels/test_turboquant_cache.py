@@ -24,11 +24,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_each_layer_stores_its_writes_with_its_own_rotation(
+def test_each_layer_stores_its_writes_with_the_shared_rotation(
     preset: str, kv_model: Callable[..., torch.nn.Module], batch: Callable[..., Any], kv_recorder: Any
 ) -> None:
     """Every write of every layer (a padded batch, prefill then decode) stores, for its real tokens, exactly what
-    formats.quantize gives that layer's K (with the layer's signs, `tq_signs(D, layer)`) and V."""
+    formats.quantize gives its K (the releases' H / sqrt(D), the same for every layer: no per-layer state, none
+    in the stored QTensor) and V."""
     model = kv_model("llama", head_dim=16)
     rt = KVRuntime(model, preset, impl="torch")
     rec = kv_recorder(rt)
@@ -42,14 +43,12 @@ def test_each_layer_stores_its_writes_with_its_own_rotation(
         for layer, k, v, valid, got_k, got_v in cache.writes:
             real = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool) if valid is None else valid
             real = real[:, None, :, None].expand(*k.shape[:-1], 1).squeeze(-1)  # [B, H_kv, T_new]
-            signs = formats.tq_signs(k.shape[-1], layer)
             for x, got, f in ((k, got_k, kf), (v, got_v, vf)):
-                want = formats.quantize(x, f, signs)  # KVRuntime without kv_input_dtype: K/V as computed
+                want = formats.quantize(x, f)  # KVRuntime without kv_input_dtype: K/V as computed
                 assert torch.equal(_bits(got.codes[real]), _bits(want.codes[real])), (layer, f.name)
                 if want.block_scales is not None:
                     assert torch.equal(_bits(got.block_scales[real]), _bits(want.block_scales[real])), layer
-                if f.element == "tq_mse":
-                    assert torch.equal(got.scale, signs)
+                assert got.scale is None
             checked += 1
     assert checked >= 2 * 4
 
@@ -99,12 +98,12 @@ def test_triton_impl_through_the_model_matches_torch(
     batch: Callable[..., Any],
     batch_bound: Callable[[float, float, float], float],
 ) -> None:
-    """--impl triton reads the TurboQuant cache (FP8 keys; MSE keys in the rotated domain with each layer's own
-    signs; uniform values): a left-padded prefill and one decode step through the model (GQA 4 / 2, head_dim 16, so
-    padded kernel tiles) give the torch path's logits up to the two attention kernels' float32 rounding as the
-    later layers' codes amplify it — held to `batch_bound`, derived from the same comparison through a BF16 cache
-    and the preset's own response to BF16 rounding of its input (tests/conftest.py). The tight check of the
-    kernel's arithmetic is tests/kernels/test_triton_kernels.py's, against the reference on the same storage."""
+    """--impl triton reads the TurboQuant cache (FP8 keys; MSE keys in the rotated domain; uniform values): a
+    left-padded prefill and one decode step through the model (GQA 4 / 2, head_dim 16, so padded kernel tiles)
+    give the torch path's logits up to the two attention kernels' float32 rounding as the later layers' codes
+    amplify it — held to `batch_bound`, derived from the same comparison through a BF16 cache and the preset's
+    own response to BF16 rounding of its input (tests/conftest.py). The tight check of the kernel's arithmetic
+    is tests/kernels/test_triton_kernels.py's, against the reference on the same storage."""
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
