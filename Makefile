@@ -60,7 +60,7 @@ $(ENGINE_STAMP):
 test: $(STAMP) $(MODELS_STAMP) $(ENGINE_STAMP)
 	$(OFFLINE) $(VENV)/bin/ruff check kvcal tests bench
 	$(OFFLINE) $(VENV)/bin/lint-imports --no-cache --no-logo
-	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(OFFLINE) $(PY) -m pytest -q -p no:cacheprovider --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvcal tests bench

@@ -112,7 +112,7 @@ _DECODE_MAX_ROWS = 64
 _JIT_HELPERS = (
     "_e8m0", "_tanh", "_load_fp4_tile", "_to_dot", "_round_e4m3", "_load_tq_codes", "_is_half", "_is_token",
     "_has_column", "_fold_scale", "_token_scale", "_load_q", "_load_full_tile", "_k_scores", "_v_accumulate",
-    "_store_rows", "_finish", "_key_range",
+    "_store_rows", "_finish", "_key_range", "_mask", "_softmax_step",
 )  # fmt: skip
 _LOG2E = 1.4426950408889634
 _CONFIG_ENV = "KVCAL_TRITON_CONFIG"
@@ -208,6 +208,8 @@ _v_accumulate: Any = None
 _store_rows: Any = None
 _finish: Any = None
 _key_range: Any = None
+_mask: Any = None
+_softmax_step: Any = None
 
 # Dot operand dtypes (constexpr DOT_KIND): the narrowest type in which q and the dequantized tile values are exact.
 DOT_F32, DOT_BF16, DOT_F16 = 0, 1, 2
@@ -496,6 +498,35 @@ def _key_range_impl(
     return lo, hi
 
 
+def _mask_impl(
+    s, offs_n, n_ok, row_ok, q_pos, k_start, window, KPAD, b, stride_kpb, stride_kpt,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KPAD: tl.constexpr,
+):  # fmt: skip
+    # scores [BLOCK_M, BLOCK_N] with the keys a row does not see at -inf: past the tile's end, in its future
+    # (causal), out of its window, or padding (KPAD [B, Tk], 0 = padding)
+    k_pos = k_start + offs_n
+    vis = n_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        vis = vis & (k_pos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
+    if HAS_KPAD:
+        kp = tl.load(KPAD + b * stride_kpb + offs_n * stride_kpt, mask=n_ok, other=0)
+        vis = vis & (kp != 0)[None, :]
+    return tl.where(vis, s, float("-inf"))
+
+
+def _softmax_step_impl(s, m_i, l_i):
+    # one tile of the online softmax in the exp2 domain: P [BLOCK_M, BLOCK_N], the rescale alpha [BLOCK_M] of what
+    # was accumulated, the new running max and sum (a row that saw nothing yet keeps m = -inf, P = 0)
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+    return p, alpha, m_new, l_i
+
+
 def _attn_fwd_impl(
     Q, K, V, KBS, VBS, KSC, VSC,
     CENT,  # TurboQuant MSE keys: the centroid table float32 [2**BITS] (a dummy otherwise)
@@ -572,24 +603,9 @@ def _attn_fwd_impl(
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
             s = s * LOG2E
-        # ---- mask ----
-        k_pos = k_start + offs_n
-        vis = n_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            vis = vis & (k_pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            vis = vis & ((q_pos[:, None] - k_pos[None, :]) < window)
-        if HAS_KPAD:
-            kp = tl.load(KPAD + b * stride_kpb + offs_n * stride_kpt, mask=n_ok, other=0)
-            vis = vis & (kp != 0)[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        # ---- online softmax (exp2 domain) ----
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        m_i = m_new
+        s = _mask(s, offs_n, n_ok, row_ok, q_pos, k_start, window, KPAD, b, stride_kpb, stride_kpt, CAUSAL,
+                  HAS_WINDOW, HAS_KPAD)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         if P_FP8:
             # FA3's FP8 P: e4m3(P * 2**8) for the P.V product; the row sum above took the unrounded P
             # (kvcal.kernels.reference.FA3_P_OFFSET); 2**-8 is exact
