@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from kvcal.calibrate.run import CalibrateConfig
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceMapOpt,
@@ -25,15 +26,18 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_defaults,
+    config_from_options,
     output_option,
 )
 from kvcal.commands.output import console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
 
-# Options that shape the command line itself, not a keyword of kvcal.calibrate.run.calibrate().
-CLI_ONLY = ("json_out", "percentile", "num_processes")
-DEFAULT_PERCENTILE = 99.99
+# Options that are not fields of kvcal.calibrate.run.CalibrateConfig (its keyword callers pass observer_params).
+CLI_ONLY = ("json_out", "num_processes")
+FIELDS_WITHOUT_OPTION = ("observer_params",)
+DEFAULT_PERCENTILE = 99.99  # the percentile observer's own default (kvcal.calibrate.observers)
+_DEFAULT = config_defaults(CalibrateConfig)  # the options' defaults are CalibrateConfig's
 
 
 def calibrate_cmd(
@@ -43,20 +47,25 @@ def calibrate_cmd(
     output: Annotated[Path, output_option("Scale file to write (.safetensors).")],
     granularity: Annotated[
         str, typer.Option("--granularity", help="tensor (one scale per layer) or head.")
-    ] = "tensor",
-    observer: Annotated[str, typer.Option("--observer", help="minmax, percentile or mse.")] = "minmax",
+    ] = _DEFAULT["granularity"],
+    observer: Annotated[str, typer.Option("--observer", help="minmax, percentile or mse.")] = _DEFAULT[
+        "observer"
+    ],
     percentile: Annotated[
         float | None,
-        typer.Option("--percentile", help=f"Percentile of |x| for --observer percentile (default {DEFAULT_PERCENTILE})."),
-    ] = None,
-    dataset: DatasetOpt = None,
-    text_field: TextFieldOpt = None,
-    num_samples: NumSamplesOpt = 128,
-    seq_len: SeqLenOpt = 512,
-    seed: SeedOpt = 0,
+        typer.Option(
+            "--percentile",
+            help=f"Percentile of |x| for --observer percentile (default {DEFAULT_PERCENTILE}).",
+        ),
+    ] = _DEFAULT["percentile"],
+    dataset: DatasetOpt = _DEFAULT["dataset"],
+    text_field: TextFieldOpt = _DEFAULT["text_field"],
+    num_samples: NumSamplesOpt = _DEFAULT["num_samples"],
+    seq_len: SeqLenOpt = _DEFAULT["seq_len"],
+    seed: SeedOpt = _DEFAULT["seed"],
     engine: Annotated[
         str, typer.Option("--engine", help="native or llmcompressor (oneshot, fp8_e4m3 only).")
-    ] = "native",
+    ] = _DEFAULT["engine"],
     llmc_observer: Annotated[
         str,
         typer.Option(
@@ -64,14 +73,14 @@ def calibrate_cmd(
             help="llm-compressor observer for --engine llmcompressor (its default 'minmax' is a moving "
             "average that under-estimates amax).",
         ),
-    ] = "static_minmax",
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    offload_folder: OffloadFolderOpt = None,
-    batch_size: ObserveBatchOpt = 1,
-    kv_input_dtype: KvInputDtypeOpt = "bfloat16",
+    ] = _DEFAULT["llmc_observer"],
+    dtype: DtypeOpt = _DEFAULT["dtype"],
+    device: DeviceOpt = _DEFAULT["device"],
+    device_map: DeviceMapOpt = _DEFAULT["device_map"],
+    max_memory: MaxMemoryOpt = _DEFAULT["max_memory"],
+    offload_folder: OffloadFolderOpt = _DEFAULT["offload_folder"],
+    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
+    kv_input_dtype: KvInputDtypeOpt = "bfloat16",  # the library's default is None (as the model computes K/V)
     attention_scales: Annotated[
         bool,
         typer.Option(
@@ -79,7 +88,7 @@ def calibrate_cmd(
             help="Also observe the post-RoPE queries and store q_scale per layer (amax / 448), for "
             "`kvcal eval --attention fp8` and vLLM's FP8 attention (FlashAttention-3).",
         ),
-    ] = False,
+    ] = _DEFAULT["attention_scales"],
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
@@ -89,18 +98,12 @@ def calibrate_cmd(
 
     if num_processes != 1:
         run_in_processes(ctx, num_processes, {"calibration samples (--num-samples)": num_samples})
-    from kvcal.calibrate.run import calibrate
-    from kvcal.errors import UsageError
+    from kvcal.calibrate.run import calibrate_spec, run_calibration
 
-    if percentile is not None and observer != "percentile":
-        raise UsageError(f"--percentile applies to --observer percentile (this run's observer is {observer}); drop it")
-    observer_params = {"percentile": DEFAULT_PERCENTILE if percentile is None else percentile} if observer == "percentile" else None
+    config = config_from_options(CalibrateConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
+    spec = calibrate_spec(config)  # parsed and checked once, before the model loads
     with ProgressRenderer(enabled=not json_out and is_main_process()) as progress:
-        result = calibrate(
-            **library_kwargs(calibrate, options, cli_only=CLI_ONLY),
-            progress=progress,
-            observer_params=observer_params,
-        )
+        result = run_calibration(spec, progress)
     if not is_main_process():
         return  # rank 0 wrote the scale file and renders it
     for message in result.warnings:

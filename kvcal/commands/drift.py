@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvcal.calibrate.drift import DEFAULT_MAX_CLIP, DEFAULT_MAX_SQNR_LOSS_DB, DRIFTED
+from kvcal.calibrate.drift import DRIFTED, DriftConfig
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
@@ -21,12 +21,14 @@ from kvcal.commands.options import (
     ObserveBatchOpt,
     SeedOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_defaults,
+    config_from_options,
 )
 from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
 
-CLI_ONLY = ("json_out", "scales", "model")
+CLI_ONLY = ("json_out",)
+_DEFAULT = config_defaults(DriftConfig)  # the options' defaults are DriftConfig's
 
 
 def drift_cmd(
@@ -34,11 +36,11 @@ def drift_cmd(
         Path, typer.Argument(help="Scale file (.safetensors) from `kvcal calibrate`.", show_default=False)
     ],
     model: ModelArg,
-    dataset: DatasetOpt = None,
-    text_field: TextFieldOpt = None,
-    num_samples: NumSamplesOpt = 32,
-    seq_len: ManifestSeqLenOpt = None,
-    seed: SeedOpt = 0,
+    dataset: DatasetOpt = _DEFAULT["dataset"],
+    text_field: TextFieldOpt = _DEFAULT["text_field"],
+    num_samples: NumSamplesOpt = _DEFAULT["num_samples"],
+    seq_len: ManifestSeqLenOpt = _DEFAULT["seq_len"],
+    seed: SeedOpt = _DEFAULT["seed"],
     max_clip: Annotated[
         float,
         typer.Option(
@@ -46,7 +48,7 @@ def drift_cmd(
             help="Drifted when the current scales saturate more than this fraction of any scale group's "
             "elements beyond what fresh scales of the file's observer saturate on the traffic (minmax: none).",
         ),
-    ] = DEFAULT_MAX_CLIP,
+    ] = _DEFAULT["max_clip"],
     max_sqnr_loss_db: Annotated[
         float,
         typer.Option(
@@ -54,11 +56,11 @@ def drift_cmd(
             help="Drifted when any scale group's SQNR with the current scales is this many dB below its SQNR "
             "with fresh scales (the file's observer) on the traffic.",
         ),
-    ] = DEFAULT_MAX_SQNR_LOSS_DB,
+    ] = _DEFAULT["max_sqnr_loss_db"],
     force: Annotated[
         bool, typer.Option("--force", help="Check a scale file calibrated on another checkpoint anyway.")
-    ] = False,
-    dtype: ManifestDtypeOpt = None,
+    ] = _DEFAULT["force"],
+    dtype: ManifestDtypeOpt = _DEFAULT["dtype"],
     kv_input_dtype: Annotated[
         str | None,
         typer.Option(
@@ -66,9 +68,9 @@ def drift_cmd(
             help="Default and only accepted value: the scale file's (manifest calibration.kv_input_dtype); "
             "K/V are rounded to it before they are measured, as calibrate measured them.",
         ),
-    ] = None,
-    batch_size: ObserveBatchOpt = 1,
-    device: DeviceOpt = "cpu",
+    ] = _DEFAULT["kv_input_dtype"],
+    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
+    device: DeviceOpt = _DEFAULT["device"],
     json_out: JsonOpt = False,
 ) -> None:
     """Check a scale file against a traffic sample (--dataset): clip fractions and SQNR vs fresh scales, per layer.
@@ -77,12 +79,13 @@ def drift_cmd(
 
     Exit 0: the scales fit the traffic; 1: drifted (recalibrate on the traffic); 2: bad input."""
     options = dict(locals())  # first: exactly the command's options
-    from kvcal.calibrate.drift import check_drift
+    from kvcal.calibrate.drift import drift_spec, run_drift
 
     with ProgressRenderer(enabled=not json_out) as progress:
-        report = check_drift(
-            scales, model, **library_kwargs(check_drift, options, cli_only=CLI_ONLY), progress=progress
-        )
+        spec = drift_spec(
+            config_from_options(DriftConfig, options, cli_only=CLI_ONLY)
+        )  # before the model loads
+        report = run_drift(spec, progress)
     for message in report.warnings:
         warn(message)
     if json_out:

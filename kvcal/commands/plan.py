@@ -11,7 +11,6 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kvcal.commands.capacity import split_formats
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
@@ -23,13 +22,16 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_defaults,
+    config_from_options,
     output_option,
 )
 from kvcal.commands.output import console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
+from kvcal.pipeline.plan import PlanConfig
 
-DEFAULT_CANDIDATES = "bf16,fp8_e4m3,nvfp4,k=fp8_e4m3,v=nvfp4"
+_DEFAULT = config_defaults(PlanConfig)  # the options' defaults are PlanConfig's
+CLI_ONLY = ("json_out",)
 
 
 def plan_cmd(
@@ -39,80 +41,82 @@ def plan_cmd(
         typer.Option(
             "--candidates", help="Formats a layer may take, comma-separated; k=A,v=B pairs allowed."
         ),
-    ] = DEFAULT_CANDIDATES,
+    ] = _DEFAULT["candidates"],
     capacity: Annotated[
         str | None, typer.Option("--capacity", help="Budget: at least this many x BF16's tokens, e.g. 3.0x.")
-    ] = None,
+    ] = _DEFAULT["capacity"],
     effective_bits: Annotated[
         float | None,
         typer.Option(
             "--effective-bits", help="Budget instead: mean storage bits per K/V element (ModelOpt's)."
         ),
-    ] = None,
+    ] = _DEFAULT["effective_bits"],
     context: Annotated[
         int | None,
         typer.Option(
             "--context", help="Sequence length of the budget: sliding layers hold min(context, window)."
         ),
-    ] = None,
+    ] = _DEFAULT["context"],
     scales: Annotated[
         list[str] | None,
         typer.Option(
             "--scales", help="Scale file of a candidate format (repeat per format); default: minmax."
         ),
-    ] = None,
-    dataset: DatasetOpt = None,
-    text_field: TextFieldOpt = None,
-    num_samples: NumSamplesOpt = 16,  # calibration text the per-layer damage is measured on
-    seq_len: SeqLenOpt = 512,
-    seed: SeedOpt = 0,
+    ] = _DEFAULT["scales"],
+    dataset: DatasetOpt = _DEFAULT["dataset"],
+    text_field: TextFieldOpt = _DEFAULT["text_field"],
+    num_samples: NumSamplesOpt = _DEFAULT[
+        "num_samples"
+    ],  # calibration text the per-layer damage is measured on
+    seq_len: SeqLenOpt = _DEFAULT["seq_len"],
+    seed: SeedOpt = _DEFAULT["seed"],
     heldout_windows: Annotated[
         int, typer.Option("--heldout-windows", help="Held-out windows the chosen plan is measured on.")
-    ] = 16,
+    ] = _DEFAULT["heldout_windows"],
     heldout_seq_len: Annotated[
         int, typer.Option("--heldout-seq-len", help="Tokens per held-out window.")
-    ] = 512,
+    ] = _DEFAULT["heldout_seq_len"],
     data_dir: Annotated[
         str | None, typer.Option("--data-dir", help="Offline data (WikiText-2 test is the held-out text).")
-    ] = None,
+    ] = _DEFAULT["data_dir"],
     frontier: Annotated[
         bool, typer.Option("--frontier", help="Also solve 1.0x, 1.0x+step, ...: the Pareto table.")
-    ] = False,
+    ] = _DEFAULT["frontier"],
     frontier_step: Annotated[
         float, typer.Option("--frontier-step", help="Capacity step of --frontier.")
-    ] = 0.25,
+    ] = _DEFAULT["frontier_step"],
     refine: Annotated[
         int,
         typer.Option("--refine", help="Rounds of re-solving with measured in-context layer costs (0: off)."),
-    ] = 0,
+    ] = _DEFAULT["refine"],
     compare_uniform: Annotated[
         bool,
         typer.Option(
             "--compare-uniform", help="Also measure every one-format configuration of the candidates."
         ),
-    ] = False,
+    ] = _DEFAULT["compare_uniform"],
     checkpoint: Annotated[
         str | None,
         typer.Option(
             "--checkpoint",
             help="Damage file (ModelOpt auto_quantize's checkpoint): reused when it exists, written when not.",
         ),
-    ] = None,
-    output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = None,
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
-    batch_size: ObserveBatchOpt = 1,
+    ] = _DEFAULT["checkpoint"],
+    output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = _DEFAULT["output"],
+    dtype: DtypeOpt = _DEFAULT["dtype"],
+    device: DeviceOpt = _DEFAULT["device"],
+    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
     json_out: JsonOpt = False,
 ) -> None:
     """Choose a KV format per layer that loses least for a capacity budget; measure it; print engine commands."""
-    options = dict(locals())
-    from kvcal.pipeline.plan import plan
+    options = dict(locals())  # first: exactly the command's options
+    from kvcal.pipeline.plan import plan_spec, run_plan
 
-    options["candidates"] = split_formats(candidates)
-    options["scales"] = list(scales or [])
-    options["output"] = str(output) if output else None
     with ProgressRenderer(enabled=not json_out) as progress:
-        report = plan(**library_kwargs(plan, options, cli_only=("json_out",)), progress=progress)
+        spec = plan_spec(
+            config_from_options(PlanConfig, options, cli_only=CLI_ONLY)
+        )  # before the model loads
+        report = run_plan(spec, progress)
     for message in report["warnings"]:
         warn(message)
     if json_out:

@@ -460,7 +460,7 @@ def _bound_plan(ctx: Context, path: Path) -> bool:
 
 def solve_plan(ctx: Context, c: PlanCandidate, scales: Scales) -> tuple[Path, bool]:
     """(the plan file of a plan candidate, whether this run solved it): a bound file of its name is reused."""
-    from kvcal.pipeline.plan import plan as kvcal_plan
+    from kvcal.pipeline.plan import PlanConfig, plan_spec, run_plan
 
     if c.file is not None:
         from kvcal.planfile import load_plan_for_model
@@ -477,13 +477,14 @@ def solve_plan(ctx: Context, c: PlanCandidate, scales: Scales) -> tuple[Path, bo
         return path, False
     ctx.say(f"plan: solving {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = kvcal_plan(
+    config = PlanConfig(
         ctx.model, ["bf16", r.format], capacity=r.capacity, effective_bits=r.effective_bits, context=r.context,
         scales=[str(scales.path)] if calibrated else [], dataset=r.dataset, num_samples=r.num_samples,
         seq_len=r.seq_len, seed=r.seed, heldout_windows=r.heldout_windows, heldout_seq_len=r.heldout_seq_len,
         data_dir=e.data_dir, output=str(path), text_field=r.text_field, dtype=e.dtype, device=e.device,
         batch_size=r.batch_size,
     )  # fmt: skip
+    report = run_plan(plan_spec(config))
     for w in report["warnings"]:
         ctx.warn(f"plan: {w}")
     ctx.work.plans_solved += 1
