@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -19,18 +19,25 @@ if TYPE_CHECKING:
     from kvcal.report.compare import Comparison
 
 
-def compare_cmd(
-    run_dirs: list[str] = typer.Argument(
-        ...,
+# `kvcal compare`'s own options (the shared ones are in kvcal.commands.options).
+RunDirsArg = Annotated[
+    list[str],
+    typer.Argument(
         help="Run directories, lm-eval output folders (`lm_eval ... --output_path P --log_samples`: P, or "
         "P@DATE_ID for one of several results files; the latest by default), or folders holding either (a "
         "sweep's RUNS_DIR).",
     ),
-    label: list[str] | None = typer.Option(
-        None, "--label", help="NAME=PATH: the configuration's name for the run at PATH (repeatable)."
+]
+LabelOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--label",
+        help="NAME=PATH: the configuration's name for the run at PATH (repeatable).",
     ),
-    conformance: list[str] | None = typer.Option(
-        None,
+]
+ConformanceOpt = Annotated[
+    list[str] | None,
+    typer.Option(
         "--conformance",
         help="ENGINE=EMULATION (labels of the quantized runs, repeatable): test that the engine's damage (its run "
         "minus its BF16 run, per sample) is equivalent to kvcal's emulation's (TOST against --margin). Without "
@@ -39,83 +46,146 @@ def compare_cmd(
         "generation kwargs, limit or task version are refused. Not equivalent fails --fail-on-regression; not "
         "judged (no BF16 runs, not shown at this sample size) too, unless --allow-unjudged.",
     ),
-    conformance_bf16: list[str] | None = typer.Option(
-        None,
+]
+ConformanceBf16Opt = Annotated[
+    list[str] | None,
+    typer.Option(
         "--conformance-bf16",
         help="ENGINE_BF16=EMULATION_BF16 (labels): the BF16 runs the damage is measured from (the engine with "
         "kv_cache_dtype=auto, kvcal eval --kv-format bf16), once for every pair or once per --conformance in "
         "order. Default: the one BF16 run of each side's lm-eval backend.",
     ),
-    margin: float | None = typer.Option(
-        None,
+]
+MarginOpt = Annotated[
+    float | None,
+    typer.Option(
         "--margin",
         help="Conformance's equivalence margin in the key metric's per-sample unit (wikitext: nats per word; "
         "accuracy: a fraction). Default: the mean per-sample |engine BF16 - emulation BF16|.",
     ),
-    baseline: str = typer.Option("bf16", "--baseline", help="Baseline: a run directory name or a kv format."),
-    output: Path | None = typer.Option(None, "-o", "--output", help="Write the Markdown report here."),
-    html_out: Path | None = typer.Option(
-        None, "--html", help="Also write one self-contained HTML report here."
+]
+BaselineOpt = Annotated[
+    str,
+    typer.Option(
+        "--baseline",
+        help="Baseline: a run directory name or a kv format.",
     ),
-    fail_on_regression: bool = typer.Option(
-        False,
+]
+OutputOpt = Annotated[Path | None, typer.Option("-o", "--output", help="Write the Markdown report here.")]
+HtmlOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--html",
+        help="Also write one self-contained HTML report here.",
+    ),
+]
+FailOnRegressionOpt = Annotated[
+    bool,
+    typer.Option(
         "--fail-on-regression",
         help="Exit 1 when the gate does not pass: a configuration fails it (see --gate), or one could not be "
         "judged (too few paired samples, no task in common; --allow-unjudged lets those pass).",
     ),
-    gate: str = typer.Option(
-        "regression",
+]
+GateOpt = Annotated[
+    str,
+    typer.Option(
         "--gate",
         help="regression: fail a configuration that degrades significantly beyond --max-drop; noninferiority: "
         "pass only one whose one-sided (1 - alpha) upper bound of the degradation is under --max-drop (prints "
         "the paired samples that would show it when it does not).",
     ),
-    allow_unjudged: bool = typer.Option(
-        False,
+]
+AllowUnjudgedOpt = Annotated[
+    bool,
+    typer.Option(
         "--allow-unjudged",
         help="With --fail-on-regression: configurations the gate could not judge pass instead of failing.",
     ),
-    max_drop: list[str] | None = typer.Option(
-        None,
+]
+MaxDropOpt = Annotated[
+    list[str] | None,
+    typer.Option(
         "--max-drop",
         help="Gate threshold, repeatable: a bare number is the default for every gated metric (absolute for "
         "accuracy, relative for perplexity, nats for kl); METRIC=VALUE or TASK/METRIC=VALUE sets one metric "
         "(e.g. --max-drop 0.02 --max-drop kl=0.05 --max-drop gsm8k/exact_match=0.03); naming a metric makes it "
         "gate (top1_agree is reported but gates only when named). Default: 0.02.",
     ),
-    max_length_change: float | None = typer.Option(
-        None,
+]
+MaxLengthChangeOpt = Annotated[
+    float | None,
+    typer.Option(
         "--max-length-change",
         help="Gate on the paired change in generated length (tokens) of every generative task, as a fraction "
         "of the baseline's (e.g. 0.25): regression fails a significant change beyond it either way; "
         "noninferiority passes only an interval inside it. Without it the change is reported, not gated.",
     ),
-    alpha: float = typer.Option(
-        0.05, "--alpha", help="Significance level of every test and interval (intervals are 1 - alpha)."
+]
+AlphaOpt = Annotated[
+    float,
+    typer.Option(
+        "--alpha",
+        help="Significance level of every test and interval (intervals are 1 - alpha).",
     ),
-    min_samples: int = typer.Option(
-        10,
+]
+MinSamplesOpt = Annotated[
+    int,
+    typer.Option(
         "--min-samples",
         help="Fewer paired samples than this: 'insufficient data', not judged (the gate fails on it unless "
         "--allow-unjudged; the report lists it).",
     ),
-    no_correction: bool = typer.Option(
-        False,
+]
+NoCorrectionOpt = Annotated[
+    bool,
+    typer.Option(
         "--no-multiple-testing-correction",
         help="Test each key metric at --alpha on its own instead of Holm-Bonferroni over all of them.",
     ),
-    on_bad_run: str = typer.Option(
-        "fail", "--on-bad-run", help="Incomplete/corrupt run directory: fail or skip."
+]
+OnBadRunOpt = Annotated[
+    str,
+    typer.Option(
+        "--on-bad-run",
+        help="Incomplete/corrupt run directory: fail or skip.",
     ),
-    bootstrap: int = typer.Option(2000, "--bootstrap", help="Paired bootstrap resamples."),
-    seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
-    context: CapacityContextOpt = None,
-    at_length: str = typer.Option(
-        "4k,16k,32k",
+]
+BootstrapOpt = Annotated[int, typer.Option("--bootstrap", help="Paired bootstrap resamples.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Bootstrap seed.")]
+AtLengthOpt = Annotated[
+    str,
+    typer.Option(
         "--at-length",
         help="Divergence tasks: the generated lengths (tokens, k = 1024) the fraction of outputs still identical "
         "to the baseline's is projected to from the measured hazard, e.g. 8k,32k for a reasoning task's traces.",
     ),
+]
+
+
+
+def compare_cmd(
+    run_dirs: RunDirsArg,
+    label: LabelOpt = None,
+    conformance: ConformanceOpt = None,
+    conformance_bf16: ConformanceBf16Opt = None,
+    margin: MarginOpt = None,
+    baseline: BaselineOpt = "bf16",
+    output: OutputOpt = None,
+    html_out: HtmlOutOpt = None,
+    fail_on_regression: FailOnRegressionOpt = False,
+    gate: GateOpt = "regression",
+    allow_unjudged: AllowUnjudgedOpt = False,
+    max_drop: MaxDropOpt = None,
+    max_length_change: MaxLengthChangeOpt = None,
+    alpha: AlphaOpt = 0.05,
+    min_samples: MinSamplesOpt = 10,
+    no_correction: NoCorrectionOpt = False,
+    on_bad_run: OnBadRunOpt = "fail",
+    bootstrap: BootstrapOpt = 2000,
+    seed: SeedOpt = 1234,
+    context: CapacityContextOpt = None,
+    at_length: AtLengthOpt = "4k,16k,32k",
     as_json: JsonOpt = False,
 ) -> None:
     """Compare run directories against a baseline: report with error bars and a regression gate."""
@@ -292,7 +362,6 @@ def sweep_cmd(
         parse_shard,
         plan_sweep,
         shard_plan,
-        summary_name,
     )
 
     slice_ = parse_shard(shard) if shard is not None else None
@@ -313,21 +382,7 @@ def sweep_cmd(
     if slice_ is not None:
         plan = shard_plan(plan, slice_)
     if dry_run:
-        if as_json:
-            print_json(plan.to_dict())
-            return
-        table = Table(title=f"sweep plan: {cfg.model} -> {output}")
-        for col in ("cell", "task", "kv format", "scales", "skip", "status"):
-            table.add_column(col, overflow="fold")
-        for cell in plan.cells:
-            table.add_row(cell.name, cell.task, cell.kv_format, cell.scales_label, cell.skip, cell.status)
-        console.print(table)
-        todo = plan.calibrations_todo
-        console.print(
-            f"{len(plan.cells)} cells: {plan.n_done} complete, {len(plan.todo)} to run; "
-            f"{len(plan.calibrations)} scale files ({len(todo)} to calibrate)",
-            highlight=False,
-        )
+        _print_sweep_plan(cfg, output, plan, as_json)
         return
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -346,26 +401,54 @@ def sweep_cmd(
     if as_json:
         print_json(result)
     else:
-        from kvcal.commands.engines import print_engine_dicts
-
-        print_engine_dicts(result["engine_commands"])
-        where = f"slice {shard} " if shard else ""
-        then = (
-            f"When every slice is done: kvcal sweep {config} -o {output} --report-only"
-            if slice_
-            else f"Compare with: kvcal compare {output} -o REPORT.md"
-        )
-        console.print(
-            f"sweep {where}finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
-            f"{len(result['busy'])} running in another process, {len(result['failed'])} failed "
-            f"({output / summary_name(slice_)}). {then}"
-            + (f" (capacity at {cfg.context} tokens of context, from sweep.yaml)" if cfg.context else ""),
-            highlight=False,
-        )
+        _print_sweep_result(cfg, config, output, shard, result)
     if result["failed"]:
         for f in result["failed"]:
             err_console.print(f"failed: {f['cell']}: {f['error']}", highlight=False, markup=False)
         sys.exit(1)
+
+
+def _print_sweep_plan(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool) -> None:
+    """--dry-run: the cells (what is done, what would run) and the scale files to calibrate."""
+    if as_json:
+        print_json(plan.to_dict())
+        return
+    table = Table(title=f"sweep plan: {cfg.model} -> {output}")
+    for col in ("cell", "task", "kv format", "scales", "skip", "status"):
+        table.add_column(col, overflow="fold")
+    for cell in plan.cells:
+        table.add_row(cell.name, cell.task, cell.kv_format, cell.scales_label, cell.skip, cell.status)
+    console.print(table)
+    todo = plan.calibrations_todo
+    console.print(
+        f"{len(plan.cells)} cells: {plan.n_done} complete, {len(plan.todo)} to run; "
+        f"{len(plan.calibrations)} scale files ({len(todo)} to calibrate)",
+        highlight=False,
+    )
+
+
+def _print_sweep_result(
+    cfg: SweepConfig, config: Path, output: Path, shard: str | None, result: dict[str, Any]
+) -> None:
+    """The engine commands of the cells run and a closing line: what ran, what failed, what to do next."""
+    from kvcal.commands.engines import print_engine_dicts
+    from kvcal.pipeline.sweep import parse_shard, summary_name
+
+    slice_ = parse_shard(shard) if shard is not None else None
+    print_engine_dicts(result["engine_commands"])
+    where = f"slice {shard} " if shard else ""
+    then = (
+        f"When every slice is done: kvcal sweep {config} -o {output} --report-only"
+        if slice_
+        else f"Compare with: kvcal compare {output} -o REPORT.md"
+    )
+    console.print(
+        f"sweep {where}finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
+        f"{len(result['busy'])} running in another process, {len(result['failed'])} failed "
+        f"({output / summary_name(slice_)}). {then}"
+        + (f" (capacity at {cfg.context} tokens of context, from sweep.yaml)" if cfg.context else ""),
+        highlight=False,
+    )
 
 
 def _sweep_report(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool) -> None:
