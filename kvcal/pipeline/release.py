@@ -52,6 +52,7 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.filecache import sha256_file
 from kvcal.formats import check_head_dims, get_format
 from kvcal.io import atomic_write_json, atomic_write_text
+from kvcal.kvconfig import KVConfig
 from kvcal.models.geometry import KVSpec, parse_skip_layers
 from kvcal.pipeline import sweep
 from kvcal.pipeline.release_config import PlanCandidate, ReleaseConfig, sweep_config
@@ -371,6 +372,11 @@ class Configuration:
     calibrated: bool
     plan: str | None = None  # a plan candidate's file (its 16-bit layers are `skip`)
 
+    @property
+    def key(self) -> KVConfig:
+        """The configuration it evaluates (a candidate that repeats another's is dropped)."""
+        return KVConfig(self.kv_format, self.label, self.skip, self.plan)
+
 
 def _calibrated(cfg: ReleaseConfig, fmt: str, scales: str | None) -> bool:
     """A candidate takes the release's scale file when it stores the shipped format and is not `uncalibrated`."""
@@ -402,8 +408,7 @@ def configurations(cfg: ReleaseConfig, plans: dict[int, Path] | None = None) -> 
         else:
             label = "uncalibrated" if fmt.calibratable else "dynamic"
         conf = Configuration("candidate", fmt.name, label, skip, calibrated, None if plan is None else str(plan))
-        if all((x.kv_format, x.label, x.skip, x.plan) != (conf.kv_format, conf.label, conf.skip, conf.plan)
-               for x in out):  # fmt: skip
+        if all(x.key != conf.key for x in out):
             out.append(conf)
     return out
 
@@ -422,8 +427,9 @@ def plan_cells(
     roles: dict[str, str] = {}
     for conf in configurations(ctx.cfg, plans):
         base = root / f"scales-{scales.sha256[:12]}" if conf.calibrated else root
-        mine = sweep.task_cells(ctx.scfg, base, conf.kv_format, conf.label, conf.skip,
-                                cal if conf.calibrated else None, conf.role == "baseline", conf.plan)  # fmt: skip
+        key = conf.key
+        mine = sweep.task_cells(ctx.scfg, base, key.kv_format, key.scales, key.skip,
+                                cal if conf.calibrated else None, conf.role == "baseline", key.plan)  # fmt: skip
         roles.update({c.name: conf.role for c in mine})
         cells += mine
     return sweep.SweepPlan(root, cells, [cal]), roles
