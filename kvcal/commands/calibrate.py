@@ -26,7 +26,6 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    config_defaults,
     config_from_options,
     output_option,
 )
@@ -37,7 +36,6 @@ from kvcal.commands.progress import ProgressRenderer
 CLI_ONLY = ("json_out", "num_processes")
 FIELDS_WITHOUT_OPTION = ("observer_params",)
 DEFAULT_PERCENTILE = 99.99  # the percentile observer's own default (kvcal.calibrate.observers)
-_DEFAULT = config_defaults(CalibrateConfig)  # the options' defaults are CalibrateConfig's
 
 
 def calibrate_cmd(
@@ -47,25 +45,23 @@ def calibrate_cmd(
     output: Annotated[Path, output_option("Scale file to write (.safetensors).")],
     granularity: Annotated[
         str, typer.Option("--granularity", help="tensor (one scale per layer) or head.")
-    ] = _DEFAULT["granularity"],
-    observer: Annotated[str, typer.Option("--observer", help="minmax, percentile or mse.")] = _DEFAULT[
-        "observer"
-    ],
+    ] = "tensor",
+    observer: Annotated[str, typer.Option("--observer", help="minmax, percentile or mse.")] = "minmax",
     percentile: Annotated[
         float | None,
         typer.Option(
             "--percentile",
             help=f"Percentile of |x| for --observer percentile (default {DEFAULT_PERCENTILE}).",
         ),
-    ] = _DEFAULT["percentile"],
-    dataset: DatasetOpt = _DEFAULT["dataset"],
-    text_field: TextFieldOpt = _DEFAULT["text_field"],
-    num_samples: NumSamplesOpt = _DEFAULT["num_samples"],
-    seq_len: SeqLenOpt = _DEFAULT["seq_len"],
-    seed: SeedOpt = _DEFAULT["seed"],
+    ] = None,
+    dataset: DatasetOpt = None,
+    text_field: TextFieldOpt = None,
+    num_samples: NumSamplesOpt = 128,
+    seq_len: SeqLenOpt = 512,
+    seed: SeedOpt = 0,
     engine: Annotated[
         str, typer.Option("--engine", help="native or llmcompressor (oneshot, fp8_e4m3 only).")
-    ] = _DEFAULT["engine"],
+    ] = "native",
     llmc_observer: Annotated[
         str,
         typer.Option(
@@ -73,13 +69,13 @@ def calibrate_cmd(
             help="llm-compressor observer for --engine llmcompressor (its default 'minmax' is a moving "
             "average that under-estimates amax).",
         ),
-    ] = _DEFAULT["llmc_observer"],
-    dtype: DtypeOpt = _DEFAULT["dtype"],
-    device: DeviceOpt = _DEFAULT["device"],
-    device_map: DeviceMapOpt = _DEFAULT["device_map"],
-    max_memory: MaxMemoryOpt = _DEFAULT["max_memory"],
-    offload_folder: OffloadFolderOpt = _DEFAULT["offload_folder"],
-    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
+    ] = "static_minmax",
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
+    batch_size: ObserveBatchOpt = 1,
     kv_input_dtype: KvInputDtypeOpt = "bfloat16",  # the library's default is None (as the model computes K/V)
     attention_scales: Annotated[
         bool,
@@ -88,7 +84,7 @@ def calibrate_cmd(
             help="Also observe the post-RoPE queries and store q_scale per layer (amax / 448), for "
             "`kvcal eval --attention fp8` and vLLM's FP8 attention (FlashAttention-3).",
         ),
-    ] = _DEFAULT["attention_scales"],
+    ] = False,
     num_processes: NumProcessesOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvcal.calibrate.drift import DRIFTED, DriftConfig
+from kvcal.calibrate.drift import DEFAULT_MAX_CLIP, DEFAULT_MAX_SQNR_LOSS_DB, DRIFTED, DriftConfig
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
@@ -21,14 +21,12 @@ from kvcal.commands.options import (
     ObserveBatchOpt,
     SeedOpt,
     TextFieldOpt,
-    config_defaults,
     config_from_options,
 )
 from kvcal.commands.output import console, err_console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
 
 CLI_ONLY = ("json_out",)
-_DEFAULT = config_defaults(DriftConfig)  # the options' defaults are DriftConfig's
 
 
 def drift_cmd(
@@ -36,11 +34,11 @@ def drift_cmd(
         Path, typer.Argument(help="Scale file (.safetensors) from `kvcal calibrate`.", show_default=False)
     ],
     model: ModelArg,
-    dataset: DatasetOpt = _DEFAULT["dataset"],
-    text_field: TextFieldOpt = _DEFAULT["text_field"],
-    num_samples: NumSamplesOpt = _DEFAULT["num_samples"],
-    seq_len: ManifestSeqLenOpt = _DEFAULT["seq_len"],
-    seed: SeedOpt = _DEFAULT["seed"],
+    dataset: DatasetOpt = None,
+    text_field: TextFieldOpt = None,
+    num_samples: NumSamplesOpt = 32,
+    seq_len: ManifestSeqLenOpt = None,
+    seed: SeedOpt = 0,
     max_clip: Annotated[
         float,
         typer.Option(
@@ -48,7 +46,7 @@ def drift_cmd(
             help="Drifted when the current scales saturate more than this fraction of any scale group's "
             "elements beyond what fresh scales of the file's observer saturate on the traffic (minmax: none).",
         ),
-    ] = _DEFAULT["max_clip"],
+    ] = DEFAULT_MAX_CLIP,
     max_sqnr_loss_db: Annotated[
         float,
         typer.Option(
@@ -56,11 +54,11 @@ def drift_cmd(
             help="Drifted when any scale group's SQNR with the current scales is this many dB below its SQNR "
             "with fresh scales (the file's observer) on the traffic.",
         ),
-    ] = _DEFAULT["max_sqnr_loss_db"],
+    ] = DEFAULT_MAX_SQNR_LOSS_DB,
     force: Annotated[
         bool, typer.Option("--force", help="Check a scale file calibrated on another checkpoint anyway.")
-    ] = _DEFAULT["force"],
-    dtype: ManifestDtypeOpt = _DEFAULT["dtype"],
+    ] = False,
+    dtype: ManifestDtypeOpt = None,
     kv_input_dtype: Annotated[
         str | None,
         typer.Option(
@@ -68,9 +66,9 @@ def drift_cmd(
             help="Default and only accepted value: the scale file's (manifest calibration.kv_input_dtype); "
             "K/V are rounded to it before they are measured, as calibrate measured them.",
         ),
-    ] = _DEFAULT["kv_input_dtype"],
-    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
-    device: DeviceOpt = _DEFAULT["device"],
+    ] = None,
+    batch_size: ObserveBatchOpt = 1,
+    device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
 ) -> None:
     """Check a scale file against a traffic sample (--dataset): clip fractions and SQNR vs fresh scales, per layer.

@@ -22,15 +22,13 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    config_defaults,
     config_from_options,
     output_option,
 )
 from kvcal.commands.output import console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
-from kvcal.pipeline.plan import PlanConfig
+from kvcal.pipeline.plan import DEFAULT_CANDIDATES, PlanConfig
 
-_DEFAULT = config_defaults(PlanConfig)  # the options' defaults are PlanConfig's
 CLI_ONLY = ("json_out",)
 
 
@@ -41,71 +39,69 @@ def plan_cmd(
         typer.Option(
             "--candidates", help="Formats a layer may take, comma-separated; k=A,v=B pairs allowed."
         ),
-    ] = _DEFAULT["candidates"],
+    ] = DEFAULT_CANDIDATES,
     capacity: Annotated[
         str | None, typer.Option("--capacity", help="Budget: at least this many x BF16's tokens, e.g. 3.0x.")
-    ] = _DEFAULT["capacity"],
+    ] = None,
     effective_bits: Annotated[
         float | None,
         typer.Option(
             "--effective-bits", help="Budget instead: mean storage bits per K/V element (ModelOpt's)."
         ),
-    ] = _DEFAULT["effective_bits"],
+    ] = None,
     context: Annotated[
         int | None,
         typer.Option(
             "--context", help="Sequence length of the budget: sliding layers hold min(context, window)."
         ),
-    ] = _DEFAULT["context"],
+    ] = None,
     scales: Annotated[
         list[str] | None,
         typer.Option(
             "--scales", help="Scale file of a candidate format (repeat per format); default: minmax."
         ),
-    ] = _DEFAULT["scales"],
-    dataset: DatasetOpt = _DEFAULT["dataset"],
-    text_field: TextFieldOpt = _DEFAULT["text_field"],
-    num_samples: NumSamplesOpt = _DEFAULT[
-        "num_samples"
-    ],  # calibration text the per-layer damage is measured on
-    seq_len: SeqLenOpt = _DEFAULT["seq_len"],
-    seed: SeedOpt = _DEFAULT["seed"],
+    ] = None,
+    dataset: DatasetOpt = None,
+    text_field: TextFieldOpt = None,
+    num_samples: NumSamplesOpt = 16,  # calibration text the per-layer damage is measured on
+    seq_len: SeqLenOpt = 512,
+    seed: SeedOpt = 0,
     heldout_windows: Annotated[
         int, typer.Option("--heldout-windows", help="Held-out windows the chosen plan is measured on.")
-    ] = _DEFAULT["heldout_windows"],
+    ] = 16,
     heldout_seq_len: Annotated[
         int, typer.Option("--heldout-seq-len", help="Tokens per held-out window.")
-    ] = _DEFAULT["heldout_seq_len"],
+    ] = 512,
     data_dir: Annotated[
         str | None, typer.Option("--data-dir", help="Offline data (WikiText-2 test is the held-out text).")
-    ] = _DEFAULT["data_dir"],
+    ] = None,
     frontier: Annotated[
         bool, typer.Option("--frontier", help="Also solve 1.0x, 1.0x+step, ...: the Pareto table.")
-    ] = _DEFAULT["frontier"],
+    ] = False,
     frontier_step: Annotated[
         float, typer.Option("--frontier-step", help="Capacity step of --frontier.")
-    ] = _DEFAULT["frontier_step"],
+    ] = 0.25,
     refine: Annotated[
         int,
         typer.Option("--refine", help="Rounds of re-solving with measured in-context layer costs (0: off)."),
-    ] = _DEFAULT["refine"],
+    ] = 0,
     compare_uniform: Annotated[
         bool,
         typer.Option(
             "--compare-uniform", help="Also measure every one-format configuration of the candidates."
         ),
-    ] = _DEFAULT["compare_uniform"],
+    ] = False,
     checkpoint: Annotated[
         str | None,
         typer.Option(
             "--checkpoint",
             help="Damage file (ModelOpt auto_quantize's checkpoint): reused when it exists, written when not.",
         ),
-    ] = _DEFAULT["checkpoint"],
-    output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = _DEFAULT["output"],
-    dtype: DtypeOpt = _DEFAULT["dtype"],
-    device: DeviceOpt = _DEFAULT["device"],
-    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
+    ] = None,
+    output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    batch_size: ObserveBatchOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Choose a KV format per layer that loses least for a capacity budget; measure it; print engine commands."""

@@ -23,7 +23,6 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    config_defaults,
     config_from_options,
     output_option,
     scales_option,
@@ -32,35 +31,34 @@ from kvcal.commands.output import console, print_json, warn
 from kvcal.commands.progress import ProgressRenderer
 from kvcal.pipeline.sensitivity import SensitivityConfig
 
-_DEFAULT = config_defaults(SensitivityConfig)  # the options' defaults are SensitivityConfig's
 CLI_ONLY = ("json_out",)
 
 
 def sensitivity_cmd(
     model: ModelArg,
     kv_format: KvFormatOpt,
-    output: Annotated[Path | None, output_option("Write the report as JSON here.")] = _DEFAULT["output"],
+    output: Annotated[Path | None, output_option("Write the report as JSON here.")] = None,
     scales: Annotated[
         str | None,
         scales_option(
             "Scale file for fp8/nvfp4, or 'minmax' (per tensor on the same samples); default: scale 1.0, "
             "as `kvcal eval` and vLLM without scales."
         ),
-    ] = _DEFAULT["scales"],
-    dataset: DatasetOpt = _DEFAULT["dataset"],
-    text_field: TextFieldOpt = _DEFAULT["text_field"],
-    num_samples: NumSamplesOpt = _DEFAULT["num_samples"],
-    seq_len: SeqLenOpt = _DEFAULT["seq_len"],
-    seed: SeedOpt = _DEFAULT["seed"],
+    ] = None,
+    dataset: DatasetOpt = None,
+    text_field: TextFieldOpt = None,
+    num_samples: NumSamplesOpt = 8,
+    seq_len: SeqLenOpt = 256,
+    seed: SeedOpt = 0,
     factor: Annotated[
         float, typer.Option("--factor", help="Flag layers whose damage exceeds this x the median.")
-    ] = _DEFAULT["factor"],
-    dtype: DtypeOpt = _DEFAULT["dtype"],
-    device: DeviceOpt = _DEFAULT["device"],
-    device_map: DeviceMapOpt = _DEFAULT["device_map"],
-    max_memory: MaxMemoryOpt = _DEFAULT["max_memory"],
-    offload_folder: OffloadFolderOpt = _DEFAULT["offload_folder"],
-    batch_size: ObserveBatchOpt = _DEFAULT["batch_size"],
+    ] = 2.0,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
+    batch_size: ObserveBatchOpt = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Quantize one layer's KV cache at a time; report each layer's KL damage and which layers to skip."""

@@ -69,25 +69,21 @@ class Configuration:
 
     label: str
     runs: list[Run]
-    key: KVConfig  # format, scales, 16-bit layers and plan label its runs recorded (KVConfig.of_run)
+    kv_format: str
+    scales: str
+    skip: str
     capacity: float | None = None  # tokens that fit vs BF16 (x)
+    plan: str | None = None  # the label of the plan file its runs evaluated (`plan@3.0x`), None for a format
+
+    @classmethod
+    def of_runs(cls, label: str, runs: list[Run]) -> Configuration:
+        """The configuration its first run's config.yaml records (KVConfig.of_run)."""
+        key = KVConfig.of_run(runs[0].config)
+        return cls(label, runs, key.kv_format, key.scales, key.skip, plan=key.plan)
 
     @property
-    def kv_format(self) -> str:
-        return self.key.kv_format
-
-    @property
-    def scales(self) -> str:
-        return self.key.scales
-
-    @property
-    def skip(self) -> str:
-        return self.key.skip
-
-    @property
-    def plan(self) -> str | None:
-        """The label of the plan file its runs evaluated (`plan@3.0x`), None for a format."""
-        return self.key.plan
+    def key(self) -> KVConfig:
+        return KVConfig(self.kv_format, self.scales, self.skip, self.plan)
 
     @property
     def format_shown(self) -> str:
@@ -479,7 +475,7 @@ def _configurations(runs: list[Run]) -> list[Configuration]:
                 label, i = f"{r.path.parent.name}/{r.name}#{i}", i + 1
         groups.setdefault(label, []).append(r)
     return [
-        Configuration(lab, rs, KVConfig.of_run(rs[0].config))
+        Configuration.of_runs(lab, rs)
         for lab, rs in groups.items()
     ]
 
