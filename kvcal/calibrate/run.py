@@ -41,7 +41,7 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import KVFormat, is_tq_preset, kv_pair, parse_kv_format
 from kvcal.models.geometry import KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, load_model
-from kvcal.placement import Placement
+from kvcal.placement import Placement, PlacementOptions
 
 ENGINES = ("native", "llmcompressor")
 
@@ -243,7 +243,7 @@ def observed_scales(
 
 
 @dataclass
-class CalibrateConfig:
+class CalibrateConfig(PlacementOptions):
     """The options of one calibration as given (`kvcal calibrate`'s, by name; `calibrate_spec` parses them once).
     Defaults are the library's; `kvcal calibrate` declares its own --kv-input-dtype default (bfloat16, as eval
     quantizes K/V)."""
@@ -268,10 +268,7 @@ class CalibrateConfig:
     llmc_observer: str = "static_minmax"
     attention_scales: bool = False  # also observe the post-RoPE queries: q_scale per layer (FP8 attention)
     batch_size: int = 1  # samples per forward (right-padded; the scales are those of batch 1, hooks.observe)
-    # accelerate's big-model placement (kvcal.placement.Placement)
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
+    # (PlacementOptions: accelerate's big-model placement, device_map / max_memory / offload_folder)
     # the native engine observes K/V rounded to it, as `kvcal eval --kv-input-dtype` quantizes them; None = as
     # the model computes them. The scale file records the dtype observed (manifest calibration.kv_input_dtype)
     kv_input_dtype: str | None = None
@@ -325,7 +322,7 @@ def calibrate_spec(config: CalibrateConfig) -> CalibrateSpec:
         _check_request(v_fmt, c.granularity, c.observer, params, c.engine)
     _check_processes(c.engine, c.attention_scales, opts.num_samples, parallel.from_env())
     out = check_output_path(c.output)
-    placement = Placement.parse(c.device_map, c.max_memory, c.offload_folder)
+    placement = c.placement()
     device = c.device
     if not isinstance(c.model, LoadedModel):
         check_device(device)

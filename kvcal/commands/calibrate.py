@@ -29,8 +29,8 @@ from kvcal.commands.options import (
     config_from_options,
     output_option,
 )
-from kvcal.commands.output import console, print_json, warn
-from kvcal.commands.progress import ProgressRenderer
+from kvcal.commands.output import console, emit_result
+from kvcal.commands.progress import run_with_progress
 
 # Options that are not fields of kvcal.calibrate.run.CalibrateConfig (its keyword callers pass observer_params).
 CLI_ONLY = ("json_out", "num_processes")
@@ -98,16 +98,11 @@ def calibrate_cmd(
 
     config = config_from_options(CalibrateConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
     spec = calibrate_spec(config)  # parsed and checked once, before the model loads
-    with ProgressRenderer(enabled=not json_out and is_main_process()) as progress:
-        result = run_calibration(spec, progress)
+    result = run_with_progress(run_calibration, spec, enabled=not json_out and is_main_process())
     if not is_main_process():
         return  # rank 0 wrote the scale file and renders it
-    for message in result.warnings:
-        warn(message)
-    if json_out:
-        print_json(_json(result))
-        return
-    _render(result)
+    if not emit_result(result, json_out, result.warnings, _json):
+        _render(result)
 
 
 def _json(result: Any) -> dict[str, Any]:

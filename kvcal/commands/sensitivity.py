@@ -27,8 +27,8 @@ from kvcal.commands.options import (
     output_option,
     scales_option,
 )
-from kvcal.commands.output import console, print_json, warn
-from kvcal.commands.progress import ProgressRenderer
+from kvcal.commands.output import console, emit_result
+from kvcal.commands.progress import run_with_progress
 from kvcal.pipeline.sensitivity import SensitivityConfig
 
 CLI_ONLY = ("json_out",)
@@ -66,14 +66,9 @@ def sensitivity_cmd(
     from kvcal.pipeline.sensitivity import run_sensitivity, sensitivity_spec
 
     spec = sensitivity_spec(config_from_options(SensitivityConfig, options, cli_only=CLI_ONLY))
-    with ProgressRenderer(enabled=not json_out) as progress:
-        report = run_sensitivity(spec, progress)
-    for message in report["warnings"]:
-        warn(message)
-    if json_out:
-        print_json(report)
-        return
-    _render(report, output)
+    report = run_with_progress(run_sensitivity, spec, enabled=not json_out)
+    if not emit_result(report, json_out, report["warnings"]):
+        _render(report, output)
 
 
 def _table(r: dict[str, Any]) -> Table:

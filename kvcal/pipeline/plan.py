@@ -383,7 +383,7 @@ class PlanConfig:
     capacity: str | None = None  # the budget: at least this many x BF16's tokens ("3.0x")
     effective_bits: float | None = None  # or: mean storage bits per K/V element
     context: int | None = None  # sequence length of the budget
-    scales: Sequence[str] | None = None  # scale files of candidate formats (default: minmax on the samples)
+    scales: Sequence[str] = ()  # scale files of candidate formats (default: minmax on the samples)
     dataset: str | None = None
     num_samples: int = 16  # calibration text the per-layer damage is measured on
     seq_len: int = 512

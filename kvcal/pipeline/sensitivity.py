@@ -41,7 +41,7 @@ from kvcal.io import atomic_write_json
 from kvcal.models.geometry import FULL, SLIDING, KVSpec, kv_spec
 from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
 from kvcal.pipeline.replay import LayerReplay
-from kvcal.placement import Placement
+from kvcal.placement import Placement, PlacementOptions
 from kvcal.scales import load_scales_for_model
 
 MINMAX = "minmax"  # --scales minmax: scales observed on the samples themselves (the pre-issue-27 default)
@@ -182,7 +182,7 @@ def _advice(
 
 
 @dataclass
-class SensitivityConfig:
+class SensitivityConfig(PlacementOptions):
     """The options of `kvcal sensitivity` as given (by name and default); `sensitivity_spec` parses them once."""
 
     model: str | LoadedModel
@@ -198,10 +198,7 @@ class SensitivityConfig:
     device: str = "cpu"
     factor: float = 2.0  # layers above factor x the median damage are the skip candidates
     batch_size: int = 1  # samples per forward (the same numbers as 1)
-    # accelerate's placement (kvcal.placement)
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
+    # (PlacementOptions: accelerate's placement, device_map / max_memory / offload_folder)
 
 
 @dataclass(frozen=True)
@@ -238,7 +235,7 @@ def sensitivity_spec(config: SensitivityConfig) -> SensitivitySpec:
         dataset=c.dataset, text_field=c.text_field, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
         batch_size=c.batch_size,
     )  # fmt: skip
-    placement = Placement.parse(c.device_map, c.max_memory, c.offload_folder)
+    placement = c.placement()
     if not isinstance(c.model, LoadedModel):
         check_device(c.device)
         placement.check()
