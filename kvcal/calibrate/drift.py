@@ -543,11 +543,7 @@ def run_drift(spec: DriftSpec, progress: ProgressFn | None = None) -> DriftRepor
     if progress:
         progress(0, 1, "load")
     model = spec.model
-    lm = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(model, dtype=spec.load_dtype, device=spec.device)
-    )
+    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=spec.load_dtype, device=spec.device)
     if progress:
         progress(1, 1, "load")
     warnings = _dtype_warning(lm, cal.get("dtype"))

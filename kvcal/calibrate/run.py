@@ -40,7 +40,7 @@ from kvcal.calibrate.observers import (
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import KVFormat, is_tq_preset, kv_pair, parse_kv_format
 from kvcal.models.geometry import KVSpec, kv_spec
-from kvcal.models.loading import LoadedModel, check_device, load_model
+from kvcal.models.loading import LoadedModel, check_device, loaded
 from kvcal.placement import Placement, PlacementOptions
 
 ENGINES = ("native", "llmcompressor")
@@ -257,9 +257,7 @@ class CalibrateConfig(PlacementOptions):
     seq_len: int = 512
     seed: int = 0
     engine: str = "native"
-    output: str | os.PathLike[str] | None = (
-        None  # the scale file to write (atomically); None: nothing written
-    )
+    output: str | os.PathLike[str] | None = None  # the scale file to write (atomically); None: none written
     text_field: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -495,15 +493,16 @@ def _check_request(
 
 
 def _load(
-    model: str | LoadedModel, dtype: str, device: str, progress: ProgressFn | None, placement: Placement
+    model: str | LoadedModel,
+    dtype: str,
+    device: str,
+    progress: ProgressFn | None,
+    placement: Placement | None = None,
 ) -> LoadedModel:
+    """`model` loaded (a LoadedModel is used as it is), reported as the 'load' phase."""
     if progress:
         progress(0, 1, "load")
-    lm = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(model, dtype=dtype, device=device, placement=placement)
-    )
+    lm = loaded(model, dtype, device, placement)
     if progress:
         progress(1, 1, "load")
     return lm

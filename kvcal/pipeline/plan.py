@@ -51,7 +51,7 @@ from kvcal.formats import KVFormat, fake_quantize, get_format, kv_pair, split_fo
 from kvcal.io import atomic_write_json
 from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec
-from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
+from kvcal.models.loading import LoadedModel, check_device, input_device, loaded
 from kvcal.models.real import resolve_real_name
 from kvcal.pipeline.plan_cost import (
     Budget,
@@ -474,12 +474,7 @@ def run_plan(spec: PlanSpec, progress: ProgressFn | None = None) -> dict[str, An
     file's), the solved plan, its refinement, frontier and uniform guard, the held-out measurements, and the
     plan file when the spec has an output."""
     cands, budget, opts = spec.candidates, spec.budget, spec.opts
-    model = spec.model
-    lm = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(model, dtype=spec.dtype, device=spec.device, placement=Placement())
-    )
+    lm = loaded(spec.model, spec.dtype, spec.device, Placement())
     kv = kv_spec(lm.model.config)
     if (
         spec.saved is not None and spec.checkpoint is not None

@@ -39,7 +39,7 @@ from kvcal.evaluate.kl import kl_per_token
 from kvcal.formats import KVFormat, fake_quantize, get_format
 from kvcal.io import atomic_write_json
 from kvcal.models.geometry import FULL, SLIDING, KVSpec, kv_spec
-from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
+from kvcal.models.loading import LoadedModel, check_device, input_device, loaded
 from kvcal.pipeline.replay import LayerReplay
 from kvcal.placement import Placement, PlacementOptions
 from kvcal.scales import load_scales_for_model
@@ -273,11 +273,7 @@ def run_sensitivity(spec: SensitivitySpec, progress: ProgressFn | None = None) -
     the report, also written to the spec's output."""
     opts, fmt = spec.opts, spec.fmt
     source = opts.texts()
-    lm = (
-        spec.model
-        if isinstance(spec.model, LoadedModel)
-        else load_model(spec.model, dtype=spec.dtype, device=spec.device, placement=spec.placement)
-    )
+    lm = loaded(spec.model, spec.dtype, spec.device, spec.placement)
     kv = kv_spec(lm.model.config)
     data = opts.samples(lm, source)
     k_scales, v_scales, scale_source = layer_scales(lm, kv, fmt, spec.scales, data.samples, progress, opts)
