@@ -40,4 +40,5 @@ def test_a_plan_run_is_its_label_beside_its_format() -> None:
                    plan={"label": "plan@3.0x"}, nvfp4_global="one")  # fmt: skip
     key = KVConfig.of_run(rc)
     assert key == KVConfig("nvfp4", "uncalibrated", "0,5", "plan@3.0x")
-    assert key.format_shown == "plan@3.0x (nvfp4)" and key.without_plan() == KVConfig("nvfp4", "uncalibrated", "0,5")
+    assert key.format_shown == "plan@3.0x (nvfp4)"
+    assert key.without_plan() == KVConfig("nvfp4", "uncalibrated", "0,5")
