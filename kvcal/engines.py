@@ -49,14 +49,11 @@ import yaml
 
 from kvcal.formats import TQ_BOUNDARY_LAYERS, get_format, is_tq_preset
 from kvcal.rundir import CONFIG, RunConfig
+from kvcal.tasknames import OWN_TASKS
 
 ENGINES = ("vllm", "vllm-cpu", "sglang", "trtllm")
-# kvcal's own tasks: they need kvcal's BF16 reference logits or its generated documents; no engine runs them.
-# The divergence tasks (kvcal.evaluate.tasks.DIVERGENCE_TASKS; this module sits below it) compare against kvcal's
-# BF16 trajectory.
-KVCAL_ONLY_TASKS = frozenset(
-    {"kl", "passkey", "passkey_mc", "divergence", "divergence_gsm8k", "divergence_aime25", "divergence_gpqa_diamond"}
-)
+# kvcal's own tasks (kvcal.tasknames): they need kvcal's BF16 reference or its generated documents; no engine runs them
+KVCAL_ONLY_TASKS = OWN_TASKS
 ENDPOINT = "http://localhost:8000/v1/completions"  # the OpenAI completions route vLLM / trtllm-serve open
 # --kv-cache-dtype choices, transcribed: vLLM vllm/config/cache.py CacheDType @ 002f10e0; SGLang
 # python/sglang/srt/server_args.py kv_cache_dtype choices @ 001067ff. A name kvcal's format table gives an engine

@@ -29,6 +29,20 @@ STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 DeviceMap = str | dict[str, int | str]
 
 
+@dataclass(kw_only=True)
+class PlacementOptions:
+    """--device-map / --max-memory / --offload-folder as given: the option group of a command's config (eval,
+    calibrate, sensitivity inherit it; keyword-only, so it adds no positional argument)."""
+
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
+
+    def placement(self) -> Placement:
+        """The group parsed (`Placement.parse`); its devices are checked by `Placement.check`."""
+        return Placement.parse(self.device_map, self.max_memory, self.offload_folder)
+
+
 @dataclass(frozen=True)
 class Placement:
     """A device map (a strategy name or module -> device), optional memory budget per device, offload folder."""

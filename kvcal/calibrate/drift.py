@@ -437,6 +437,77 @@ def _reasons(layers: list[dict[str, Any]], max_clip: float, max_loss: float) -> 
 # ---- the check ----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class DriftConfig:
+    """The options of `kvcal drift` as given (by name and default); `drift_spec` parses them once."""
+
+    scales: str | os.PathLike[str]  # the scale file (SCALES)
+    model: str | LoadedModel
+    dataset: str | None = None  # the traffic sample
+    text_field: str | None = None
+    num_samples: int = 32
+    seq_len: int | None = None  # None: the scale file's calibration.seq_len
+    seed: int = 0
+    max_clip: float = DEFAULT_MAX_CLIP
+    max_sqnr_loss_db: float = DEFAULT_MAX_SQNR_LOSS_DB
+    force: bool = False  # check a file bound to another checkpoint anyway
+    dtype: str | None = None  # None: the scale file's calibration.dtype
+    kv_input_dtype: str | None = None  # None or the scale file's own (another is refused)
+    batch_size: int = 1
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class DriftSpec:
+    """One drift check, parsed and checked without a forward pass (build it with `drift_spec`)."""
+
+    scales_path: str | os.PathLike[str]
+    model: str | LoadedModel
+    scale_set: Any  # kvcal.scales.ScaleSet, bound to the model (or forced)
+    source: TextSource  # the traffic's records
+    opts: ObserveOptions  # set up as the scale file's calibration observed (ObserveOptions.for_scale_file)
+    fmt: KVFormat
+    load_dtype: str  # the model's dtype: --dtype, else the calibration's
+    device: str
+    max_clip: float
+    max_sqnr_loss_db: float
+
+    @property
+    def calibration(self) -> dict[str, Any]:
+        """The scale file's manifest record of its calibration."""
+        return self.scale_set.manifest.get("calibration") or {}
+
+
+def drift_spec(config: DriftConfig) -> DriftSpec:
+    """Every check that needs no forward pass, in this order: thresholds, device, traffic file, scale file and its
+    binding to MODEL (stale is a KvcalError unless `force`), the observation options read from the manifest."""
+    c = config
+    _check_thresholds(c.max_clip, c.max_sqnr_loss_db)
+    if not isinstance(c.model, LoadedModel):
+        check_device(c.device)
+    source = load_traffic(c.dataset)
+    ss = _bound_scales(c.scales, c.model, c.force)
+    cal = ss.manifest.get("calibration") or {}
+    seq_len = int(cal.get("seq_len") or DEFAULT_SEQ_LEN) if c.seq_len is None else c.seq_len
+    opts = ObserveOptions.parse(
+        dataset=c.dataset, text_field=c.text_field, num_samples=c.num_samples, seq_len=seq_len, seed=c.seed,
+        batch_size=c.batch_size,
+    ).for_scale_file(ss, c.kv_input_dtype)  # fmt: skip
+    load_dtype = c.dtype if c.dtype is not None else str(cal.get("dtype") or "auto")
+    return DriftSpec(
+        c.scales,
+        c.model,
+        ss,
+        source,
+        opts,
+        get_format(ss.kv_format),
+        load_dtype,
+        c.device,
+        c.max_clip,
+        c.max_sqnr_loss_db,
+    )
+
+
 def check_drift(
     scales_path: str | Path,
     model: str | LoadedModel,
@@ -455,44 +526,41 @@ def check_drift(
     kv_input_dtype: str | None = None,
     batch_size: int = 1,
 ) -> DriftReport:
-    """Observe K/V on the traffic `dataset` exactly as the scale file's manifest says its calibration observed
-    them (`ObserveOptions.for_scale_file`: K/V rounded to calibration.kv_input_dtype; the model in
-    calibration.dtype unless `dtype` says otherwise; `seq_len` default: calibration.seq_len; calibrate's
-    sampling and BOS rule) and judge whether the file still fits. `kv_input_dtype` other than the file's is a
-    UsageError (it would disagree with the calibration on the calibration text itself); a `dtype` other than the
-    file's is a warning. Every check that needs no forward pass (thresholds, options, traffic file, scale file
-    and its binding to MODEL — stale is a KvcalError unless `force`) runs before the model loads."""
-    _check_thresholds(max_clip, max_sqnr_loss_db)
-    if not isinstance(model, LoadedModel):
-        check_device(device)
-    source = load_traffic(dataset)
-    ss = _bound_scales(scales_path, model, force)
-    cal = ss.manifest.get("calibration") or {}
-    if seq_len is None:
-        seq_len = int(cal.get("seq_len") or DEFAULT_SEQ_LEN)
-    opts = ObserveOptions.parse(
-        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-        batch_size=batch_size,
-    ).for_scale_file(ss, kv_input_dtype)  # fmt: skip
-    fmt = get_format(ss.kv_format)
-    calibrated_dtype = cal.get("dtype")
-    load_dtype = dtype if dtype is not None else str(calibrated_dtype or "auto")
+    """`run_drift(drift_spec(DriftConfig(...)))` for keyword callers: `scales_path` is DriftConfig's `scales`, the
+    other keywords its fields (see there), `progress` the callback `progress(done, total, phase)`."""
+    options = {
+        k: v for k, v in locals().items() if k not in ("progress", "scales_path")
+    }  # DriftConfig's fields
+    return run_drift(drift_spec(DriftConfig(scales=scales_path, **options)), progress)
+
+
+def run_drift(spec: DriftSpec, progress: ProgressFn | None = None) -> DriftReport:
+    """Observe K/V on the traffic exactly as the scale file's manifest says its calibration observed them
+    (`ObserveOptions.for_scale_file`: K/V rounded to calibration.kv_input_dtype; the model in calibration.dtype
+    unless --dtype says otherwise, a warning then; calibrate's sampling and BOS rule) and judge whether the file
+    still fits."""
+    ss, opts, cal = spec.scale_set, spec.opts, spec.calibration
     if progress:
         progress(0, 1, "load")
-    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=load_dtype, device=device)
+    model = spec.model
+    lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=spec.load_dtype, device=spec.device)
     if progress:
         progress(1, 1, "load")
-    warnings = _dtype_warning(lm, calibrated_dtype)
-    data = opts.samples(lm, source)
-    measured, clips = _observe(lm, data, ss, fmt, opts, progress)
+    warnings = _dtype_warning(lm, cal.get("dtype"))
+    data = opts.samples(lm, spec.source)
+    measured, clips = _observe(lm, data, ss, spec.fmt, opts, progress)
     layers = [_layer_record(i, measured, clips, ss) for i in range(ss.num_layers)]
-    reasons = _reasons(layers, max_clip, max_sqnr_loss_db)
-    traffic = {**data.manifest(), "kv_input_dtype": opts.kv_input_dtype,
-               "dtype": _model_dtype(lm), "calibration_text": data.token_sha256 == cal.get("token_ids_sha256")}
+    reasons = _reasons(layers, spec.max_clip, spec.max_sqnr_loss_db)
+    traffic = {
+        **data.manifest(),
+        "kv_input_dtype": opts.kv_input_dtype,
+        "dtype": _model_dtype(lm),
+        "calibration_text": data.token_sha256 == cal.get("token_ids_sha256"),
+    }
     return DriftReport(
-        verdict=DRIFTED if reasons else FITS, layers=layers, reasons=reasons, scales_path=str(scales_path),
-        model=lm.ref, kv_format=ss.kv_format, granularity=ss.granularity, max_clip=max_clip,
-        max_sqnr_loss_db=max_sqnr_loss_db, traffic=traffic,
+        verdict=DRIFTED if reasons else FITS, layers=layers, reasons=reasons, scales_path=str(spec.scales_path),
+        model=lm.ref, kv_format=ss.kv_format, granularity=ss.granularity, max_clip=spec.max_clip,
+        max_sqnr_loss_db=spec.max_sqnr_loss_db, traffic=traffic,
         warnings=list(data.warnings) + list(ss.binding_warnings) + warnings,
     )  # fmt: skip
 

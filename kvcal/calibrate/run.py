@@ -40,8 +40,8 @@ from kvcal.calibrate.observers import (
 from kvcal.errors import KvcalError, UsageError
 from kvcal.formats import KVFormat, is_tq_preset, kv_pair, parse_kv_format
 from kvcal.models.geometry import KVSpec, kv_spec
-from kvcal.models.loading import LoadedModel, check_device, load_model
-from kvcal.placement import Placement
+from kvcal.models.loading import LoadedModel, check_device, loaded
+from kvcal.placement import Placement, PlacementOptions
 
 ENGINES = ("native", "llmcompressor")
 
@@ -242,6 +242,97 @@ def observed_scales(
     )  # fmt: skip
 
 
+@dataclass
+class CalibrateConfig(PlacementOptions):
+    """The options of one calibration as given (`kvcal calibrate`'s, by name; `calibrate_spec` parses them once).
+    Defaults are the library's; `kvcal calibrate` declares its own --kv-input-dtype default (bfloat16, as eval
+    quantizes K/V)."""
+
+    model: str | LoadedModel
+    kv_format: str  # may be a K/V pair `k=fp8_e4m3,v=nvfp4`: each side is calibrated for its own format
+    granularity: str = "tensor"
+    observer: str = "minmax"
+    dataset: str | os.PathLike[str] | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    engine: str = "native"
+    output: str | os.PathLike[str] | None = None  # the scale file to write (atomically); None: none written
+    text_field: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    observer_params: dict[str, Any] | None = None  # the observer's parameters (library callers)
+    percentile: float | None = None  # --percentile: the percentile observer's (None: its default, 99.99)
+    llmc_observer: str = "static_minmax"
+    attention_scales: bool = False  # also observe the post-RoPE queries: q_scale per layer (FP8 attention)
+    batch_size: int = 1  # samples per forward (right-padded; the scales are those of batch 1, hooks.observe)
+    # (PlacementOptions: accelerate's big-model placement, device_map / max_memory / offload_folder)
+    # the native engine observes K/V rounded to it, as `kvcal eval --kv-input-dtype` quantizes them; None = as
+    # the model computes them. The scale file records the dtype observed (manifest calibration.kv_input_dtype)
+    kv_input_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class CalibrateSpec:
+    """One calibration, parsed and checked without a model (build it with `calibrate_spec`)."""
+
+    model: str | LoadedModel
+    kv_format: str  # canonical (formats.parse_kv_format): what the scale file records
+    fmt: KVFormat  # K's format
+    v_fmt: KVFormat  # V's (the same object unless a K/V pair)
+    granularity: str
+    observer: Any  # kvcal.calibrate.observers.Observer, its parameters applied
+    engine: str
+    llmc_observer: str
+    opts: ObserveOptions  # the text, its sampling, the K/V rounding and batching
+    output: Path | None  # checked writable (check_output_path)
+    placement: Placement
+    dtype: str
+    device: str  # checked; under several processes on CUDA, this rank's GPU
+    attention_scales: bool
+
+
+def calibrate_spec(config: CalibrateConfig) -> CalibrateSpec:
+    """Every check that needs no model (format, observer, engine, processes, output path, device, the dataset's
+    records), in this order; UsageError naming the option otherwise."""
+    c = config
+    if c.percentile is not None and c.observer != "percentile":
+        raise UsageError(
+            f"--percentile applies to --observer percentile (this run's observer is {c.observer}); drop it"
+        )
+    params = (
+        c.observer_params
+        if c.percentile is None
+        else {**(c.observer_params or {}), "percentile": c.percentile}
+    )
+    fmt, v_fmt = kv_pair(c.kv_format)
+    if is_tq_preset(c.kv_format):
+        raise UsageError(
+            f"{c.kv_format} has nothing to calibrate: vLLM's TurboQuant computes its norms and value scales at "
+            "write time and applies no k_scale / v_scale; evaluate it without --scales"
+        )
+    opts = ObserveOptions.parse(
+        dataset=c.dataset, text_field=c.text_field, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
+        kv_input_dtype=c.kv_input_dtype, batch_size=c.batch_size,
+    )  # fmt: skip
+    obs = _check_request(fmt, c.granularity, c.observer, params, c.engine)
+    if v_fmt is not fmt:
+        _check_request(v_fmt, c.granularity, c.observer, params, c.engine)
+    _check_processes(c.engine, c.attention_scales, opts.num_samples, parallel.from_env())
+    out = check_output_path(c.output)
+    placement = c.placement()
+    device = c.device
+    if not isinstance(c.model, LoadedModel):
+        check_device(device)
+        placement.check()
+        device = parallel.rank_device(device, parallel.from_env())  # data parallel on CUDA: a GPU per rank
+    return CalibrateSpec(
+        model=c.model, kv_format=parse_kv_format(c.kv_format), fmt=fmt, v_fmt=v_fmt, granularity=c.granularity,
+        observer=obs, engine=c.engine, llmc_observer=c.llmc_observer, opts=opts, output=out, placement=placement,
+        dtype=c.dtype, device=device, attention_scales=c.attention_scales,
+    )  # fmt: skip
+
+
 def calibrate(
     model: str | LoadedModel,
     kv_format: str,
@@ -259,6 +350,7 @@ def calibrate(
     dtype: str = "float32",
     device: str = "cpu",
     observer_params: dict[str, Any] | None = None,
+    percentile: float | None = None,
     llmc_observer: str = "static_minmax",
     attention_scales: bool = False,
     batch_size: int = 1,
@@ -267,45 +359,26 @@ def calibrate(
     offload_folder: str | None = None,
     kv_input_dtype: str | None = None,
 ) -> CalibrationResult:
-    """Calibrate K/V scales and (when `output` is given) write the scale file atomically. Every check that needs
-    no model (format, engine, output path, device, the dataset's records) runs before the model loads.
-    `kv_format` may be a K/V pair (`k=fp8_e4m3,v=nvfp4`): each side is calibrated for its own format.
-    `attention_scales`: also observe the post-RoPE queries and store q_scale per layer (FP8 attention).
-    `batch_size`: samples per forward (right-padded; the scales are those of batch 1, see hooks.observe).
-    `device_map` / `max_memory` / `offload_folder`: accelerate's big-model placement (kvcal.placement.Placement).
-    `kv_input_dtype`: the native engine observes K/V rounded to it, as `kvcal eval --kv-input-dtype` quantizes
-    them (`kvcal calibrate` passes bfloat16 by default, as eval does); None = as the model computes them. The
-    scale file records the dtype observed (manifest calibration.kv_input_dtype)."""
+    """`run_calibration(calibrate_spec(CalibrateConfig(...)))` for keyword callers: the keywords are
+    CalibrateConfig's fields (see there), `progress` the callback `progress(done, total, phase)`."""
+    options = {k: v for k, v in locals().items() if k != "progress"}  # exactly CalibrateConfig's fields
+    return run_calibration(calibrate_spec(CalibrateConfig(**options)), progress)
+
+
+def run_calibration(spec: CalibrateSpec, progress: ProgressFn | None = None) -> CalibrationResult:
+    """Load, sample, observe (native or llm-compressor), choose the scales and, when the spec has an output,
+    write the scale file (rank 0 of several processes)."""
     from kvcal.scales import save_scale_file
 
     t0 = time.perf_counter()
-    fmt, v_fmt = kv_pair(kv_format)
-    if is_tq_preset(kv_format):
-        raise UsageError(
-            f"{kv_format} has nothing to calibrate: vLLM's TurboQuant computes its norms and value scales at write "
-            "time and applies no k_scale / v_scale; evaluate it without --scales"
-        )
-    opts = ObserveOptions.parse(
-        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-        kv_input_dtype=kv_input_dtype, batch_size=batch_size,
-    )  # fmt: skip
-    obs = _check_request(fmt, granularity, observer, observer_params, engine)
-    if v_fmt is not fmt:
-        _check_request(v_fmt, granularity, observer, observer_params, engine)
-    _check_processes(engine, attention_scales, opts.num_samples, parallel.from_env())
-    out = check_output_path(output)
-    placement = Placement.parse(device_map, max_memory, offload_folder)
-    if not isinstance(model, LoadedModel):
-        check_device(device)
-        placement.check()
-        device = parallel.rank_device(device, parallel.from_env())  # data parallel on CUDA: a GPU per rank
+    opts = spec.opts
     timings: dict[str, float] = {}
     t = time.perf_counter()
     source = opts.texts()
     timings["data_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    lm = _load(model, dtype, device, progress, placement)
+    lm = _load(spec.model, spec.dtype, spec.device, progress, spec.placement)
     kv = kv_spec(lm.model.config)
     timings["load_s"] = time.perf_counter() - t
 
@@ -313,55 +386,77 @@ def calibrate(
     data = opts.samples(lm, source)
     timings["data_s"] += time.perf_counter() - t
     # several processes (torchrun): rank r observes samples r, r+N, ...; the statistics are merged below
-    dist = parallel.setup(device)
+    dist = parallel.setup(spec.device)
     parallel.check_enough_work(data.num_samples, "calibration samples", dist)
     mine = parallel.shard(data.samples, dist)
 
     t = time.perf_counter()
-    if engine == "native":
-        collector = StatsCollector(dist)
-        opts.observe(lm.model, mine, collector, kv.num_layers, progress=progress)
-        all_reduce_stats(collector.stats, dist)
-        imported, extra = None, {"engine": engine}
-        obs_name, obs_params = obs.name, obs.params
-    else:
-        collector, imported, extra = _observe_llmcompressor(
-            lm.model, data, kv, granularity, llmc_observer, progress
-        )
-        obs_name, obs_params = f"llmcompressor:{llmc_observer}", {}
+    collector, imported, extra, obs_name, obs_params = _observe(spec, lm, kv, data, mine, dist, progress)
     timings["observe_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     chosen = scales_from_stats(
-        collector.stats, kv, fmt, granularity, obs, imported=imported,
+        collector.stats, kv, spec.fmt, spec.granularity, spec.observer, imported=imported,
         second_pass=candidate_pass(lm.model, mine, kv.num_layers, opts, progress, dist),
-        v_fmt=None if v_fmt is fmt else v_fmt,
+        v_fmt=None if spec.v_fmt is spec.fmt else spec.v_fmt,
     )  # fmt: skip
     timings["scales_s"] = time.perf_counter() - t
 
     q_scales = None
-    if attention_scales:
+    if spec.attention_scales:
         t = time.perf_counter()
         q_scales, extra["attention_scales"] = _query_scales(lm.model, data.samples, kv.num_layers, progress)
         timings["queries_s"] = time.perf_counter() - t
-    name = parse_kv_format(kv_format)
-    ss = _scale_set(lm, kv, name, granularity, chosen, obs_name, obs_params, data, extra, q_scales=q_scales)
+    ss = _scale_set(
+        lm, kv, spec.kv_format, spec.granularity, chosen, obs_name, obs_params, data, extra, q_scales=q_scales
+    )
     timings["total_s"] = time.perf_counter() - t0
-    ss.manifest["calibration"]["wall_s"] = round(timings["total_s"], 3)
+    _record_observation(ss.manifest["calibration"], spec, lm, timings["total_s"])
+    if (
+        spec.output is not None and dist.is_main
+    ):  # one writer: rank 0 (every rank holds the same merged scales)
+        save_scale_file(spec.output, ss)
+    return CalibrationResult(
+        scale_set=ss, output=spec.output, samples=data, warnings=list(data.warnings), timings=timings
+    )
+
+
+def _observe(
+    spec: CalibrateSpec,
+    lm: LoadedModel,
+    kv: KVSpec,
+    data: CalibrationSamples,
+    mine: Sequence[torch.Tensor],
+    dist: parallel.Dist,
+    progress: ProgressFn | None,
+) -> tuple[StatsCollector, dict[tuple[int, str], torch.Tensor] | None, dict[str, Any], str, dict[str, Any]]:
+    """The first pass: (statistics merged over the ranks, llm-compressor's scales or None, manifest extras,
+    observer name and parameters as the manifest records them)."""
+    if spec.engine == "native":
+        collector = StatsCollector(dist)
+        spec.opts.observe(lm.model, mine, collector, kv.num_layers, progress=progress)
+        all_reduce_stats(collector.stats, dist)
+        return collector, None, {"engine": spec.engine}, spec.observer.name, spec.observer.params
+    collector, imported, extra = _observe_llmcompressor(
+        lm.model, data, kv, spec.granularity, spec.llmc_observer, progress
+    )
+    return collector, imported, extra, f"llmcompressor:{spec.llmc_observer}", {}
+
+
+def _record_observation(
+    calibration: dict[str, Any], spec: CalibrateSpec, lm: LoadedModel, wall_s: float
+) -> None:
+    """The manifest's calibration record of how K/V were observed: wall time, the K/V dtype observed, batching
+    and placement."""
+    calibration["wall_s"] = round(wall_s, 3)
     # the dtype the observed K/V had: llm-compressor observes inside its own hooks, in the model's dtype
     model_dtype = str(next(lm.model.parameters()).dtype).replace("torch.", "")
-    native = engine == "native" and opts.kv_input_dtype is not None
-    observed = opts.kv_input_dtype if native else model_dtype
-    ss.manifest["calibration"]["kv_input_dtype"] = observed
-    if opts.batch_size > 1:
-        ss.manifest["calibration"]["batch_size"] = opts.batch_size
-    if placement.active:
-        ss.manifest["calibration"]["placement"] = placement.describe()
-    if out is not None and dist.is_main:  # one writer: rank 0 (every rank holds the same merged scales)
-        save_scale_file(out, ss)
-    return CalibrationResult(
-        scale_set=ss, output=out, samples=data, warnings=list(data.warnings), timings=timings
-    )
+    native = spec.engine == "native" and spec.opts.kv_input_dtype is not None
+    calibration["kv_input_dtype"] = spec.opts.kv_input_dtype if native else model_dtype
+    if spec.opts.batch_size > 1:
+        calibration["batch_size"] = spec.opts.batch_size
+    if spec.placement.active:
+        calibration["placement"] = spec.placement.describe()
 
 
 def _check_processes(engine: str, attention_scales: bool, num_samples: int, dist: parallel.Dist) -> None:
@@ -398,15 +493,16 @@ def _check_request(
 
 
 def _load(
-    model: str | LoadedModel, dtype: str, device: str, progress: ProgressFn | None, placement: Placement
+    model: str | LoadedModel,
+    dtype: str,
+    device: str,
+    progress: ProgressFn | None,
+    placement: Placement | None = None,
 ) -> LoadedModel:
+    """`model` loaded (a LoadedModel is used as it is), reported as the 'load' phase."""
     if progress:
         progress(0, 1, "load")
-    lm = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(model, dtype=dtype, device=device, placement=placement)
-    )
+    lm = loaded(model, dtype, device, placement)
     if progress:
         progress(1, 1, "load")
     return lm

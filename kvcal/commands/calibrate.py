@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from kvcal.calibrate.run import CalibrateConfig
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceMapOpt,
@@ -25,15 +26,16 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_from_options,
     output_option,
 )
-from kvcal.commands.output import console, print_json, warn
-from kvcal.commands.progress import ProgressRenderer
+from kvcal.commands.output import console, emit_result
+from kvcal.commands.progress import run_with_progress
 
-# Options that shape the command line itself, not a keyword of kvcal.calibrate.run.calibrate().
-CLI_ONLY = ("json_out", "percentile", "num_processes")
-DEFAULT_PERCENTILE = 99.99
+# Options that are not fields of kvcal.calibrate.run.CalibrateConfig (its keyword callers pass observer_params).
+CLI_ONLY = ("json_out", "num_processes")
+FIELDS_WITHOUT_OPTION = ("observer_params",)
+DEFAULT_PERCENTILE = 99.99  # the percentile observer's own default (kvcal.calibrate.observers)
 
 
 def calibrate_cmd(
@@ -47,7 +49,10 @@ def calibrate_cmd(
     observer: Annotated[str, typer.Option("--observer", help="minmax, percentile or mse.")] = "minmax",
     percentile: Annotated[
         float | None,
-        typer.Option("--percentile", help=f"Percentile of |x| for --observer percentile (default {DEFAULT_PERCENTILE})."),
+        typer.Option(
+            "--percentile",
+            help=f"Percentile of |x| for --observer percentile (default {DEFAULT_PERCENTILE}).",
+        ),
     ] = None,
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
@@ -71,7 +76,7 @@ def calibrate_cmd(
     max_memory: MaxMemoryOpt = None,
     offload_folder: OffloadFolderOpt = None,
     batch_size: ObserveBatchOpt = 1,
-    kv_input_dtype: KvInputDtypeOpt = "bfloat16",
+    kv_input_dtype: KvInputDtypeOpt = "bfloat16",  # the library's default is None (as the model computes K/V)
     attention_scales: Annotated[
         bool,
         typer.Option(
@@ -89,26 +94,15 @@ def calibrate_cmd(
 
     if num_processes != 1:
         run_in_processes(ctx, num_processes, {"calibration samples (--num-samples)": num_samples})
-    from kvcal.calibrate.run import calibrate
-    from kvcal.errors import UsageError
+    from kvcal.calibrate.run import calibrate_spec, run_calibration
 
-    if percentile is not None and observer != "percentile":
-        raise UsageError(f"--percentile applies to --observer percentile (this run's observer is {observer}); drop it")
-    observer_params = {"percentile": DEFAULT_PERCENTILE if percentile is None else percentile} if observer == "percentile" else None
-    with ProgressRenderer(enabled=not json_out and is_main_process()) as progress:
-        result = calibrate(
-            **library_kwargs(calibrate, options, cli_only=CLI_ONLY),
-            progress=progress,
-            observer_params=observer_params,
-        )
+    config = config_from_options(CalibrateConfig, options, cli_only=CLI_ONLY, no_option=FIELDS_WITHOUT_OPTION)
+    spec = calibrate_spec(config)  # parsed and checked once, before the model loads
+    result = run_with_progress(run_calibration, spec, enabled=not json_out and is_main_process())
     if not is_main_process():
         return  # rank 0 wrote the scale file and renders it
-    for message in result.warnings:
-        warn(message)
-    if json_out:
-        print_json(_json(result))
-        return
-    _render(result)
+    if not emit_result(result, json_out, result.warnings, _json):
+        _render(result)
 
 
 def _json(result: Any) -> dict[str, Any]:

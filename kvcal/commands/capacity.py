@@ -12,17 +12,7 @@ from rich.table import Table
 from kvcal.capacity import GIB
 from kvcal.commands.options import JsonOpt, KvFormatsOpt, ModelArg, SkipLayersOpt
 from kvcal.commands.output import console, print_json
-
-
-def split_formats(item: str) -> list[str]:
-    """A comma-separated --kv-format value -> format names; a K/V pair's `k=A,v=B` stays one item."""
-    out: list[str] = []
-    for part in (p.strip() for p in item.split(",")):
-        if part.lower().startswith("v=") and out and out[-1].lower().startswith("k=") and "," not in out[-1]:
-            out[-1] = f"{out[-1]},{part}"
-        elif part:
-            out.append(part)
-    return out
+from kvcal.formats import split_formats
 
 
 def capacity_cmd(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
@@ -19,103 +19,73 @@ if TYPE_CHECKING:
     from kvcal.report.compare import Comparison
 
 
-def compare_cmd(
-    run_dirs: list[str] = typer.Argument(
-        ...,
-        help="Run directories, lm-eval output folders (`lm_eval ... --output_path P --log_samples`: P, or "
+# `kvcal compare`'s option help, by option: the signature below declares one option a line.
+_HELP = {
+    "run_dirs": "Run directories, lm-eval output folders (`lm_eval ... --output_path P --log_samples`: P, or "
         "P@DATE_ID for one of several results files; the latest by default), or folders holding either (a "
         "sweep's RUNS_DIR).",
-    ),
-    label: list[str] | None = typer.Option(
-        None, "--label", help="NAME=PATH: the configuration's name for the run at PATH (repeatable)."
-    ),
-    conformance: list[str] | None = typer.Option(
-        None,
-        "--conformance",
-        help="ENGINE=EMULATION (labels of the quantized runs, repeatable): test that the engine's damage (its run "
+    "label": "NAME=PATH: the configuration's name for the run at PATH (repeatable).",
+    "conformance": "ENGINE=EMULATION (labels of the quantized runs, repeatable): test that the engine's damage (its run "
         "minus its BF16 run, per sample) is equivalent to kvcal's emulation's (TOST against --margin). Without "
         "it, every quantized vLLM/SGLang lm-eval run is tested against the kvcal run of the same format, scales "
         "and skip layers when there is one. Runs that differ in dtype, max length, few-shot, chat template, "
         "generation kwargs, limit or task version are refused. Not equivalent fails --fail-on-regression; not "
         "judged (no BF16 runs, not shown at this sample size) too, unless --allow-unjudged.",
-    ),
-    conformance_bf16: list[str] | None = typer.Option(
-        None,
-        "--conformance-bf16",
-        help="ENGINE_BF16=EMULATION_BF16 (labels): the BF16 runs the damage is measured from (the engine with "
+    "conformance_bf16": "ENGINE_BF16=EMULATION_BF16 (labels): the BF16 runs the damage is measured from (the engine with "
         "kv_cache_dtype=auto, kvcal eval --kv-format bf16), once for every pair or once per --conformance in "
         "order. Default: the one BF16 run of each side's lm-eval backend.",
-    ),
-    margin: float | None = typer.Option(
-        None,
-        "--margin",
-        help="Conformance's equivalence margin in the key metric's per-sample unit (wikitext: nats per word; "
+    "margin": "Conformance's equivalence margin in the key metric's per-sample unit (wikitext: nats per word; "
         "accuracy: a fraction). Default: the mean per-sample |engine BF16 - emulation BF16|.",
-    ),
-    baseline: str = typer.Option("bf16", "--baseline", help="Baseline: a run directory name or a kv format."),
-    output: Path | None = typer.Option(None, "-o", "--output", help="Write the Markdown report here."),
-    html_out: Path | None = typer.Option(
-        None, "--html", help="Also write one self-contained HTML report here."
-    ),
-    fail_on_regression: bool = typer.Option(
-        False,
-        "--fail-on-regression",
-        help="Exit 1 when the gate does not pass: a configuration fails it (see --gate), or one could not be "
+    "baseline": "Baseline: a run directory name or a kv format.",
+    "output": "Write the Markdown report here.",
+    "html_out": "Also write one self-contained HTML report here.",
+    "fail_on_regression": "Exit 1 when the gate does not pass: a configuration fails it (see --gate), or one could not be "
         "judged (too few paired samples, no task in common; --allow-unjudged lets those pass).",
-    ),
-    gate: str = typer.Option(
-        "regression",
-        "--gate",
-        help="regression: fail a configuration that degrades significantly beyond --max-drop; noninferiority: "
+    "gate": "regression: fail a configuration that degrades significantly beyond --max-drop; noninferiority: "
         "pass only one whose one-sided (1 - alpha) upper bound of the degradation is under --max-drop (prints "
         "the paired samples that would show it when it does not).",
-    ),
-    allow_unjudged: bool = typer.Option(
-        False,
-        "--allow-unjudged",
-        help="With --fail-on-regression: configurations the gate could not judge pass instead of failing.",
-    ),
-    max_drop: list[str] | None = typer.Option(
-        None,
-        "--max-drop",
-        help="Gate threshold, repeatable: a bare number is the default for every gated metric (absolute for "
+    "allow_unjudged": "With --fail-on-regression: configurations the gate could not judge pass instead of failing.",
+    "max_drop": "Gate threshold, repeatable: a bare number is the default for every gated metric (absolute for "
         "accuracy, relative for perplexity, nats for kl); METRIC=VALUE or TASK/METRIC=VALUE sets one metric "
         "(e.g. --max-drop 0.02 --max-drop kl=0.05 --max-drop gsm8k/exact_match=0.03); naming a metric makes it "
         "gate (top1_agree is reported but gates only when named). Default: 0.02.",
-    ),
-    max_length_change: float | None = typer.Option(
-        None,
-        "--max-length-change",
-        help="Gate on the paired change in generated length (tokens) of every generative task, as a fraction "
+    "max_length_change": "Gate on the paired change in generated length (tokens) of every generative task, as a fraction "
         "of the baseline's (e.g. 0.25): regression fails a significant change beyond it either way; "
         "noninferiority passes only an interval inside it. Without it the change is reported, not gated.",
-    ),
-    alpha: float = typer.Option(
-        0.05, "--alpha", help="Significance level of every test and interval (intervals are 1 - alpha)."
-    ),
-    min_samples: int = typer.Option(
-        10,
-        "--min-samples",
-        help="Fewer paired samples than this: 'insufficient data', not judged (the gate fails on it unless "
+    "alpha": "Significance level of every test and interval (intervals are 1 - alpha).",
+    "min_samples": "Fewer paired samples than this: 'insufficient data', not judged (the gate fails on it unless "
         "--allow-unjudged; the report lists it).",
-    ),
-    no_correction: bool = typer.Option(
-        False,
-        "--no-multiple-testing-correction",
-        help="Test each key metric at --alpha on its own instead of Holm-Bonferroni over all of them.",
-    ),
-    on_bad_run: str = typer.Option(
-        "fail", "--on-bad-run", help="Incomplete/corrupt run directory: fail or skip."
-    ),
-    bootstrap: int = typer.Option(2000, "--bootstrap", help="Paired bootstrap resamples."),
-    seed: int = typer.Option(1234, "--seed", help="Bootstrap seed."),
-    context: CapacityContextOpt = None,
-    at_length: str = typer.Option(
-        "4k,16k,32k",
-        "--at-length",
-        help="Divergence tasks: the generated lengths (tokens, k = 1024) the fraction of outputs still identical "
+    "no_correction": "Test each key metric at --alpha on its own instead of Holm-Bonferroni over all of them.",
+    "on_bad_run": "Incomplete/corrupt run directory: fail or skip.",
+    "bootstrap": "Paired bootstrap resamples.",
+    "seed": "Bootstrap seed.",
+    "at_length": "Divergence tasks: the generated lengths (tokens, k = 1024) the fraction of outputs still identical "
         "to the baseline's is projected to from the measured hazard, e.g. 8k,32k for a reasoning task's traces.",
-    ),
+}
+
+
+def compare_cmd(
+    run_dirs: list[str] = typer.Argument(..., help=_HELP["run_dirs"]),
+    label: list[str] | None = typer.Option(None, "--label", help=_HELP["label"]),
+    conformance: list[str] | None = typer.Option(None, "--conformance", help=_HELP["conformance"]),
+    conformance_bf16: list[str] | None = typer.Option(None, "--conformance-bf16", help=_HELP["conformance_bf16"]),
+    margin: float | None = typer.Option(None, "--margin", help=_HELP["margin"]),
+    baseline: str = typer.Option("bf16", "--baseline", help=_HELP["baseline"]),
+    output: Path | None = typer.Option(None, "-o", "--output", help=_HELP["output"]),
+    html_out: Path | None = typer.Option(None, "--html", help=_HELP["html_out"]),
+    fail_on_regression: bool = typer.Option(False, "--fail-on-regression", help=_HELP["fail_on_regression"]),
+    gate: str = typer.Option("regression", "--gate", help=_HELP["gate"]),
+    allow_unjudged: bool = typer.Option(False, "--allow-unjudged", help=_HELP["allow_unjudged"]),
+    max_drop: list[str] | None = typer.Option(None, "--max-drop", help=_HELP["max_drop"]),
+    max_length_change: float | None = typer.Option(None, "--max-length-change", help=_HELP["max_length_change"]),
+    alpha: float = typer.Option(0.05, "--alpha", help=_HELP["alpha"]),
+    min_samples: int = typer.Option(10, "--min-samples", help=_HELP["min_samples"]),
+    no_correction: bool = typer.Option(False, "--no-multiple-testing-correction", help=_HELP["no_correction"]),
+    on_bad_run: str = typer.Option("fail", "--on-bad-run", help=_HELP["on_bad_run"]),
+    bootstrap: int = typer.Option(2000, "--bootstrap", help=_HELP["bootstrap"]),
+    seed: int = typer.Option(1234, "--seed", help=_HELP["seed"]),
+    context: CapacityContextOpt = None,
+    at_length: str = typer.Option("4k,16k,32k", "--at-length", help=_HELP["at_length"]),
     as_json: JsonOpt = False,
 ) -> None:
     """Compare run directories against a baseline: report with error bars and a regression gate."""
@@ -292,7 +262,6 @@ def sweep_cmd(
         parse_shard,
         plan_sweep,
         shard_plan,
-        summary_name,
     )
 
     slice_ = parse_shard(shard) if shard is not None else None
@@ -313,21 +282,7 @@ def sweep_cmd(
     if slice_ is not None:
         plan = shard_plan(plan, slice_)
     if dry_run:
-        if as_json:
-            print_json(plan.to_dict())
-            return
-        table = Table(title=f"sweep plan: {cfg.model} -> {output}")
-        for col in ("cell", "task", "kv format", "scales", "skip", "status"):
-            table.add_column(col, overflow="fold")
-        for cell in plan.cells:
-            table.add_row(cell.name, cell.task, cell.kv_format, cell.scales_label, cell.skip, cell.status)
-        console.print(table)
-        todo = plan.calibrations_todo
-        console.print(
-            f"{len(plan.cells)} cells: {plan.n_done} complete, {len(plan.todo)} to run; "
-            f"{len(plan.calibrations)} scale files ({len(todo)} to calibrate)",
-            highlight=False,
-        )
+        _print_sweep_plan(cfg, output, plan, as_json)
         return
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -346,26 +301,54 @@ def sweep_cmd(
     if as_json:
         print_json(result)
     else:
-        from kvcal.commands.engines import print_engine_dicts
-
-        print_engine_dicts(result["engine_commands"])
-        where = f"slice {shard} " if shard else ""
-        then = (
-            f"When every slice is done: kvcal sweep {config} -o {output} --report-only"
-            if slice_
-            else f"Compare with: kvcal compare {output} -o REPORT.md"
-        )
-        console.print(
-            f"sweep {where}finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
-            f"{len(result['busy'])} running in another process, {len(result['failed'])} failed "
-            f"({output / summary_name(slice_)}). {then}"
-            + (f" (capacity at {cfg.context} tokens of context, from sweep.yaml)" if cfg.context else ""),
-            highlight=False,
-        )
+        _print_sweep_result(cfg, config, output, shard, result)
     if result["failed"]:
         for f in result["failed"]:
             err_console.print(f"failed: {f['cell']}: {f['error']}", highlight=False, markup=False)
         sys.exit(1)
+
+
+def _print_sweep_plan(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool) -> None:
+    """--dry-run: the cells (what is done, what would run) and the scale files to calibrate."""
+    if as_json:
+        print_json(plan.to_dict())
+        return
+    table = Table(title=f"sweep plan: {cfg.model} -> {output}")
+    for col in ("cell", "task", "kv format", "scales", "skip", "status"):
+        table.add_column(col, overflow="fold")
+    for cell in plan.cells:
+        table.add_row(cell.name, cell.task, cell.kv_format, cell.scales_label, cell.skip, cell.status)
+    console.print(table)
+    todo = plan.calibrations_todo
+    console.print(
+        f"{len(plan.cells)} cells: {plan.n_done} complete, {len(plan.todo)} to run; "
+        f"{len(plan.calibrations)} scale files ({len(todo)} to calibrate)",
+        highlight=False,
+    )
+
+
+def _print_sweep_result(
+    cfg: SweepConfig, config: Path, output: Path, shard: str | None, result: dict[str, Any]
+) -> None:
+    """The engine commands of the cells run and a closing line: what ran, what failed, what to do next."""
+    from kvcal.commands.engines import print_engine_dicts
+    from kvcal.pipeline.sweep import parse_shard, summary_name
+
+    slice_ = parse_shard(shard) if shard is not None else None
+    print_engine_dicts(result["engine_commands"])
+    where = f"slice {shard} " if shard else ""
+    then = (
+        f"When every slice is done: kvcal sweep {config} -o {output} --report-only"
+        if slice_
+        else f"Compare with: kvcal compare {output} -o REPORT.md"
+    )
+    console.print(
+        f"sweep {where}finished: {result['ran']} ran, {result['skipped_complete']} already complete, "
+        f"{len(result['busy'])} running in another process, {len(result['failed'])} failed "
+        f"({output / summary_name(slice_)}). {then}"
+        + (f" (capacity at {cfg.context} tokens of context, from sweep.yaml)" if cfg.context else ""),
+        highlight=False,
+    )
 
 
 def _sweep_report(cfg: SweepConfig, output: Path, plan: SweepPlan, as_json: bool) -> None:

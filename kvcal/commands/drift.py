@@ -9,7 +9,13 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvcal.calibrate.drift import DEFAULT_MAX_CLIP, DEFAULT_MAX_SQNR_LOSS_DB, DRIFTED
+from kvcal.calibrate.drift import (
+    DEFAULT_MAX_CLIP,
+    DEFAULT_MAX_SQNR_LOSS_DB,
+    DRIFTED,
+    DriftConfig,
+    DriftReport,
+)
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
@@ -21,12 +27,12 @@ from kvcal.commands.options import (
     ObserveBatchOpt,
     SeedOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_from_options,
 )
-from kvcal.commands.output import console, err_console, print_json, warn
-from kvcal.commands.progress import ProgressRenderer
+from kvcal.commands.output import console, emit_result, err_console
+from kvcal.commands.progress import run_with_progress
 
-CLI_ONLY = ("json_out", "scales", "model")
+CLI_ONLY = ("json_out",)
 
 
 def drift_cmd(
@@ -77,17 +83,11 @@ def drift_cmd(
 
     Exit 0: the scales fit the traffic; 1: drifted (recalibrate on the traffic); 2: bad input."""
     options = dict(locals())  # first: exactly the command's options
-    from kvcal.calibrate.drift import check_drift
+    from kvcal.calibrate.drift import drift_spec, run_drift
 
-    with ProgressRenderer(enabled=not json_out) as progress:
-        report = check_drift(
-            scales, model, **library_kwargs(check_drift, options, cli_only=CLI_ONLY), progress=progress
-        )
-    for message in report.warnings:
-        warn(message)
-    if json_out:
-        print_json(report.to_dict())
-    else:
+    spec = drift_spec(config_from_options(DriftConfig, options, cli_only=CLI_ONLY))  # before the model loads
+    report = run_with_progress(run_drift, spec, enabled=not json_out)
+    if not emit_result(report, json_out, report.warnings, DriftReport.to_dict):
         _render(report)
     if report.verdict == DRIFTED:
         sys.exit(1)

@@ -239,11 +239,10 @@ def _refuse_unused(ctx: typer.Context, spec: Any) -> None:
     from typer._click.core import ParameterSource  # typer 0.29 vendors click
 
     from kvcal.errors import UsageError
-    from kvcal.evaluate.tasks import DIVERGENCE_TASKS, KL_TASK, PASSKEY_TASKS
     from kvcal.formats import is_tq_preset
+    from kvcal.tasknames import KL_TASK, OWN_TASKS
 
-    own = {KL_TASK, *PASSKEY_TASKS, *DIVERGENCE_TASKS}
-    lm_eval_tasks = [t for t in spec.tasks if t not in own]
+    lm_eval_tasks = [t for t in spec.tasks if t not in OWN_TASKS]
     generates = [t for t in spec.tasks if t != KL_TASK]
 
     def typed(name: str) -> bool:

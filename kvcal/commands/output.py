@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from rich.console import Console, ConsoleDimensions
@@ -41,6 +42,16 @@ def print_json(obj: Any) -> None:
 
 def warn(message: str) -> None:
     err_console.print(f"[yellow]Warning:[/yellow] {message}", highlight=False)
+
+
+def emit_result(result: Any, json_out: bool, warnings: Iterable[str], as_json: Any = None) -> bool:
+    """A library result's warnings on stderr, then with --json the result on stdout (`as_json(result)` when the
+    result is no plain dict). True when it went out as JSON: the command renders nothing more."""
+    for message in warnings:
+        warn(message)
+    if json_out:
+        print_json(result if as_json is None else as_json(result))
+    return json_out
 
 
 class _WarningHandler(logging.Handler):

@@ -11,7 +11,6 @@ import typer
 from rich import box
 from rich.table import Table
 
-from kvcal.commands.capacity import split_formats
 from kvcal.commands.options import (
     DatasetOpt,
     DeviceOpt,
@@ -23,81 +22,54 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_from_options,
     output_option,
 )
-from kvcal.commands.output import console, print_json, warn
-from kvcal.commands.progress import ProgressRenderer
+from kvcal.commands.output import console, emit_result, print_json
+from kvcal.commands.progress import run_with_progress
+from kvcal.pipeline.plan import DEFAULT_CANDIDATES, PlanConfig
 
-DEFAULT_CANDIDATES = "bf16,fp8_e4m3,nvfp4,k=fp8_e4m3,v=nvfp4"
+CLI_ONLY = ("json_out",)
+
+
+# `kvcal plan`'s option help, by option (the shared options' are in kvcal.commands.options).
+_HELP = {
+    "candidates": "Formats a layer may take, comma-separated; k=A,v=B pairs allowed.",
+    "capacity": "Budget: at least this many x BF16's tokens, e.g. 3.0x.",
+    "effective_bits": "Budget instead: mean storage bits per K/V element (ModelOpt's).",
+    "context": "Sequence length of the budget: sliding layers hold min(context, window).",
+    "scales": "Scale file of a candidate format (repeat per format); default: minmax.",
+    "heldout_windows": "Held-out windows the chosen plan is measured on.",
+    "heldout_seq_len": "Tokens per held-out window.",
+    "data_dir": "Offline data (WikiText-2 test is the held-out text).",
+    "frontier": "Also solve 1.0x, 1.0x+step, ...: the Pareto table.",
+    "frontier_step": "Capacity step of --frontier.",
+    "refine": "Rounds of re-solving with measured in-context layer costs (0: off).",
+    "compare_uniform": "Also measure every one-format configuration of the candidates.",
+    "checkpoint": "Damage file (ModelOpt auto_quantize's checkpoint): reused when it exists, written when not.",
+}
 
 
 def plan_cmd(
     model: ModelArg,
-    candidates: Annotated[
-        str,
-        typer.Option(
-            "--candidates", help="Formats a layer may take, comma-separated; k=A,v=B pairs allowed."
-        ),
-    ] = DEFAULT_CANDIDATES,
-    capacity: Annotated[
-        str | None, typer.Option("--capacity", help="Budget: at least this many x BF16's tokens, e.g. 3.0x.")
-    ] = None,
-    effective_bits: Annotated[
-        float | None,
-        typer.Option(
-            "--effective-bits", help="Budget instead: mean storage bits per K/V element (ModelOpt's)."
-        ),
-    ] = None,
-    context: Annotated[
-        int | None,
-        typer.Option(
-            "--context", help="Sequence length of the budget: sliding layers hold min(context, window)."
-        ),
-    ] = None,
-    scales: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--scales", help="Scale file of a candidate format (repeat per format); default: minmax."
-        ),
-    ] = None,
+    candidates: Annotated[str, typer.Option("--candidates", help=_HELP["candidates"])] = DEFAULT_CANDIDATES,
+    capacity: Annotated[str | None, typer.Option("--capacity", help=_HELP["capacity"])] = None,
+    effective_bits: Annotated[float | None, typer.Option("--effective-bits", help=_HELP["effective_bits"])] = None,
+    context: Annotated[int | None, typer.Option("--context", help=_HELP["context"])] = None,
+    scales: Annotated[list[str] | None, typer.Option("--scales", help=_HELP["scales"])] = None,
     dataset: DatasetOpt = None,
     text_field: TextFieldOpt = None,
-    num_samples: NumSamplesOpt = 16,  # calibration text the per-layer damage is measured on
+    num_samples: NumSamplesOpt = 16,
     seq_len: SeqLenOpt = 512,
     seed: SeedOpt = 0,
-    heldout_windows: Annotated[
-        int, typer.Option("--heldout-windows", help="Held-out windows the chosen plan is measured on.")
-    ] = 16,
-    heldout_seq_len: Annotated[
-        int, typer.Option("--heldout-seq-len", help="Tokens per held-out window.")
-    ] = 512,
-    data_dir: Annotated[
-        str | None, typer.Option("--data-dir", help="Offline data (WikiText-2 test is the held-out text).")
-    ] = None,
-    frontier: Annotated[
-        bool, typer.Option("--frontier", help="Also solve 1.0x, 1.0x+step, ...: the Pareto table.")
-    ] = False,
-    frontier_step: Annotated[
-        float, typer.Option("--frontier-step", help="Capacity step of --frontier.")
-    ] = 0.25,
-    refine: Annotated[
-        int,
-        typer.Option("--refine", help="Rounds of re-solving with measured in-context layer costs (0: off)."),
-    ] = 0,
-    compare_uniform: Annotated[
-        bool,
-        typer.Option(
-            "--compare-uniform", help="Also measure every one-format configuration of the candidates."
-        ),
-    ] = False,
-    checkpoint: Annotated[
-        str | None,
-        typer.Option(
-            "--checkpoint",
-            help="Damage file (ModelOpt auto_quantize's checkpoint): reused when it exists, written when not.",
-        ),
-    ] = None,
+    heldout_windows: Annotated[int, typer.Option("--heldout-windows", help=_HELP["heldout_windows"])] = 16,
+    heldout_seq_len: Annotated[int, typer.Option("--heldout-seq-len", help=_HELP["heldout_seq_len"])] = 512,
+    data_dir: Annotated[str | None, typer.Option("--data-dir", help=_HELP["data_dir"])] = None,
+    frontier: Annotated[bool, typer.Option("--frontier", help=_HELP["frontier"])] = False,
+    frontier_step: Annotated[float, typer.Option("--frontier-step", help=_HELP["frontier_step"])] = 0.25,
+    refine: Annotated[int, typer.Option("--refine", help=_HELP["refine"])] = 0,
+    compare_uniform: Annotated[bool, typer.Option("--compare-uniform", help=_HELP["compare_uniform"])] = False,
+    checkpoint: Annotated[str | None, typer.Option("--checkpoint", help=_HELP["checkpoint"])] = None,
     output: Annotated[Path | None, output_option("Write the plan file (JSON) here.")] = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
@@ -105,20 +77,13 @@ def plan_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Choose a KV format per layer that loses least for a capacity budget; measure it; print engine commands."""
-    options = dict(locals())
-    from kvcal.pipeline.plan import plan
+    options = dict(locals())  # first: exactly the command's options
+    from kvcal.pipeline.plan import plan_spec, run_plan
 
-    options["candidates"] = split_formats(candidates)
-    options["scales"] = list(scales or [])
-    options["output"] = str(output) if output else None
-    with ProgressRenderer(enabled=not json_out) as progress:
-        report = plan(**library_kwargs(plan, options, cli_only=("json_out",)), progress=progress)
-    for message in report["warnings"]:
-        warn(message)
-    if json_out:
-        print_json(report)
-        return
-    _render(report)
+    spec = plan_spec(config_from_options(PlanConfig, options, cli_only=CLI_ONLY))  # before the model loads
+    report = run_with_progress(run_plan, spec, enabled=not json_out)
+    if not emit_result(report, json_out, report["warnings"]):
+        _render(report)
 
 
 def _fmt_interval(m: dict[str, Any]) -> str:

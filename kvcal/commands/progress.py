@@ -4,7 +4,8 @@ shared by `kvcal calibrate` and `kvcal sensitivity`."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rich.progress import (
     BarColumn,
@@ -16,6 +17,9 @@ from rich.progress import (
 )
 
 from kvcal.commands.output import err_console
+
+S = TypeVar("S")
+R = TypeVar("R")
 
 # The library's phase names -> what the bar says.
 PHASES = {
@@ -69,3 +73,10 @@ class ProgressRenderer:
         elapsed = time.perf_counter() - self.started[phase]
         rate = f"{done / elapsed:.2f} samples/s" if done and elapsed > 0 and phase != "load" else ""
         self.progress.update(self.tasks[phase], completed=done, total=total, rate=rate)
+
+
+def run_with_progress(run: Callable[[S, Any], R], spec: S, enabled: bool) -> R:
+    """`run(spec, progress)`, the library's run of a parsed spec, with the bar on stderr (none when not `enabled`:
+    --json, or a rank other than 0)."""
+    with ProgressRenderer(enabled=enabled) as progress:
+        return run(spec, progress)

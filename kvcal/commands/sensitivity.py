@@ -23,12 +23,15 @@ from kvcal.commands.options import (
     SeedOpt,
     SeqLenOpt,
     TextFieldOpt,
-    library_kwargs,
+    config_from_options,
     output_option,
     scales_option,
 )
-from kvcal.commands.output import console, print_json, warn
-from kvcal.commands.progress import ProgressRenderer
+from kvcal.commands.output import console, emit_result
+from kvcal.commands.progress import run_with_progress
+from kvcal.pipeline.sensitivity import SensitivityConfig
+
+CLI_ONLY = ("json_out",)
 
 
 def sensitivity_cmd(
@@ -60,19 +63,12 @@ def sensitivity_cmd(
 ) -> None:
     """Quantize one layer's KV cache at a time; report each layer's KL damage and which layers to skip."""
     options = dict(locals())  # first: exactly the command's options
-    from kvcal.pipeline.sensitivity import sensitivity
+    from kvcal.pipeline.sensitivity import run_sensitivity, sensitivity_spec
 
-    options["output"] = str(output) if output else None
-    with ProgressRenderer(enabled=not json_out) as progress:
-        report = sensitivity(
-            **library_kwargs(sensitivity, options, cli_only=("json_out",)), progress=progress
-        )
-    for message in report["warnings"]:
-        warn(message)
-    if json_out:
-        print_json(report)
-        return
-    _render(report, output)
+    spec = sensitivity_spec(config_from_options(SensitivityConfig, options, cli_only=CLI_ONLY))
+    report = run_with_progress(run_sensitivity, spec, enabled=not json_out)
+    if not emit_result(report, json_out, report["warnings"]):
+        _render(report, output)
 
 
 def _table(r: dict[str, Any]) -> Table:

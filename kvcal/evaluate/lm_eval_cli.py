@@ -62,8 +62,7 @@ def offline_tasks(data: OfflineData) -> Iterator[None]:
         from kvcal.evaluate import tasks
 
         names = tasks.parse_task_list(self.tasks or "")
-        own = {tasks.KL_TASK, *tasks.PASSKEY_TASKS, *tasks.DIVERGENCE_TASKS}
-        kvcal_only = [name for name in names if name in own]
+        kvcal_only = [name for name in names if name in tasks.OWN_TASKS]
         if kvcal_only:
             raise UsageError(
                 f"task(s) {', '.join(kvcal_only)} are kvcal's own, not lm-eval tasks; run them with "

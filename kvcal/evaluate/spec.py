@@ -31,7 +31,7 @@ from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, parse_task_li
 from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, TQ_BOUNDARY_LAYERS, is_tq_preset
 from kvcal.kernels.plan import CachePlan, parse_cache_plan
 from kvcal.models.loading import DTYPES, check_device, resolve_dtype
-from kvcal.placement import Placement
+from kvcal.placement import Placement, PlacementOptions
 from kvcal.releases import emulated_release
 from kvcal.rundir import RunConfig
 
@@ -49,7 +49,7 @@ FIRST_BATCH = "first-batch"
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(PlacementOptions):
     """The options of one evaluation as given (`kvcal eval`'s, by name and default; strings as typed).
     `eval_spec` parses and checks them. `gpqa_password` is never written anywhere."""
 
@@ -68,10 +68,8 @@ class EvalConfig:
     impl: str = "auto"
     dtype: str = DEFAULT_DTYPE
     device: str = "cpu"
-    # accelerate's placement (kvcal.placement): where the weights live, not what is computed — not in config.yaml
-    device_map: str | None = None
-    max_memory: str | None = None
-    offload_folder: str | None = None
+    # accelerate's placement (PlacementOptions: device_map, max_memory, offload_folder): where the weights live,
+    # not what is computed — not in config.yaml
     batch_size: int = 1
     seed: int = 0
     kl_seq_len: int = DEFAULT_SEQ_LEN
@@ -609,7 +607,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got '{config.dtype}'")
     device = check_device(config.device)
     dtype = config.dtype if config.dtype == "auto" else resolve_dtype(config.dtype, model_dir=".")
-    placement = Placement.parse(config.device_map, config.max_memory, config.offload_folder)
+    placement = config.placement()
     placement.check()
     # the cache's options: kvcal.kernels.plan.parse_cache_plan is the one parser of them
     cache = parse_cache_plan(

@@ -30,21 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.tasknames import DIVERGENCE_TASKS, KL_TASK, OWN_TASKS, PASSKEY_TASKS  # the registry, re-exported
 
-KL_TASK = "kl"
 # kl's held-out text inside --data-dir (kvcal.evaluate.kl reads it; checked here with the other data files).
 KL_TEXT_FILE = Path("wikitext2") / "wiki.test.joined.txt"
 GPQA_PASSWORD_ENV = "KVCAL_GPQA_PASSWORD"
-# kvcal's passkey tasks (kvcal.evaluate.passkey generates their documents with the model's tokenizer); their
-# filler is kl's held-out text. They shadow lm-eval's LIBRA task `passkey` (Russian) of the same name.
-PASSKEY_TASKS = ("passkey", "passkey_mc")
-# kvcal's divergence tasks (kvcal.evaluate.divergence): task name -> the lm-eval task whose prompts it decodes.
-DIVERGENCE_TASKS: dict[str, str] = {
-    "divergence": "gsm8k",
-    "divergence_gsm8k": "gsm8k",
-    "divergence_aime25": "aime25",
-    "divergence_gpqa_diamond": "gpqa_diamond_zeroshot",
-}
 
 # Task names kvcal knows without indexing lm-eval: name -> YAML path relative to lm_eval/tasks.
 BUILTIN_YAML: dict[str, str] = {
@@ -226,7 +216,7 @@ def _unknown_tasks_message(unknown: list[str], user_names: set[str]) -> str:
     known = sorted(
         set(BUILTIN_YAML)
         | set(ALIASES)
-        | {KL_TASK, *PASSKEY_TASKS, *DIVERGENCE_TASKS}
+        | OWN_TASKS
         | user_names
         | set(lm_eval_task_index())
     )

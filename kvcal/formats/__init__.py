@@ -115,6 +115,7 @@ from kvcal.formats.table import (
     parse_kv_format,
     parse_kv_input_dtype,
     remove_format,
+    split_formats,
 )
 from kvcal.formats.turboquant import (  # the TurboQuant numbers (tq_numbers) too
     _TQ_C_KERNEL,
@@ -214,6 +215,7 @@ __all__ = [
     "quantize",
     "quantize_f32",
     "rht",
+    "split_formats",
     "rht_signs",
     "static_scale",
     "tq_boundary_layers",

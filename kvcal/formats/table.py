@@ -155,6 +155,17 @@ def parse_kv_format(name: str | None) -> str:
     return pair_name(k, v)
 
 
+def split_formats(item: str) -> list[str]:
+    """A comma-separated list of format names -> the names; a K/V pair's `k=A,v=B` stays one item."""
+    out: list[str] = []
+    for part in (p.strip() for p in item.split(",")):
+        if part.lower().startswith("v=") and out and out[-1].lower().startswith("k=") and "," not in out[-1]:
+            out[-1] = f"{out[-1]},{part}"
+        elif part:
+            out.append(part)
+    return out
+
+
 def kv_pair(name: str | KVFormat) -> tuple[KVFormat, KVFormat]:
     """(K's format, V's format) of a format name or a `k=FMT,v=FMT` pair; UsageError for anything else. Neither
     side may be 'auto' (the model's own dtype is not a storage format one side can take alone)."""

@@ -145,6 +145,18 @@ def load_model(
     )
 
 
+def loaded(
+    model: str | os.PathLike[str] | LoadedModel,
+    dtype: str = "float32",
+    device: str = "cpu",
+    placement: Placement | None = None,
+) -> LoadedModel:
+    """`model` as it is when a caller loaded it already (a sweep or a test reusing one model), else `load_model`."""
+    if isinstance(model, LoadedModel):
+        return model
+    return load_model(model, dtype=dtype, device=device, placement=placement)
+
+
 def load_resolved(
     model_dir: Path,
     hf_config: Any,

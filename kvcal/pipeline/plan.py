@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -46,11 +47,11 @@ from kvcal.calibrate.observation import ObserveOptions
 from kvcal.calibrate.run import check_output_path
 from kvcal.errors import UsageError
 from kvcal.evaluate.kl import bos_rule, kl_per_token, kl_text, make_windows
-from kvcal.formats import KVFormat, fake_quantize, get_format, kv_pair
+from kvcal.formats import KVFormat, fake_quantize, get_format, kv_pair, split_formats
 from kvcal.io import atomic_write_json
 from kvcal.models.config import load_config
 from kvcal.models.geometry import SLIDING, KVSpec, kv_spec
-from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
+from kvcal.models.loading import LoadedModel, check_device, input_device, loaded
 from kvcal.models.real import resolve_real_name
 from kvcal.pipeline.plan_cost import (
     Budget,
@@ -370,85 +371,126 @@ def parse_candidates(candidates: Sequence[str]) -> list[str]:
     return out
 
 
-def plan(
-    model: Any,
-    candidates: Sequence[str],
-    capacity: str | None = None,
-    effective_bits: float | None = None,
-    context: int | None = None,
-    scales: Sequence[str] = (),
-    dataset: str | None = None,
-    num_samples: int = 16,
-    seq_len: int = 512,
-    seed: int = 0,
-    heldout_windows: int = 16,
-    heldout_seq_len: int = 512,
-    data_dir: str | None = None,
-    frontier: bool = False,
-    frontier_step: float = 0.25,
-    refine: int = 0,
-    compare_uniform: bool = False,
-    output: str | None = None,
-    progress: ProgressFn | None = None,
-    *,
-    text_field: str | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    batch_size: int = 1,
-    checkpoint: str | None = None,
-) -> dict[str, Any]:
-    """Everything `kvcal plan` does (see the module docstring); every model-free check runs before the load.
-    `checkpoint`: a damage file (ModelOpt auto_quantize's `checkpoint`): reused when it exists and was measured on
-    the same checkpoint, candidates, scales, calibration tokens and dtype (refused otherwise), written when not."""
-    cands = parse_candidates(candidates)
-    budget = parse_budget(capacity, effective_bits, context)
-    if frontier and budget.kind != "capacity":
+DEFAULT_CANDIDATES = "bf16,fp8_e4m3,nvfp4,k=fp8_e4m3,v=nvfp4"
+
+
+@dataclass
+class PlanConfig:
+    """The options of `kvcal plan` as given (by name and default); `plan_spec` parses them once."""
+
+    model: str | LoadedModel
+    candidates: str | Sequence[str] = DEFAULT_CANDIDATES  # comma-separated (k=A,v=B pairs stay one) or a list
+    capacity: str | None = None  # the budget: at least this many x BF16's tokens ("3.0x")
+    effective_bits: float | None = None  # or: mean storage bits per K/V element
+    context: int | None = None  # sequence length of the budget
+    scales: Sequence[str] = ()  # scale files of candidate formats (default: minmax on the samples)
+    dataset: str | None = None
+    num_samples: int = 16  # calibration text the per-layer damage is measured on
+    seq_len: int = 512
+    seed: int = 0
+    heldout_windows: int = 16
+    heldout_seq_len: int = 512
+    data_dir: str | None = None
+    frontier: bool = False
+    frontier_step: float = 0.25
+    refine: int = 0
+    compare_uniform: bool = False
+    output: str | os.PathLike[str] | None = None  # the plan file
+    text_field: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_size: int = 1
+    # a damage file (ModelOpt auto_quantize's `checkpoint`): reused when it exists and was measured on the same
+    # checkpoint, candidates, scales, calibration tokens and dtype (refused otherwise), written when not
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """One `kvcal plan`, parsed and checked before the model loads (build it with `plan_spec`)."""
+
+    model: str | LoadedModel
+    candidates: list[str]  # canonical (parse_candidates)
+    budget: Budget
+    scale_files: dict[str, str]  # format -> its --scales file
+    opts: ObserveOptions
+    output: Path | None  # checked writable
+    checkpoint: str | None
+    saved: dict[str, Any] | None  # the damage file's record when it exists
+    heldout_windows: int
+    heldout_seq_len: int
+    data_dir: str | None
+    frontier: bool
+    frontier_step: float
+    refine: int
+    compare_uniform: bool
+    dtype: str
+    device: str
+
+
+def plan_spec(config: PlanConfig) -> PlanSpec:
+    """Every model-free check, in this order: candidates, budget, steps and windows, output, sampling, scale
+    files, the damage file, and (a model given by name) the device and whether its config reaches the budget."""
+    c = config
+    cands = parse_candidates(split_formats(c.candidates) if isinstance(c.candidates, str) else c.candidates)
+    budget = parse_budget(c.capacity, c.effective_bits, c.context)
+    if c.frontier and budget.kind != "capacity":
         raise UsageError("--frontier steps --capacity budgets; drop --effective-bits or --frontier")
-    if frontier_step <= 0:
-        raise UsageError(f"--frontier-step must be positive, got {frontier_step:g}")
-    if refine < 0:
-        raise UsageError(f"--refine must be a number of rounds >= 0, got {refine}")
-    if heldout_windows < 1:
-        raise UsageError(f"--heldout-windows must be at least 1, got {heldout_windows}")
-    for flag, n in (("--seq-len", seq_len), ("--heldout-seq-len", heldout_seq_len)):
+    if c.frontier_step <= 0:
+        raise UsageError(f"--frontier-step must be positive, got {c.frontier_step:g}")
+    if c.refine < 0:
+        raise UsageError(f"--refine must be a number of rounds >= 0, got {c.refine}")
+    if c.heldout_windows < 1:
+        raise UsageError(f"--heldout-windows must be at least 1, got {c.heldout_windows}")
+    for flag, n in (("--seq-len", c.seq_len), ("--heldout-seq-len", c.heldout_seq_len)):
         if n < 2:  # the KL of the next-token distributions: one token attends only to itself
-            raise UsageError(f"{flag} must be at least 2 tokens (damage is measured on the next tokens), got {n}")
-    out = check_output_path(output)
+            raise UsageError(
+                f"{flag} must be at least 2 tokens (damage is measured on the next tokens), got {n}"
+            )
+    out = check_output_path(c.output)
     opts = ObserveOptions.parse(
-        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-        batch_size=batch_size,
+        dataset=c.dataset, text_field=c.text_field, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
+        batch_size=c.batch_size,
     )  # fmt: skip
-    scale_files = _scale_files(scales, cands)
-    saved = read_damage_file(checkpoint) if checkpoint is not None else None
-    if not isinstance(model, LoadedModel):
-        check_device(device)  # the budget needs the config only: refused before the load
-        pre = kv_spec(load_config(resolve_real_name(model)))
+    scale_files = _scale_files(list(c.scales or []), cands)
+    saved = read_damage_file(c.checkpoint) if c.checkpoint is not None else None
+    if not isinstance(c.model, LoadedModel):
+        check_device(c.device)  # the budget needs the config only: refused before the load
+        pre = kv_spec(load_config(resolve_real_name(c.model)))
         check_reachable(pre, cands, budget)
-        if saved is not None and checkpoint is not None:
-            check_damage_fits(checkpoint, saved, pre.num_layers, cands)
-    lm = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(model, dtype=dtype, device=device, placement=Placement())
-    )
+        if saved is not None and c.checkpoint is not None:
+            check_damage_fits(c.checkpoint, saved, pre.num_layers, cands)
+    return PlanSpec(
+        model=c.model, candidates=cands, budget=budget, scale_files=scale_files, opts=opts, output=out,
+        checkpoint=c.checkpoint, saved=saved, heldout_windows=c.heldout_windows,
+        heldout_seq_len=c.heldout_seq_len, data_dir=c.data_dir, frontier=c.frontier,
+        frontier_step=c.frontier_step, refine=c.refine, compare_uniform=c.compare_uniform, dtype=c.dtype,
+        device=c.device,
+    )  # fmt: skip
+
+
+def run_plan(spec: PlanSpec, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Everything `kvcal plan` does after its checks (see the module docstring): damage (measured or the damage
+    file's), the solved plan, its refinement, frontier and uniform guard, the held-out measurements, and the
+    plan file when the spec has an output."""
+    cands, budget, opts = spec.candidates, spec.budget, spec.opts
+    lm = loaded(spec.model, spec.dtype, spec.device, Placement())
     kv = kv_spec(lm.model.config)
-    if saved is not None and checkpoint is not None:  # a model given loaded: checked here, before any forward
-        check_damage_fits(checkpoint, saved, kv.num_layers, cands)
+    if (
+        spec.saved is not None and spec.checkpoint is not None
+    ):  # a model given loaded: checked here, before any forward
+        check_damage_fits(spec.checkpoint, spec.saved, kv.num_layers, cands)
     costs, limit, _unit = integer_costs(kv, cands, budget)
     check_reachable(kv, cands, budget)
     binding = compute_binding(lm.ref, lm.model_dir, kv)
     data = opts.samples(lm, opts.texts())
-    scale_sets, scale_record = _scales(lm, kv, cands, scale_files, data.samples, progress, opts)
-    key = damage_key(binding, cands, scale_record, data.manifest(), dtype)
-    damage = load_damage(checkpoint, saved, key) if checkpoint and saved else None
-    if damage is None:
-        damage = measure_damage(lm.model, data.samples, kv, cands, scale_sets, opts.batch_size, progress)
-        if checkpoint is not None:
-            save_damage(checkpoint, key, damage)
+    scale_sets, scale_record = _scales(lm, kv, cands, spec.scale_files, data.samples, progress, opts)
+    damage = _damage(spec, lm, kv, scale_sets, damage_key(binding, cands, scale_record, data.manifest(), spec.dtype),
+                     data.samples, progress)  # fmt: skip
     solver_damage, ties = damage.tie_broken(costs)
     layers = choose(solver_damage, costs, limit, cands)
     assert layers is not None  # check_reachable
-    windows, source, warnings = load_heldout(lm, data_dir, heldout_windows, heldout_seq_len)
+    windows, source, warnings = load_heldout(lm, spec.data_dir, spec.heldout_windows, spec.heldout_seq_len)
     warnings = list(data.warnings) + warnings
 
     def joint(plans: list[list[str]], on: Sequence[torch.Tensor], phase: str) -> torch.Tensor:
@@ -457,27 +499,20 @@ def plan(
         )
 
     rounds = []
-    if refine:
+    if spec.refine:
         measured = joint([layers], windows, "measure")
         layers, measured, rounds = _refine(
             layers, measured, damage, solver_damage, costs, limit, cands, data.samples, windows, joint
         )
-    rows = _frontier(kv, cands, damage, budget, frontier_step) if frontier else []
+    rows = _frontier(kv, cands, damage, budget, spec.frontier_step) if spec.frontier else []
     guards = uniform_guard(
         kv, cands, [budget] + [Budget("capacity", r["target"], budget.context) for r in rows],
         [layers] + [r["layers"] for r in rows], data.samples, joint,
     )  # fmt: skip
-    if guards[0]["chosen"] != "plan" or not refine:
+    if guards[0]["chosen"] != "plan" or not spec.refine:
         layers = guards[0]["layers"]
         measured = joint([layers], windows, "measure")
-    for row, g in zip(rows, guards[1:], strict=True):
-        if g["chosen"] != "plan":
-            row.update(
-                layers=g["layers"],
-                capacity=plan_capacity(kv, g["layers"], budget.context)["multiplier_vs_bf16"],
-                estimated_kl=estimated_kl(damage, g["layers"]),
-            )
-        row["uniform_guard"] = {k: v for k, v in g.items() if k != "layers"}
+    _guard_rows(kv, rows, guards[1:], damage, budget)
     result: dict[str, Any] = {
         "model": lm.ref,
         "model_type": kv.model_type,
@@ -485,7 +520,7 @@ def plan(
         "candidates": cands,
         "scales": scale_record,
         "calibration": data.manifest(),
-        "heldout": {"source": source, "windows": len(windows), "seq_len": heldout_seq_len},
+        "heldout": {"source": source, "windows": len(windows), "seq_len": spec.heldout_seq_len},
         "layers": layers,
         "capacity": plan_capacity(kv, layers, budget.context),
         "estimated_kl": estimated_kl(damage, layers),
@@ -493,27 +528,68 @@ def plan(
         "refine_rounds": rounds,
         "uniform_guard": {k: v for k, v in guards[0].items() if k != "layers"},
         "ties": ties,
-        "damage": {"candidates": cands, "per_layer": damage.mean, "checkpoint": checkpoint},
-        "engines": engine_commands(lm.ref, layers, kv, str(out or "plan.json")),
+        "damage": {"candidates": cands, "per_layer": damage.mean, "checkpoint": spec.checkpoint},
+        "engines": engine_commands(lm.ref, layers, kv, str(spec.output or "plan.json")),
         "warnings": warnings,
     }
-    if frontier:
-        if compare_uniform:  # every Pareto plan measured jointly on the same held-out windows
+    if spec.frontier:
+        if spec.compare_uniform:  # every Pareto plan measured jointly on the same held-out windows
             m = joint([row["layers"] for row in rows], windows, "frontier")  # [2, W, rows]
             for j, row in enumerate(rows):
                 row["measured"] = _measured(m[:, :, j])
         result["frontier"] = rows
-    if compare_uniform:
+    if spec.compare_uniform:
         result["uniform"] = _uniform(kv, cands, budget, windows, measured[0, :, 0], joint)
-    if out is not None:
-        record = plan_record(
-            lm.ref, binding, kv, layers, budget=budget.to_dict(), candidates=cands, scales=scale_record,
-            capacity=result["capacity"], estimated_kl=result["estimated_kl"], measured=result["measured"],
-            heldout=result["heldout"], calibration=result["calibration"], producer=f"kvcal {__version__}",
-        )  # fmt: skip
-        save_plan(out, record)
-        result["plan_file"] = str(out)
+    if spec.output is not None:
+        _save_plan_file(spec.output, lm.ref, binding, kv, result)
     return result
+
+
+def _damage(
+    spec: PlanSpec,
+    lm: LoadedModel,
+    kv: KVSpec,
+    scale_sets: Scales,
+    key: dict[str, Any],
+    samples: Sequence[torch.Tensor],
+    progress: ProgressFn | None,
+) -> Damage:
+    """The damage file's damage when it was measured with `key`, else measured now (and written to the file)."""
+    checkpoint, saved = spec.checkpoint, spec.saved
+    damage = load_damage(checkpoint, saved, key) if checkpoint and saved else None
+    if damage is None:
+        damage = measure_damage(
+            lm.model, samples, kv, spec.candidates, scale_sets, spec.opts.batch_size, progress
+        )
+        if checkpoint is not None:
+            save_damage(checkpoint, key, damage)
+    return damage
+
+
+def _guard_rows(
+    kv: KVSpec, rows: list[dict[str, Any]], guards: list[dict[str, Any]], damage: Damage, budget: Budget
+) -> None:
+    """In place: each frontier row takes its uniform guard's choice (and records the guard)."""
+    for row, g in zip(rows, guards, strict=True):
+        if g["chosen"] != "plan":
+            row.update(
+                layers=g["layers"],
+                capacity=plan_capacity(kv, g["layers"], budget.context)["multiplier_vs_bf16"],
+                estimated_kl=estimated_kl(damage, g["layers"]),
+            )
+        row["uniform_guard"] = {k: v for k, v in g.items() if k != "layers"}
+
+
+def _save_plan_file(out: Path, ref: str, binding: dict[str, Any], kv: KVSpec, result: dict[str, Any]) -> None:
+    """The plan file (kvcal.planfile) of `result`; `result` records where it went."""
+    record = plan_record(
+        ref, binding, kv, result["layers"], budget=result["budget"], candidates=result["candidates"],
+        scales=result["scales"], capacity=result["capacity"], estimated_kl=result["estimated_kl"],
+        measured=result["measured"], heldout=result["heldout"], calibration=result["calibration"],
+        producer=f"kvcal {__version__}",
+    )  # fmt: skip
+    save_plan(out, record)
+    result["plan_file"] = str(out)
 
 
 def uniform_guard(

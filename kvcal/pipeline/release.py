@@ -52,6 +52,7 @@ from kvcal.errors import KvcalError, UsageError
 from kvcal.filecache import sha256_file
 from kvcal.formats import check_head_dims, get_format
 from kvcal.io import atomic_write_json, atomic_write_text
+from kvcal.kvconfig import KVConfig
 from kvcal.models.geometry import KVSpec, parse_skip_layers
 from kvcal.pipeline import sweep
 from kvcal.pipeline.release_config import PlanCandidate, ReleaseConfig, sweep_config
@@ -371,6 +372,11 @@ class Configuration:
     calibrated: bool
     plan: str | None = None  # a plan candidate's file (its 16-bit layers are `skip`)
 
+    @property
+    def key(self) -> KVConfig:
+        """The configuration it evaluates (a candidate that repeats another's is dropped)."""
+        return KVConfig(self.kv_format, self.label, self.skip, self.plan)
+
 
 def _calibrated(cfg: ReleaseConfig, fmt: str, scales: str | None) -> bool:
     """A candidate takes the release's scale file when it stores the shipped format and is not `uncalibrated`."""
@@ -402,8 +408,7 @@ def configurations(cfg: ReleaseConfig, plans: dict[int, Path] | None = None) -> 
         else:
             label = "uncalibrated" if fmt.calibratable else "dynamic"
         conf = Configuration("candidate", fmt.name, label, skip, calibrated, None if plan is None else str(plan))
-        if all((x.kv_format, x.label, x.skip, x.plan) != (conf.kv_format, conf.label, conf.skip, conf.plan)
-               for x in out):  # fmt: skip
+        if all(x.key != conf.key for x in out):
             out.append(conf)
     return out
 
@@ -422,8 +427,9 @@ def plan_cells(
     roles: dict[str, str] = {}
     for conf in configurations(ctx.cfg, plans):
         base = root / f"scales-{scales.sha256[:12]}" if conf.calibrated else root
-        mine = sweep.task_cells(ctx.scfg, base, conf.kv_format, conf.label, conf.skip,
-                                cal if conf.calibrated else None, conf.role == "baseline", conf.plan)  # fmt: skip
+        key = conf.key
+        mine = sweep.task_cells(ctx.scfg, base, key.kv_format, key.scales, key.skip,
+                                cal if conf.calibrated else None, conf.role == "baseline", key.plan)  # fmt: skip
         roles.update({c.name: conf.role for c in mine})
         cells += mine
     return sweep.SweepPlan(root, cells, [cal]), roles
@@ -460,7 +466,7 @@ def _bound_plan(ctx: Context, path: Path) -> bool:
 
 def solve_plan(ctx: Context, c: PlanCandidate, scales: Scales) -> tuple[Path, bool]:
     """(the plan file of a plan candidate, whether this run solved it): a bound file of its name is reused."""
-    from kvcal.pipeline.plan import plan as kvcal_plan
+    from kvcal.pipeline.plan import PlanConfig, plan_spec, run_plan
 
     if c.file is not None:
         from kvcal.planfile import load_plan_for_model
@@ -477,13 +483,14 @@ def solve_plan(ctx: Context, c: PlanCandidate, scales: Scales) -> tuple[Path, bo
         return path, False
     ctx.say(f"plan: solving {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    report = kvcal_plan(
+    config = PlanConfig(
         ctx.model, ["bf16", r.format], capacity=r.capacity, effective_bits=r.effective_bits, context=r.context,
         scales=[str(scales.path)] if calibrated else [], dataset=r.dataset, num_samples=r.num_samples,
         seq_len=r.seq_len, seed=r.seed, heldout_windows=r.heldout_windows, heldout_seq_len=r.heldout_seq_len,
         data_dir=e.data_dir, output=str(path), text_field=r.text_field, dtype=e.dtype, device=e.device,
         batch_size=r.batch_size,
     )  # fmt: skip
+    report = run_plan(plan_spec(config))
     for w in report["warnings"]:
         ctx.warn(f"plan: {w}")
     ctx.work.plans_solved += 1

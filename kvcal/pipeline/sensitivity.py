@@ -19,9 +19,12 @@ same samples; formats with dynamic scales need none.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,9 +39,9 @@ from kvcal.evaluate.kl import kl_per_token
 from kvcal.formats import KVFormat, fake_quantize, get_format
 from kvcal.io import atomic_write_json
 from kvcal.models.geometry import FULL, SLIDING, KVSpec, kv_spec
-from kvcal.models.loading import LoadedModel, check_device, input_device, load_model
+from kvcal.models.loading import LoadedModel, check_device, input_device, loaded
 from kvcal.pipeline.replay import LayerReplay
-from kvcal.placement import Placement
+from kvcal.placement import Placement, PlacementOptions
 from kvcal.scales import load_scales_for_model
 
 MINMAX = "minmax"  # --scales minmax: scales observed on the samples themselves (the pre-issue-27 default)
@@ -178,6 +181,67 @@ def _advice(
     }
 
 
+@dataclass
+class SensitivityConfig(PlacementOptions):
+    """The options of `kvcal sensitivity` as given (by name and default); `sensitivity_spec` parses them once."""
+
+    model: str | LoadedModel
+    kv_format: str
+    scales: str | None = None  # a scale file, "minmax" (on the same samples), or None (scale 1.0)
+    dataset: str | None = None
+    num_samples: int = 8
+    seq_len: int = 256
+    seed: int = 0
+    output: str | os.PathLike[str] | None = None  # the report as JSON
+    text_field: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    factor: float = 2.0  # layers above factor x the median damage are the skip candidates
+    batch_size: int = 1  # samples per forward (the same numbers as 1)
+    # (PlacementOptions: accelerate's placement, device_map / max_memory / offload_folder)
+
+
+@dataclass(frozen=True)
+class SensitivitySpec:
+    """One sensitivity measurement, parsed and checked without a model (build it with `sensitivity_spec`)."""
+
+    model: str | LoadedModel
+    fmt: KVFormat
+    scales: str | None
+    output: Path | None  # checked writable (check_output_path)
+    opts: ObserveOptions  # K/V as the model computes them (kv_input_dtype None): fake-quantized unrounded
+    placement: Placement
+    dtype: str
+    device: str
+    factor: float
+
+
+def sensitivity_spec(config: SensitivityConfig) -> SensitivitySpec:
+    """Every check that needs no model (format, --scales, output path, device, the dataset), in this order."""
+    c = config
+    fmt = get_format(c.kv_format)
+    if fmt.name == "auto":
+        raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
+    if c.scales and not fmt.calibratable:
+        raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
+    if c.seq_len < 2:  # the KL of the next-token distributions: one token attends only to itself
+        raise UsageError(
+            f"--seq-len must be at least 2 tokens (damage is measured on the next tokens), got {c.seq_len}"
+        )
+    if c.factor is not None and c.factor <= 0:
+        raise UsageError(f"--factor must be a positive multiple of the median damage, got {c.factor:g}")
+    out = check_output_path(c.output)
+    opts = ObserveOptions.parse(
+        dataset=c.dataset, text_field=c.text_field, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
+        batch_size=c.batch_size,
+    )  # fmt: skip
+    placement = c.placement()
+    if not isinstance(c.model, LoadedModel):
+        check_device(c.device)
+        placement.check()
+    return SensitivitySpec(c.model, fmt, c.scales, out, opts, placement, c.dtype, c.device, c.factor)
+
+
 def sensitivity(
     model: Any,
     kv_format: str,
@@ -198,40 +262,23 @@ def sensitivity(
     max_memory: str | None = None,
     offload_folder: str | None = None,
 ) -> dict[str, Any]:
-    """Load, sample, get scales (a scale file, or minmax on the same samples for calibratable formats), measure.
-    Every check that needs no model (format, --scales, output path, device, the dataset) runs before it loads.
-    `batch_size`: samples per forward (same numbers as 1); `device_map` / `max_memory` / `offload_folder`:
-    accelerate's placement (kvcal.placement)."""
-    fmt = get_format(kv_format)
-    if fmt.name == "auto":
-        raise UsageError("sensitivity of 'auto' is zero by definition; pick a quantized --kv-format")
-    if scales and not fmt.calibratable:
-        raise UsageError(f"KV format '{fmt.name}' has dynamic scales; drop --scales")
-    if seq_len < 2:  # the KL of the next-token distributions: one token attends only to itself
-        raise UsageError(f"--seq-len must be at least 2 tokens (damage is measured on the next tokens), got {seq_len}")
-    if factor is not None and factor <= 0:
-        raise UsageError(f"--factor must be a positive multiple of the median damage, got {factor:g}")
-    out = check_output_path(output)
-    # K/V as the model computes them (kv_input_dtype None): sensitivity fake-quantizes them unrounded
-    opts = ObserveOptions.parse(
-        dataset=dataset, text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-        batch_size=batch_size,
-    )  # fmt: skip
-    placement = Placement.parse(device_map, max_memory, offload_folder)
-    if not isinstance(model, LoadedModel):
-        check_device(device)
-        placement.check()
+    """`run_sensitivity(sensitivity_spec(SensitivityConfig(...)))` for keyword callers: the keywords are
+    SensitivityConfig's fields (see there), `progress` the callback `progress(done, total, phase)`."""
+    options = {k: v for k, v in locals().items() if k != "progress"}  # exactly SensitivityConfig's fields
+    return run_sensitivity(sensitivity_spec(SensitivityConfig(**options)), progress)
+
+
+def run_sensitivity(spec: SensitivitySpec, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Load, sample, get scales (a scale file, or minmax on the same samples for calibratable formats), measure;
+    the report, also written to the spec's output."""
+    opts, fmt = spec.opts, spec.fmt
     source = opts.texts()
-    lm = (
-        model
-        if isinstance(model, LoadedModel)
-        else load_model(model, dtype=dtype, device=device, placement=placement)
-    )
+    lm = loaded(spec.model, spec.dtype, spec.device, spec.placement)
     kv = kv_spec(lm.model.config)
     data = opts.samples(lm, source)
-    k_scales, v_scales, scale_source = layer_scales(lm, kv, fmt, scales, data.samples, progress, opts)
+    k_scales, v_scales, scale_source = layer_scales(lm, kv, fmt, spec.scales, data.samples, progress, opts)
     result = layer_sensitivity(
-        lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=factor,
+        lm.model, data.samples, kv, fmt, k_scales, v_scales, progress=progress, factor=spec.factor,
         batch_size=opts.batch_size,
     )  # fmt: skip
     report = {
@@ -244,11 +291,13 @@ def sensitivity(
         **result,
         "warnings": data.warnings,
     }
-    if out is not None:
+    if spec.output is not None:
         try:
-            atomic_write_json(out, report)
+            atomic_write_json(spec.output, report)
         except OSError as exc:
-            raise KvcalError(f"cannot write '{out}': {exc.strerror or exc}; choose another -o path") from None
+            raise KvcalError(
+                f"cannot write '{spec.output}': {exc.strerror or exc}; choose another -o path"
+            ) from None
     return report
 
 

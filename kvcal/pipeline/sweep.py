@@ -57,6 +57,7 @@ from kvcal.evaluate.spec import (
 from kvcal.filecache import sha256_file
 from kvcal.formats import get_format, kv_pair, parse_kv_format
 from kvcal.io import atomic_write_json, atomic_write_text, file_lock
+from kvcal.kvconfig import KVConfig
 from kvcal.models.loading import load_model
 from kvcal.models.resolve import resolve_model
 from kvcal.pipeline.settings import (
@@ -259,6 +260,11 @@ class Cell:
     detail: str = ""
     plan: str | None = None  # the plan file this cell evaluates (its format and 16-bit layers: kv_format, skip)
 
+    @property
+    def key(self) -> KVConfig:
+        """The configuration this cell evaluates (kvcal.kvconfig)."""
+        return KVConfig(self.kv_format, self.scales_label, self.skip, self.plan)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -373,15 +379,15 @@ def plan_sweep(cfg: SweepConfig, runs_dir: str | os.PathLike[str]) -> SweepPlan:
     check_plans(cfg)
     calibrations: dict[tuple[str, str, str], Calibration] = {}
     cells: list[Cell] = []
-    for fmt, label, gran, recipe, skip, baseline, plan in _configurations(cfg):
+    for conf, gran, recipe, baseline in _configurations(cfg):
         cal = None
         if gran is not None and recipe is not None:
-            key = (recipe.name, fmt, gran)
+            key = (recipe.name, conf.kv_format, gran)
             if key not in calibrations:
-                calibrations[key] = _calibration(root, recipe, fmt, gran)
+                calibrations[key] = _calibration(root, recipe, conf.kv_format, gran)
             cal = calibrations[key]
         try:
-            cells.extend(task_cells(cfg, root, fmt, label, skip, cal, baseline, plan))
+            cells.extend(task_cells(cfg, root, conf.kv_format, conf.scales, conf.skip, cal, baseline, conf.plan))
         except UsageError as exc:  # kvcal eval's refusal of a setting, in the sweep YAML's words
             raise UsageError(f"sweep config: {yaml_words(str(exc), None)}") from None
     return SweepPlan(root, cells, list(calibrations.values()))
@@ -451,26 +457,23 @@ def _cell_dir(folder: Path, spec: EvalSpec) -> Path:
     return legacy if not new.exists() and legacy != new and legacy.exists() else new
 
 
-Configuration = tuple[str, str, str | None, Recipe | None, str, bool, str | None]
-
-
-def _configurations(cfg: SweepConfig) -> Iterator[Configuration]:
-    """(format, scales label, granularity, recipe, skip, is_baseline, plan file) of every configuration: the
+def _configurations(cfg: SweepConfig) -> Iterator[tuple[KVConfig, str | None, Recipe | None, bool]]:
+    """(configuration, granularity and recipe of its calibration, is_baseline) of every configuration: the
     baseline first, without skipped layers; BF16 / auto never skip layers; then every plan file in each scale
     variant of its format (its 16-bit layers are its own, the skip_layers list does not apply)."""
     base_fmt = get_format(cfg.baseline).name
-    yield base_fmt, "none", None, None, "none", True, None
+    yield KVConfig(base_fmt), None, None, True
     for fmt in cfg.formats:
         if fmt == base_fmt:
             continue
         skips = ["none"] if fmt in ("auto", "bf16") else cfg.skip_layers
         for label, gran, recipe in _scale_variants(fmt, cfg):
             for skip in skips:
-                yield fmt, label, gran, recipe, skip, False, None
+                yield KVConfig(fmt, label, skip), gran, recipe, False
     for path in cfg.plans:
         fmt, skip = _plan_format(path)
         for label, gran, recipe in _scale_variants(fmt, cfg):
-            yield fmt, label, gran, recipe, skip, False, path
+            yield KVConfig(fmt, label, skip, path), gran, recipe, False
 
 
 def _plan_format(path: str) -> tuple[str, str]:

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 
 from kvcal.errors import KvcalError, UsageError
-from kvcal.formats import kv_pair
+from kvcal.kvconfig import KVConfig
+from kvcal.kvconfig import describe_scales as describe_scales  # re-exported: reports and tests read it here
+from kvcal.kvconfig import describe_skip as describe_skip
 from kvcal.report import agreement, length, longcontext, stats
 from kvcal.report.lmeval_runs import (
     Source,
@@ -52,7 +54,7 @@ from kvcal.report.verdicts import (
     parse_gate_policy,
     threshold_is_relative,
 )
-from kvcal.rundir import CONFIG, RunConfig
+from kvcal.rundir import CONFIG
 
 # --max-drop as compare_runs takes it: see verdicts.parse_gate_policy.
 MaxDrop = float | list[str] | dict[str, Any] | GatePolicy | None
@@ -73,10 +75,19 @@ class Configuration:
     capacity: float | None = None  # tokens that fit vs BF16 (x)
     plan: str | None = None  # the label of the plan file its runs evaluated (`plan@3.0x`), None for a format
 
+    @classmethod
+    def of_runs(cls, label: str, runs: list[Run]) -> Configuration:
+        """The configuration its first run's config.yaml records (KVConfig.of_run)."""
+        key = KVConfig.of_run(runs[0].config)
+        return cls(label, runs, key.kv_format, key.scales, key.skip, plan=key.plan)
+
+    @property
+    def key(self) -> KVConfig:
+        return KVConfig(self.kv_format, self.scales, self.skip, self.plan)
+
     @property
     def format_shown(self) -> str:
-        """The kv format column: `plan@3.0x (nvfp4)` for a plan (its 16-bit layers are the skip column)."""
-        return f"{self.plan} ({self.kv_format})" if self.plan else self.kv_format
+        return self.key.format_shown
 
     def run_for(self, task: str) -> Run | None:
         return next((r for r in self.runs if task in r.samples), None)
@@ -313,32 +324,6 @@ class Comparison:
 # Describing a configuration
 
 
-def describe_scales(cfg: RunConfig) -> str:
-    """'calib-<granularity>' | 'first-batch' (vLLM's calculate_kv_scales) | 'uncalibrated' (FP8, or nvfp4 with
-    global 1.0: scale 1) | 'per-sequence' (nvfp4's dynamic global) | 'dynamic' (per token / block formats) |
-    'none' (16-bit)."""
-    if cfg.calibrated:
-        return f"calib-{cfg.scales_granularity or 'tensor'}"
-    if cfg.scale_source:  # "first-batch": vLLM's calculate_kv_scales
-        return cfg.scale_source
-    fmt = cfg.kv_format
-    if fmt in ("nvfp4", "nvfp4_4over6"):
-        # run_format 1 recorded no policy: kvcal 0.1's nvfp4 took a dynamic global scale
-        return {"one": "uncalibrated", "per_sequence": "per-sequence"}.get(cfg.nvfp4_global or "", "dynamic")
-    if fmt in ("auto", "bf16", "float16"):
-        return "none"
-    try:
-        sides = kv_pair(fmt)
-    except KvcalError:  # a name this kvcal does not know (a newer run): say nothing wrong about it
-        return "dynamic"
-    # a static-scale side without a file runs at scale 1.0 (FP8, TensorRT-LLM's INT8 per tensor)
-    return "uncalibrated" if any(f.calibratable for f in sides) else "dynamic"
-
-
-def describe_skip(cfg: RunConfig) -> str:
-    return cfg.skip_layers or "none"
-
-
 def _kv_spec_of(run: Run) -> Any | None:
     """The KV geometry (kvcal.models.geometry.KVSpec) of the run's model when its folder is readable here, else None."""
     model_dir = run.model_dir
@@ -490,8 +475,7 @@ def _configurations(runs: list[Run]) -> list[Configuration]:
                 label, i = f"{r.path.parent.name}/{r.name}#{i}", i + 1
         groups.setdefault(label, []).append(r)
     return [
-        Configuration(lab, rs, rs[0].kv_format, describe_scales(rs[0].config), describe_skip(rs[0].config),
-                      plan=rs[0].config.plan_label)  # fmt: skip
+        Configuration.of_runs(lab, rs)
         for lab, rs in groups.items()
     ]
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvcal.errors import UsageError
+from kvcal.kvconfig import KVConfig
 from kvcal.report.compare import Comparison, Configuration, Warn
 from kvcal.report.lmeval_runs import (
     LOGLIKELIHOOD_TYPES,
@@ -127,8 +128,9 @@ def _backend(c: Configuration) -> str:
     return str((c.runs[0].config.extra.get("lm_eval") or {}).get("backend") or "kvcal")
 
 
-def _claim(c: Configuration) -> tuple[str, str, str]:
-    return c.kv_format, c.scales, c.skip
+def _claim(c: Configuration) -> KVConfig:
+    """What a run claims to be: its format, scales and 16-bit layers (an engine's lm-eval run records no plan)."""
+    return c.key.without_plan()
 
 
 def _describe(c: Configuration) -> str:

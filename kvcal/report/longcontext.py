@@ -22,10 +22,10 @@ import numpy as np
 
 from kvcal.report import stats
 from kvcal.report.runs import Run
+from kvcal.tasknames import PASSKEY_TASKS
 
 KL_BY_POSITION = "kl_by_position"
 PASSKEY_BY_CELL = "passkey_by_cell"
-PASSKEY_TASKS = ("passkey", "passkey_mc")
 # The baseline "retrieves" at a length when its accuracy over every depth there is at least this (issue 14).
 RETRIEVES = 0.8
 

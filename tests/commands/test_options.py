@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
@@ -178,3 +179,42 @@ def test_library_kwargs_refuses_an_option_the_function_does_not_take() -> None:
     assert options.library_kwargs(f, {"a": 1, "json_out": False}, cli_only=["json_out"]) == {"a": 1}
     with pytest.raises(TypeError, match=r"\['c'\] match nothing"):
         options.library_kwargs(f, {"a": 1, "c": 2})
+
+
+# calibrate, sensitivity, drift and plan build their library config by name like eval; the CLI's defaults are the
+# config's but for the ones named here (calibrate quantizes K/V as eval does: rounded to bfloat16 first).
+SPEC_COMMANDS = [
+    (("calibrate",), ["m", "-f", "fp8", "-o", "s.safetensors"], "kvcal.calibrate.run", "CalibrateConfig",
+     {"model": "m", "kv_format": "fp8", "output": Path("s.safetensors"), "kv_input_dtype": "bfloat16"}),
+    (("sensitivity",), ["m", "-f", "fp8"], "kvcal.pipeline.sensitivity", "SensitivityConfig",
+     {"model": "m", "kv_format": "fp8"}),
+    (("drift",), ["s.safetensors", "m"], "kvcal.calibrate.drift", "DriftConfig",
+     {"scales": Path("s.safetensors"), "model": "m"}),
+    (("plan",), ["m"], "kvcal.pipeline.plan", "PlanConfig", {"model": "m"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "argv", "module", "name", "given"), SPEC_COMMANDS, ids=lambda x: str(x))
+def test_spec_commands_build_their_config_with_its_defaults(
+    path: tuple[str, ...], argv: list[str], module: str, name: str, given: dict[str, Any]
+) -> None:
+    import importlib
+
+    cls = getattr(importlib.import_module(module), name)
+    command = importlib.import_module(f"kvcal.commands.{path[0]}")
+    ctx = LEAVES[path].make_context(path[0], argv)
+    config = options.config_from_options(
+        cls, ctx.params, cli_only=command.CLI_ONLY, no_option=getattr(command, "FIELDS_WITHOUT_OPTION", ())
+    )
+    assert config == cls(**given)
+
+
+def test_keyword_entry_points_take_exactly_their_configs_fields() -> None:
+    from kvcal.calibrate.drift import DriftConfig, check_drift
+    from kvcal.calibrate.run import CalibrateConfig, calibrate
+    from kvcal.pipeline.sensitivity import SensitivityConfig, sensitivity
+
+    for fn, cls, renamed in ((calibrate, CalibrateConfig, {}), (sensitivity, SensitivityConfig, {}),
+                             (check_drift, DriftConfig, {"scales_path": "scales"})):  # fmt: skip
+        params = {renamed.get(p, p) for p in inspect.signature(fn).parameters} - {"progress"}
+        assert params == {f.name for f in fields(cls)}, fn.__name__
