@@ -223,7 +223,7 @@ def _tq_round_trip(preset: str, x: torch.Tensor, side: str, layer: int) -> torch
     k_side, v_side = TQ_PRESETS[preset]
     f = k_side if side == "k" else v_side
     d = x.shape[-1]
-    if f.element == "tq_mse":  # LMCache rotates MSE keys with its layer's signs
+    if formats.is_tq_mse(f):  # LMCache rotates MSE keys with its layer's signs
         check_tq_head_dim(f.name, d)
         signs = lmcache_tq_signs(d, layer, x.device)  # seed 42 + 1337 * layer (the absolute index)
         q = formats.tq_quantize_mse(formats.as_f32(x), f, signs)

@@ -85,6 +85,12 @@ def is_tq_preset(name: object) -> bool:
     return isinstance(name, str) and name.strip().lower() in TQ_PRESETS
 
 
+def is_tq_mse(f: KVFormat) -> bool:
+    """A TurboQuant side of Hadamard-rotated Lloyd-Max codes (the MSE keys), as opposed to its FP8 keys or uniform
+    values."""
+    return f.element == "tq_mse"
+
+
 def tq_side_extra_bytes(f: KVFormat) -> int:
     """Bytes a TurboQuant side stores per (token, head) beside its codes: the fp16 norm of a key (2), the fp16 scale
     and zero of a value (4), nothing for FP8 keys."""
