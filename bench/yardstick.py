@@ -137,9 +137,7 @@ def engine_command(
         return str(exc)
     if fmt != "auto" and env.fp8_kv is not None:
         return env.fp8_kv
-    import shlex
-
-    argv = shlex.split(d["lm_eval"]) if isinstance(d["lm_eval"], str) else list(d["lm_eval"])
+    argv = list(d["lm_eval_argv"])  # the printed command's argument list (EngineCommand.to_dict)
     argv[argv.index("--output_path") + 1] = str(out)
     return [sys.executable, "-m", "kvcal.evaluate.lm_eval_cli", *argv[1:]]
 
