@@ -2,8 +2,8 @@
 pretrained=M,dtype=float32,kv_format=F` and `kvcal eval M -f F --dtype float32` resolve the cache through the same
 spec with the same defaults, so every format gives the same per-sample log-likelihoods through both doors; and lm-eval's results record kvcal's whole resolved configuration, which `kvcal compare` reads.
 
-Both doors run for real: lm-eval's own command line (kvcal.evaluate.lm_eval_cli.main, in this process) and kvcal's
-(the Typer app), on a tiny random Llama with head_dim 32 whose K is scaled up so that the formats' rounding shows in the scores."""
+Both doors run for real: lm-eval's own entry (`simple_evaluate` for every format; its command line,
+kvcal.evaluate.lm_eval_cli.main in this process, for a few) and kvcal's (the Typer app), on a tiny random Llama with head_dim 32 whose K is scaled up so that the formats' rounding shows in the scores."""
 
 from __future__ import annotations
 
@@ -87,12 +87,58 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def _lm_eval_api(model: Path, tasks: Path, fmt: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """lm-eval's `simple_evaluate` with the `--model_args` string its CLI passes on: the samples and the recorded
+    configuration. Its TaskManager indexes only the include path (lm-eval's CLI parses its ~14k built-in task
+    YAMLs first, ~10 s a run here, the same for every format: the CLI door below runs on a few)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import kvcal.evaluate.adapter  # noqa: F401 - registers `--model kvcal`, as kvcal-lm-eval does
+
+    res = simple_evaluate(
+        model="kvcal", model_args=f"pretrained={model},dtype=float32,kv_format={fmt}", tasks=["doors_mc"],
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False), device="cpu", log_samples=True,
+    )  # fmt: skip
+    return res["samples"]["doors_mc"], res["config"]["kvcal"]
+
+
+def _kvcal_eval(model: Path, tasks: Path, fmt: str, run: Path, invoke: Invoke) -> tuple[dict[int, list[float]], dict]:
+    import yaml
+
+    code_k, _, err_k = invoke(["eval", str(model), "-f", fmt, "--dtype", "float32", "--tasks", "doors_mc",
+                               "--include-path", str(tasks), "-o", str(run)])  # fmt: skip
+    assert code_k == 0, err_k  # every format runs on this model: no door may refuse it
+    return _lls(_read(run / "samples_doors_mc.jsonl")), yaml.safe_load((run / "config.yaml").read_text())
+
+
+CONFIG_KEYS = ("kv_format", "kv_input_dtype", "nvfp4_global", "attention", "impl", "tq_boundary_layers", "dtype",
+               "skip_layer_indices")  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_every_format_gives_one_answer_through_both_doors(
+    fmt: str, setup: tuple[Path, Path], tmp_path: Path, invoke: Invoke
+) -> None:
+    """lm-eval's `--model kvcal` (its Python entry, the adapter its CLI builds) and `kvcal eval`: the same
+    per-choice log-likelihoods bit for bit, and the same resolved configuration, for every format."""
+    model, tasks = setup
+    samples, recorded = _lm_eval_api(model, tasks, fmt)
+    ours, conf = _kvcal_eval(model, tasks, fmt, tmp_path / "run", invoke)
+    assert len(ours) == len(DOCS) and _lls(samples) == ours  # bit for bit, every choice of every document
+    for key in CONFIG_KEYS:  # lm-eval's record holds kvcal's resolved configuration, defaults included
+        assert recorded.get(key) == conf.get(key), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3", "nvfp4", "turboquant_k8v4"])
+def test_lm_eval_command_line_gives_kvcal_eval_answer(
     fmt: str, setup: tuple[Path, Path], tmp_path: Path, invoke: Invoke,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
+    """`kvcal-lm-eval --model kvcal ... --log_samples --output_path` (lm-eval's own command line, in this process)
+    and `kvcal eval`: same samples, and lm-eval's results file records kvcal's configuration, which compare reads."""
     model, tasks = setup
     out = tmp_path / "lm_eval_out"
     code_l, err_l = _lm_eval(
@@ -102,21 +148,13 @@ def test_every_format_gives_one_answer_through_both_doors(
         monkeypatch, capsys,
     )  # fmt: skip
     run = tmp_path / "run"
-    code_k, _, err_k = invoke(["eval", str(model), "-f", fmt, "--dtype", "float32", "--tasks", "doors_mc",
-                               "--include-path", str(tasks), "-o", str(run)])  # fmt: skip
-    assert code_k == 0, err_k  # every format runs on this model: no door may refuse it
+    ours, conf = _kvcal_eval(model, tasks, fmt, run, invoke)
     assert code_l == 0, err_l[-3000:]
     (samples,) = out.glob("*/samples_doors_mc_*.jsonl")
-    theirs, ours = _lls(_read(samples)), _lls(_read(run / "samples_doors_mc.jsonl"))
-    assert len(ours) == len(DOCS) and theirs == ours  # bit for bit, every choice of every document
-    # lm-eval's record holds kvcal's resolved configuration, defaults included, as config.yaml does
+    assert len(ours) == len(DOCS) and _lls(_read(samples)) == ours
     (results,) = out.glob("*/results_*.json")
     recorded = json.loads(results.read_text())["config"]["kvcal"]
-    import yaml
-
-    conf = yaml.safe_load((run / "config.yaml").read_text())
-    for key in ("kv_format", "kv_input_dtype", "nvfp4_global", "attention", "impl", "tq_boundary_layers", "dtype",
-                "skip_layer_indices"):  # fmt: skip
+    for key in CONFIG_KEYS:
         assert recorded.get(key) == conf.get(key), key
     # and kvcal compare reads it: the lm-eval run's configuration is the kvcal run's
     from kvcal.report.lmeval_runs import Source, load_lm_eval_run
