@@ -14,7 +14,9 @@ only, as vLLM's own platform check answers it (`0.32.0+cpu`): nothing is written
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata as metadata
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -44,12 +46,26 @@ def resolve_distribution(import_name: str = "vllm") -> str | None:
     return provider
 
 
+def exit_before_engine_teardown(code: int = 0) -> None:
+    """End an engine process whose work is written: Python's exit handlers run (vLLM's finalizers stop its engine
+    core process, logging flushes), then the process leaves without the C++ destructors that would follow. The CPU
+    build's teardown there sometimes ends in `std::terminate` ("terminate called without an active exception",
+    exit -6) after a finished run: seen once in CI, and a user's script would read that as a failed evaluation."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()  # what interpreter exit runs first; CPython's own entry (no public one)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's CLI, with kvcal's `--data-dir` / `--gpqa-password` (kvcal.evaluate.lm_eval_cli) and the engine's
     distribution resolved. Exit codes are lm-eval's; kvcal's anticipated errors are one `Error:` line."""
     from kvcal.evaluate.lm_eval_cli import run_harness
 
     run_harness(list(sys.argv[1:] if argv is None else argv), prepare=lambda: resolve_distribution("vllm"))
+    exit_before_engine_teardown(0)  # lm-eval returned: its results are written
 
 
 if __name__ == "__main__":

@@ -79,11 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")
     os.replace(tmp, out)
-    # The result is on disk and the engine stopped: leave without running the engine's C++ destructors, whose
-    # thread teardown can abort a finished run (see _shutdown). Exit status 0 means OUT is whole.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from kvcal.evaluate.engine_lm_eval import exit_before_engine_teardown
+
+    exit_before_engine_teardown(0)  # OUT is whole: exit status 0 says so
 
 
 if __name__ == "__main__":

@@ -145,9 +145,10 @@ def engine_logprobs(
         child.setdefault(key, value)
     proc = subprocess.run([env.python, "-m", "kvcal.evaluate.engine_logprobs", str(req), str(out)], env=child,
                           capture_output=True, text=True, check=False)  # fmt: skip
-    if proc.returncode != 0:
+    if proc.returncode != 0 or not out.is_file():
         tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        raise KvcalError(f"{env.label()} failed on {model_dir}: {tail[0]}")
+        why = tail[0] if proc.returncode != 0 else f"it exited 0 without writing {out.name}"
+        raise KvcalError(f"{env.label()} failed on {model_dir}: {why}")
     return json.loads(out.read_text())["logprobs"]
 
 
