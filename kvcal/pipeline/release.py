@@ -595,7 +595,7 @@ def gate(ctx: Context, cells: list[sweep.Cell]) -> Any:
     return compare_runs(
         [c.path for c in cells], baseline="bf16", max_drop=g.max_drop, alpha=g.alpha, n_boot=g.bootstrap,
         seed=g.seed, min_samples=g.min_samples, warn=ctx.warn, context=g.context, gate=g.mode,
-        allow_unjudged=g.allow_unjudged,
+        allow_unjudged=g.allow_unjudged, max_length_change=g.max_length_change,
     )  # fmt: skip
 
 
@@ -765,6 +765,9 @@ def _gate_failure(cmp: Any) -> str:
         if cmp.settings.gate == "noninferiority":
             return "gate: a configuration was not shown non-inferior (gate.mode noninferiority)"
         return "gate: a configuration regressed"
+    if cmp.length_failures:
+        worst = ", ".join(sorted({r.config for r in cmp.length_failures}))
+        return f"gate: generated length changed beyond gate.max_length_change ({worst})"
     return (
         f"gate: not judged ({', '.join(cmp.unjudged_configs)}: too few paired samples or no task in common); "
         "raise evaluate.limit or set gate.allow_unjudged"

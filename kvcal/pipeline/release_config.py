@@ -59,6 +59,7 @@ no option to keep layers at 16 bits, so skip_layers ship through vLLM alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +110,16 @@ def _float(value: Any, key: str, base: Path | None) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise UsageError(f"'{key}' must be a number, got {value!r}") from None
+
+
+def _length_change(value: Any, key: str, base: Path | None) -> float:
+    """gate.max_length_change: a fraction of the baseline's generated length > 0 (kvcal compare
+    --max-length-change)."""
+    name = f"gate.{key}"
+    v = _float(value, name, base)
+    if not math.isfinite(v) or v <= 0:
+        raise UsageError(f"'{name}' must be a fraction of the baseline's generated length > 0 (e.g. 0.25), got {value!r}")
+    return v
 
 
 def _bool(value: Any, key: str, base: Path | None) -> bool:
@@ -319,6 +330,9 @@ class Gate:
     bootstrap: int = yaml_field(read_int, 2000)
     seed: int = yaml_field(read_int, 1234)
     context: int | None = yaml_field(read_tokens, None)  # capacity's context; None: the longest the runs evaluated
+    # the paired change in generated length of every generative task (kvcal compare --max-length-change); None:
+    # reported, not gated
+    max_length_change: float | None = yaml_field(_length_change, None)
 
 
 @dataclass

@@ -167,3 +167,39 @@ def test_a_bad_max_length_change_is_one_error_line(
         assert code == 2 and err.startswith("Error: ") and err.count("\n") == 1 and "--max-length-change" in err
     code, _, err = invoke(["compare", *dirs, "--max-length-change", "0.2", "--fail-on-regression"])
     assert code == 1 and "Length change FAIL: nvfp4 on gsm8k" in err
+
+
+def test_a_release_gates_length_with_its_yaml_key(write_run: Callable[..., Path], tmp_path: Path) -> None:
+    """`gate.max_length_change` in a release YAML reaches the release's gate (kvcal compare's statistics over its
+    runs): a 30% lengthening fails at 0.2, with release.json's reason naming the key, and passes at 0.5."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from kvcal.pipeline import release
+    from kvcal.pipeline.release_config import load_release_config
+
+    base, other = _planted(0.30)
+    cells = [SimpleNamespace(path=_generative_run(write_run, tmp_path, n, n, x)) for n, x in
+             (("bf16", base), ("nvfp4", other))]  # fmt: skip
+    for limit, passed in ((0.2, False), (0.5, True), (None, True)):
+        path = tmp_path / f"release-{limit}.yaml"
+        gate = {"mode": "regression", "bootstrap": 400} | ({"max_length_change": limit} if limit is not None else {})
+        path.write_text(yaml.safe_dump({"ship": {"kv_format": "fp8_e4m3"}, "gate": gate}))
+        cfg = load_release_config(path)
+        assert cfg.gate.max_length_change == limit
+        cmp = release.gate(SimpleNamespace(cfg=cfg, warn=lambda _m: None), cells)
+        assert cmp.gate_passed is passed, limit
+        if not passed:
+            assert release._gate_failure(cmp) == "gate: generated length changed beyond gate.max_length_change (nvfp4)"
+
+
+@pytest.mark.parametrize(("value", "needle"), [(0, "must be a fraction of the baseline's generated length > 0"),
+                                               (".nan", "must be a fraction"), ("lots", "must be a number")])  # fmt: skip
+def test_a_bad_release_length_gate_names_its_key(tmp_path: Path, value: object, needle: str) -> None:
+    from kvcal.pipeline.release_config import load_release_config
+
+    path = tmp_path / "release.yaml"
+    path.write_text(f"ship: {{kv_format: fp8_e4m3}}\ngate: {{max_length_change: {value}}}\n")
+    with pytest.raises(UsageError, match="'gate.max_length_change' " + needle):
+        load_release_config(path)
