@@ -543,7 +543,10 @@ def test_sigint_mid_write_leaves_no_part(inputs: Inputs, tmp_path: Path) -> None
         proc.wait(timeout=300)
         reader.join(timeout=10)
         err = "".join(lines)
-        assert "Traceback" not in err, err[-3000:]
+        # after the command's work, SIGINT may land in a library's exit hook (torch's dump_compile_times): Python
+        # reports that as "Exception ignored in atexit callback"; the command itself raised nothing
+        ours = err.split("Exception ignored in atexit callback")[0]
+        assert "Traceback" not in ours, err[-3000:]
         assert sum(ln.startswith("Error:") for ln in err.splitlines()) <= 1, err[-2000:]
         # 1: click's Abort; -SIGINT: the signal came after the command's work, while the interpreter shut down
         # (what a shell reports as 130), so the output may be whole and new then
