@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "before_after.json"))
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- KVCAL-COMMAND ARGS (without -o)")
     args = p.parse_args()
-    cmd = [a for a in args.command if a != "--"] if args.command[:1] == ["--"] else args.command
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd or len(args.code) < 2 or any("=" not in c for c in args.code):
         p.error("give --code NAME=TREE twice or more and a kvcal command after --")
     trees = dict(c.split("=", 1) for c in args.code)

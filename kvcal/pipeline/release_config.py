@@ -59,7 +59,6 @@ no option to keep layers at 16 bits, so skip_layers ship through vLLM alone.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -112,14 +111,12 @@ def _float(value: Any, key: str, base: Path | None) -> float:
         raise UsageError(f"'{key}' must be a number, got {value!r}") from None
 
 
-def _length_change(value: Any, key: str, base: Path | None) -> float:
-    """gate.max_length_change: a fraction of the baseline's generated length > 0 (kvcal compare
-    --max-length-change)."""
+def _length_change(value: Any, key: str, base: Path | None) -> float | None:
+    """gate.max_length_change: kvcal compare's --max-length-change check, named by its YAML key."""
+    from kvcal.report.length import check_max_length_change
+
     name = f"gate.{key}"
-    v = _float(value, name, base)
-    if not math.isfinite(v) or v <= 0:
-        raise UsageError(f"'{name}' must be a fraction of the baseline's generated length > 0 (e.g. 0.25), got {value!r}")
-    return v
+    return check_max_length_change(_float(value, name, base), f"'{name}'")
 
 
 def _bool(value: Any, key: str, base: Path | None) -> bool:

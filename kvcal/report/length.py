@@ -137,14 +137,14 @@ def _raw(run: Any, task: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def check_max_length_change(value: float | None) -> float | None:
-    """`--max-length-change`: None (report only) or a fraction > 0."""
+def check_max_length_change(value: float | None, name: str = "--max-length-change") -> float | None:
+    """`--max-length-change` (or the setting NAME, e.g. a release YAML's gate.max_length_change): None (report
+    only) or a fraction > 0."""
     if value is None:
         return None
     if not math.isfinite(value) or value <= 0:
         raise UsageError(
-            f"--max-length-change must be a fraction of the baseline's length > 0 (e.g. 0.25 for a quarter), "
-            f"got {value:g}"
+            f"{name} must be a fraction of the baseline's length > 0 (e.g. 0.25 for a quarter), got {value:g}"
         )
     return float(value)
 

@@ -194,7 +194,7 @@ def test_a_release_gates_length_with_its_yaml_key(write_run: Callable[..., Path]
             assert release._gate_failure(cmp) == "gate: generated length changed beyond gate.max_length_change (nvfp4)"
 
 
-@pytest.mark.parametrize(("value", "needle"), [(0, "must be a fraction of the baseline's generated length > 0"),
+@pytest.mark.parametrize(("value", "needle"), [(0, "must be a fraction of the baseline's length > 0"),
                                                (".nan", "must be a fraction"), ("lots", "must be a number")])  # fmt: skip
 def test_a_bad_release_length_gate_names_its_key(tmp_path: Path, value: object, needle: str) -> None:
     from kvcal.pipeline.release_config import load_release_config
