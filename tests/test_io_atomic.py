@@ -40,6 +40,14 @@ def test_sigint_while_the_temporary_file_is_created_leaves_nothing(
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_sigint)
     out = tmp_path / "s.safetensors"
-    with pytest.raises(KeyboardInterrupt), io.atomic_path(out) as tmp:
-        tmp.write_bytes(b"new")
+    # Python's own Ctrl-C handler and SIGINT unblocked, whatever an earlier test in this process left (a clean-clone
+    # CI run once saw no KeyboardInterrupt come: another handler installed, or the signal blocked)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        with pytest.raises(KeyboardInterrupt), io.atomic_path(out) as tmp:
+            tmp.write_bytes(b"new")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, before)
     assert made and not Path(made[0]).exists() and list(tmp_path.iterdir()) == []
