@@ -21,9 +21,16 @@ filter's responses re-tokenized, the same count on both sides), marginal ms per 
 the process tree's summed PSS (proportional set size, so pages the engine's processes share count once) and the
 largest single-process RSS, sampled every 0.5 s (psutil). kvcal's ratio: its marginal ms per token over the
 engine's of the same task and format (`auto` for kvcal's auto and bf16; goal, issue 42: <= 2x for the formats the
-engine runs). `--profile` adds one cProfile'd
-`kvcal eval` per task and format, grouped by where the time goes (model forward, kvcal's cache and attention,
-scoring, lm-eval, loading).
+engine runs; every other kvcal format: <= 2x kvcal's `auto`, the `/ kvcal auto` column, which `--sides kvcal`
+measures alone). `--profile` adds one cProfile'd
+`kvcal eval` per task and format (`--profile-formats` picks some), grouped by where the time goes (model forward,
+kvcal's cache and attention, scoring, lm-eval, loading).
+
+`--engine-env VAR=VALUE` (repeatable) adds a second engine side, `engine+env`, the same printed command with those
+variables set: e.g. `VLLM_CPU_NUM_OF_RESERVED_CPU=0`, since vLLM's CPU build keeps one core per rank for its
+scheduler on x86 and computes with the rest (one OpenMP thread on a 2-core machine). kvcal's rows are compared with
+the engine as a user starts it (`engine`) and, when given, with `engine+env`. The JSON is rewritten after every cell,
+so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -155,12 +162,16 @@ def kvcal_command(args: argparse.Namespace, task: str, fmt: str, limit: int, out
 
 
 _GROUPS = (  # (group, substrings of a profiled function's file): the first match wins
-    ("kvcal cache + attention", ("kvcal/kernels/",)),
+    ("loading", ("safetensors", "transformers/modeling_utils", "tokenization", "transformers/models/auto/")),
+    ("kvcal cache + attention", ("kvcal/kernels/", "kvcal/formats/")),
     ("kvcal scoring", ("kvcal/evaluate/scoring", "kvcal/evaluate/adapter", "kvcal/evaluate/rolling")),
-    ("model forward", ("transformers/models/", "torch/nn/modules/")),
     ("lm-eval", ("lm_eval/",)),
-    ("loading", ("safetensors", "transformers/modeling_utils", "tokenization")),
+    ("model forward", ("transformers/", "torch/nn/")),
 )
+
+
+def _group(file: str) -> str:
+    return next((name for name, keys in _GROUPS if any(k in file for k in keys)), "other")
 
 
 def profile_kvcal(cmd: list[str], out: Path) -> dict[str, float]:
@@ -173,11 +184,26 @@ def profile_kvcal(cmd: list[str], out: Path) -> dict[str, float]:
         prof.runcall(app, argv, standalone_mode=False)
     finally:
         prof.dump_stats(str(out / "profile.pstats"))
-    stats = pstats.Stats(str(out / "profile.pstats"))
+    return group_profile(out / "profile.pstats")
+
+
+def group_profile(path: Path) -> dict[str, float]:
+    """A saved profile's (profile.pstats) own time per group of _GROUPS, s; run again on an old profile to regroup it."""
+    stats = pstats.Stats(str(path))
     groups: dict[str, float] = {g: 0.0 for g, _ in _GROUPS} | {"other": 0.0}
-    for (file, _, _), (_, _, tt, _, _) in stats.stats.items():  # type: ignore[attr-defined]
-        g = next((name for name, keys in _GROUPS if any(k in file for k in keys)), "other")
-        groups[g] += tt
+    for (file, _, _), (_, _, tt, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if file != "~":
+            groups[_group(file)] += tt
+            continue
+        # a builtin (torch's C++ ops: matmuls, SDPA, the codec's casts) has no file: its time goes to the groups of
+        # the functions that called it, each caller's share as cProfile recorded it
+        shares = {c: v[2] for c, v in callers.items()}
+        total = sum(shares.values())
+        if not total:
+            groups["other"] += tt
+            continue
+        for caller, share in shares.items():
+            groups[_group(caller[0])] += tt * share / total
     return groups
 
 
@@ -203,13 +229,41 @@ def summarize(
         ms = marginal(task, side, fmt)
         if ms is None:
             continue
-        eng = marginal(task, "engine", "fp8_e4m3" if fmt.startswith("fp8") else "auto")
+        eng_fmt = "fp8_e4m3" if fmt.startswith("fp8") else "auto"
+        kv_auto = marginal(task, "kvcal", "auto")
+        eng, eng_env = marginal(task, "engine", eng_fmt), marginal(task, "engine+env", eng_fmt)
         rows.append({"task": task, "side": side, "format": fmt, "wall_s": med(task, side, fmt, limits[1], "wall_s"),
                      "tokens": med(task, side, fmt, limits[1], "tokens"), "marginal_ms_per_token": ms,
-                     "vs_engine_same_format": ms / eng if eng else None,
+                     "vs_engine_same_format": ms / eng if eng and side != "engine" else None,
+                     "vs_engine_env_same_format": ms / eng_env if eng_env and side == "kvcal" else None,
+                     "vs_kvcal_auto": ms / kv_auto if side == "kvcal" and kv_auto else None,
                      "peak_pss_mib": med(task, side, fmt, limits[1], "peak_pss_mib"),
                      "peak_rss_mib": med(task, side, fmt, limits[1], "peak_rss_mib")})  # fmt: skip
     return rows
+
+
+def _var(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--engine-env takes VAR=VALUE, got {text!r}")
+    return name, value
+
+
+def _write(
+    args: argparse.Namespace, extra: dict[str, str], missing: dict[str, str], cells: list[dict[str, Any]],
+    table: list[dict[str, Any]], profiles: dict[str, dict[str, float]],
+) -> None:
+    """The JSON report, rewritten whole (atomically) after every cell."""
+    from kvcal.io import atomic_write_text
+
+    report = {
+        "bench": "yardstick", "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "note": args.note, "engine_env": extra, "goal": {"vs_engine_same_format": 2.0}, "missing": missing,
+        "cells": cells, "table": table, "profiles": profiles,
+    }  # fmt: skip
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.output, json.dumps(report, indent=2) + "\n")
 
 
 def main() -> None:
@@ -220,6 +274,7 @@ def main() -> None:
         "--formats", default="auto,bf16,fp8_e4m3", help="kvcal's formats; the engine runs auto and fp8"
     )
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sides", default="engine,kvcal", help="engine, kvcal or both (kvcal alone: formats vs auto)")
     p.add_argument("--limits", default="2,6", help="two sizes A,B (documents / questions): the marginal cost")
     p.add_argument(
         "--max-length", type=int, default=2048, help="the window: lm-eval max_length = max_model_len"
@@ -232,6 +287,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="one cProfile'd kvcal eval per task and format")
+    p.add_argument("--profile-formats", default=None, help="with --profile: these formats only (default: all)")
+    p.add_argument(
+        "--engine-env", action="append", default=[], metavar="VAR=VALUE",
+        help="add an `engine+env` side: the engine's command with these variables set (repeatable)",
+    )
     p.add_argument("--note", default="", help="what else ran on the machine (recorded in the JSON)")
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("-o", "--output", default=str(ROOT / "bench" / "out" / "yardstick.json"))
@@ -248,62 +308,67 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="kvcal-bench-yardstick-"))
     work.mkdir(parents=True, exist_ok=True)
     env = _env(args.threads)
+    extra = dict(_var(x) for x in args.engine_env)
+    sides = set(args.sides.split(","))
+    if not sides or sides - {"engine", "kvcal"}:
+        raise SystemExit(f"--sides takes engine, kvcal or both, got {args.sides}")
     limits = [int(x) for x in args.limits.split(",")]
     if len(limits) != 2 or not 0 < limits[0] < limits[1]:
         raise SystemExit(f"--limits takes two sizes A,B with 0 < A < B, got {args.limits}")
+    engine_sides = (("engine", "engine+env") if extra else ("engine",)) if "engine" in sides else ()
     plan: list[tuple[str, str, str, int]] = []  # (task, side, format, limit)
     for task in tasks:
         for n in limits:
-            plan += [(task, "engine", f, n) for f in ("auto", "fp8_e4m3") if f in formats or f == "auto"]
-            plan += [(task, "kvcal", f, n) for f in formats]
+            for side in engine_sides:
+                plan += [(task, side, f, n) for f in ("auto", "fp8_e4m3") if f in formats or f == "auto"]
+            plan += [(task, "kvcal", f, n) for f in formats if "kvcal" in sides]
     cells: list[dict[str, Any]] = []
     missing: dict[str, str] = {}
     for r in range(args.rounds):
         shift = (r * len(plan)) // max(args.rounds, 1)
         for task, side, fmt, n in plan[shift:] + plan[:shift]:
             out = work / f"{task}-{side}-{fmt}-n{n}-r{r}"
-            if side == "engine":
+            if side.startswith("engine"):
                 cmd = engine_command(args, model_dir, task, fmt, n, out)
                 if isinstance(cmd, str):
-                    missing[f"{task} engine {fmt}"] = cmd
+                    missing[f"{task} {side} {fmt}"] = cmd
                     continue
             else:
                 cmd = kvcal_command(args, task, fmt, n, out)
             load0 = os.getloadavg()
-            res = run_process(cmd, env, work / f"{out.name}.log")
+            res = run_process(cmd, {**env, **extra} if side == "engine+env" else env, work / f"{out.name}.log")
             tokens = count_tokens(tokenizer, _samples(out, task), task)
             cells.append({"task": task, "side": side, "format": fmt, "limit": n, "round": r, "tokens": tokens,
                           **res, "loadavg_before": load0, "loadavg_after": os.getloadavg(), "command": cmd})  # fmt: skip
-            print(f"  {task:9s} {side:6s} {fmt:9s} n={n:<3d} r{r}: {res['wall_s']:7.1f} s, {tokens} tokens, "
+            print(f"  {task:9s} {side:10s} {fmt:9s} n={n:<3d} r{r}: {res['wall_s']:7.1f} s, {tokens} tokens, "
                   f"PSS {res['peak_pss_mib']:.0f} MiB (load {load0[0]:.1f})", flush=True)  # fmt: skip
+            _write(args, extra, missing, cells, summarize(cells, plan, limits), {})
     table = summarize(cells, plan, limits)
     profiles: dict[str, dict[str, float]] = {}
     if args.profile:
         os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM")})
         for task in tasks:
-            for fmt in formats:
+            for fmt in args.profile_formats.split(",") if args.profile_formats else formats:
                 out = work / f"profile-{task}-{fmt}"
                 out.mkdir()
                 profiles[f"{task} {fmt}"] = profile_kvcal(kvcal_command(args, task, fmt, limits[1], out / "run"), out)
-    report = {
-        "bench": "yardstick", "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"python": platform.python_version(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
-        "note": args.note, "goal": {"vs_engine_same_format": 2.0}, "missing": missing, "cells": cells,
-        "table": table, "profiles": profiles,
-    }  # fmt: skip
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    _write(args, extra, missing, cells, table, profiles)
     print(f"\n{args.model} --dtype {args.dtype} --limits {args.limits} --max-length {args.max_length} "
           f"--max-gen-toks {args.max_gen_toks}, {args.rounds} round(s), {args.threads} thread(s)"
           f"{'; ' + args.note if args.note else ''}")  # fmt: skip
     print(f"| task | side | format | wall s at {limits[1]} | tokens at {limits[1]} | marginal ms/token | "
-          "/ engine same format | peak PSS MiB | peak RSS MiB |")  # fmt: skip
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "/ engine same format | / kvcal auto | peak PSS MiB | peak RSS MiB |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in table:
         same = "" if row["vs_engine_same_format"] is None else f"{row['vs_engine_same_format']:.2f}x"
+        if row["vs_engine_env_same_format"] is not None:
+            same += f" (engine+env: {row['vs_engine_env_same_format']:.2f}x)"
+        kv = "" if row["vs_kvcal_auto"] is None else f"{row['vs_kvcal_auto']:.2f}x"
         print(f"| {row['task']} | {row['side']} | {row['format']} | {row['wall_s']:.1f} | {row['tokens']:.0f} | "
-              f"{row['marginal_ms_per_token']:.2f} | {same} | {row['peak_pss_mib']:.0f} | "
+              f"{row['marginal_ms_per_token']:.2f} | {same} | {kv} | {row['peak_pss_mib']:.0f} | "
               f"{row['peak_rss_mib']:.0f} |")  # fmt: skip
+    if extra:
+        print("engine+env: the engine with " + " ".join(f"{k}={v}" for k, v in extra.items()))
     for cell, why in missing.items():
         print(f"missing: {cell}: {why}")
     for name, groups in profiles.items():
