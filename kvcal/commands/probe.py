@@ -23,11 +23,11 @@ def probe_cmd(
     ] = None,
     factor: Annotated[
         float, typer.Option("--factor", help="The probe checkpoint's K and V scales of --layer, times this.")
-    ] = 64.0,
+    ] = 1000.0,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Token sequences scored on both sides.")] = 4,
     seq_len: SeqLenOpt = 128,
     dataset: DatasetOpt = None,
-    dtype: DtypeOpt = "bfloat16",
+    dtype: DtypeOpt = "float32",
     work_dir: Annotated[
         Path | None, typer.Option("--work-dir", help="Keep the two exported checkpoints here (default: a temporary folder).")
     ] = None,

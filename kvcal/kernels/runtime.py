@@ -44,7 +44,7 @@ from kvcal.kernels.plan import IMPLS, CachePlan, parse_cache_plan
 from kvcal.kernels.triton_env import interpreting, triton_available
 from kvcal.models.geometry import KVSpec, kv_spec, parse_skip_layers
 from kvcal.models.loading import input_device
-from kvcal.scales import query_scales
+from kvcal.scales import SAME_SCALES, query_scales
 
 _ORIGINAL_ATTR = "_kvcal_original_attn_implementation"
 _GEN_HOOK = "_prepare_cache_for_generation"  # instance attribute set by install_generate_cache
@@ -163,7 +163,8 @@ def _check_scales(
                 "drop --scales or use fp8_e4m3, fp8_e5m2, int8_per_tensor or nvfp4"
             )
     name = fmt.name if v_fmt is fmt else f"k={fmt.name},v={v_fmt.name}"
-    if scales.kv_format != name:  # a ScaleSet's format is canonical (kvcal.scales.load_scale_file)
+    # a ScaleSet's format is canonical (kvcal.scales.load_scale_file); fp8_e4m3_cpu reads fp8_e4m3's scales
+    if scales.kv_format != name and SAME_SCALES.get(name) != scales.kv_format:
         raise UsageError(
             f"the scale file was calibrated for {scales.kv_format}, not {name}; "
             f"calibrate for {name} or pass --kv-format {scales.kv_format}"

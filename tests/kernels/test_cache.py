@@ -527,6 +527,16 @@ def test_describe_scale_source_and_calibrated_reads(gemma3: Model, batch: Batch)
     assert torch.equal(cache.layers[1].k.scale, torch.full((2,), 0.004))
 
 
+def test_cpu_fp8_reads_fp8_e4m3_scales(gemma3: Model) -> None:
+    """fp8_e4m3_cpu (vLLM's CPU build's store) takes an fp8_e4m3 scale file as the engine does (kvcal.scales
+    SAME_SCALES); a scale file of another format is still refused."""
+    model = gemma3(head_dim=16)
+    rt = KVRuntime(model, "fp8_e4m3_cpu", scales=_scale_set("fp8_e4m3", 3, 1, 0.004), impl="torch")
+    assert not rt.describe()["uncalibrated"]
+    with pytest.raises(UsageError, match="calibrated for fp8_e5m2, not fp8_e4m3_cpu"):
+        KVRuntime(model, "fp8_e4m3_cpu", scales=_scale_set("fp8_e5m2", 3, 1))
+
+
 def test_bad_input_errors(monkeypatch: pytest.MonkeyPatch, gemma3: Model, kv_model: Model) -> None:
     model = gemma3(head_dim=16)
     with pytest.raises(UsageError, match="mxfp4 needs head_dim divisible by its 32-element block"):
