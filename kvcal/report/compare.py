@@ -26,6 +26,7 @@ from kvcal.kvconfig import describe_skip as describe_skip
 from kvcal.report import agreement, length, longcontext, stats
 from kvcal.report.lmeval_runs import (
     Source,
+    exported_from,
     load_lm_eval_run,
     results_folder,
     same_documents,
@@ -449,9 +450,15 @@ def _one_model(runs: list[Run]) -> str:
     """The model all runs measured: the same reference, or the same local folder (a .gguf and its cached
     conversion, say)."""
     first = runs[0]
-    strangers = [
-        r for r in runs if r.model != first.model and (not r.model_dir or r.model_dir != first.model_dir)
-    ]
+
+    def names(r: Run) -> set[str]:
+        # a checkpoint `kvcal export --to vllm` wrote is its source model with scales added: an engine run on it
+        # measured that model (kvcal_export.json's binding names the source's reference and folder)
+        out = {r.model, *([r.model_dir] if r.model_dir else [])}
+        return out | exported_from(r.model_dir) if r.model_dir else out
+
+    ref = names(first)
+    strangers = [r for r in runs if not names(r) & ref]
     if strangers:
         models = sorted({r.model for r in runs})
         detail = "; ".join(f"{m}: {', '.join(r.name for r in runs if r.model == m)}" for m in models)

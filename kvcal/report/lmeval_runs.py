@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import UsageError
+from kvcal.models.config import declares_kv_scheme
 from kvcal.report.runs import BadRunError, Run, read_samples_file
 from kvcal.rundir import RunConfig
 
@@ -151,6 +152,32 @@ class EngineConfig:
     dtype: str
 
 
+def exported_from(model_dir: str) -> set[str]:
+    """The source model's reference and folder of a checkpoint `kvcal export --to vllm` wrote (its
+    kvcal_export.json binding), or an empty set for any other folder."""
+    try:
+        record = json.loads((Path(model_dir) / "kvcal_export.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    binding = record.get("binding") if isinstance(record, dict) else None
+    if not isinstance(binding, dict):
+        return set()
+    return {str(binding[k]) for k in ("model", "model_dir") if binding.get(k)}
+
+
+def _exported_scales(model_dir: Path) -> tuple[str, dict[str, Any]] | None:
+    """(scale shard path, its record) of a checkpoint `kvcal export --to vllm` wrote: the calibrated scales vLLM
+    reads from it (kvcal_export.json), or None for any other folder."""
+    try:
+        record = json.loads((model_dir / "kvcal_export.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not record.get("scale_shard"):
+        return None
+    keep = ("kv_format", "granularity", "scale_shard_sha256")
+    return str(model_dir / str(record["scale_shard"])), {k: record[k] for k in keep if k in record}
+
+
 def engine_config(config: dict[str, Any]) -> EngineConfig:
     """The KV configuration of an lm-eval results record's `config` (see the module docstring)."""
     backend = str(config.get("model") or "")
@@ -170,8 +197,11 @@ def engine_config(config: dict[str, Any]) -> EngineConfig:
         qpath = args.get("quantization_param_path")
         skip = args.get("kv_cache_dtype_skip_layers")
         skip = ",".join(map(str, skip)) if isinstance(skip, (list, tuple)) else skip
+        kv_dtype = args.get("kv_cache_dtype")
+        if _ENGINE_BACKENDS.get(backend) == "vllm" and kv_dtype in (None, "", "auto") and declares_kv_scheme(model):
+            kv_dtype = "fp8"  # what vLLM serves for `auto` on this checkpoint (models.config.declares_kv_scheme)
         return EngineConfig(
-            backend, model, engine_kv_format(backend, args.get("kv_cache_dtype")), str(qpath) if qpath else None,
+            backend, model, engine_kv_format(backend, kv_dtype), str(qpath) if qpath else None,
             "first-batch" if _truthy(args.get("calculate_kv_scales")) else None, "" if skip is None else str(skip),
             dtype,
         )  # fmt: skip
@@ -280,8 +310,12 @@ def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
     name = label or _default_label(source.path, folder, results)
     limit = results["config"].get("limit")  # lm-eval: below 1 a fraction of each task (kept raw: task_limit)
     model_dir = ec.model if Path(ec.model).is_dir() else ""
+    scales_path, scales = ec.scales, None
+    if model_dir and _ENGINE_BACKENDS.get(ec.backend) == "vllm" and ec.kv_format not in ("auto", "bf16"):
+        scales_path, scales = _exported_scales(Path(model_dir)) or (scales_path, None)
     config = RunConfig(
-        model=ec.model, model_dir=model_dir, kv_format=ec.kv_format, tasks=tasks, scales_path=ec.scales,
+        model=ec.model, model_dir=model_dir, kv_format=ec.kv_format, tasks=tasks, scales_path=scales_path,
+        scales=scales,
         skip_layers=ec.skip_layers, limit=int(limit) if isinstance(limit, (int, float)) and limit >= 1 else None,
         dtype=ec.dtype, scale_source=ec.scale_source, device=str(results["config"].get("device") or ""),
         kvcal_version="", extra={"lm_eval": {"backend": ec.backend, "date_id": date_id,

@@ -238,3 +238,19 @@ def test_cli_export(word_llama_dir: Path, tmp_path: Path, invoke: Invoke) -> Non
         ["export", str(path), str(copy), "--to", "sglang", "-o", str(tmp_path / "x.json"), "--force"]
     )
     assert code == 0 and "Warning" in err and "config.json changed" in err
+
+
+def test_an_engine_run_on_the_export_is_the_source_model_with_its_scales(word_llama_dir: Path, tmp_path: Path) -> None:
+    """What `kvcal compare` reads of an engine run on a `kvcal export --to vllm` checkpoint: the source model (its
+    reference and folder, so the run pairs with kvcal's runs of that model), its calibrated scale shard, and a
+    KV-cache scheme (vLLM serves `auto` there as FP8)."""
+    from kvcal.models.config import declares_kv_scheme
+    from kvcal.report.lmeval_runs import _exported_scales, exported_from
+
+    out = tmp_path / "export"
+    export_vllm(scale_set(word_llama_dir, "head"), word_llama_dir, out)
+    assert str(word_llama_dir) in exported_from(str(out)) and exported_from(str(word_llama_dir)) == set()
+    shard, record = _exported_scales(out)
+    assert Path(shard).is_file() and Path(shard).parent == out and record["granularity"] == "head"
+    assert record["kv_format"] == "fp8_e4m3" and _exported_scales(word_llama_dir) is None
+    assert declares_kv_scheme(out) and not declares_kv_scheme(word_llama_dir)

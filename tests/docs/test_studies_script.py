@@ -165,3 +165,34 @@ def test_conformance_and_gate_keys(studies: ModuleType, runs: Path, tmp_path: Pa
     row = next(line for line in page.splitlines() if line.startswith("| `engine` | R4 vs R3 | `emu` |"))
     assert "| kl | kl | 12 | 0.0% |" in row and row.endswith("| not equivalent |")
     assert "- `engine` (NOT EQUIVALENT): not equivalent" in page
+
+
+def test_an_engine_run_is_its_printed_lm_eval_command(studies: ModuleType, runs: Path, tmp_path: Path, capsys):
+    """A run made by the engine command kvcal prints (`kvcal-lm-eval --model vllm ... --output_path DIR`): the
+    manifest takes it, its folder counts as made once lm-eval's results file is there (P/<model>/results_*.json),
+    and it is run with this environment's `kvcal-lm-eval` console script, never a shell."""
+    cmd = ("kvcal-lm-eval --model vllm --model_args '{\"pretrained\":\"{root}/ckpt\",\"kv_cache_dtype\":\"fp8\"}' "
+           "--tasks wikitext --log_samples --output_path {root}/runs/engine-fp8")  # fmt: skip
+    m = _manifest(tmp_path, runs)
+    raw = yaml.safe_load(m.read_text())
+    raw["studies"]["tiny"]["runs"].append({"name": "engine-fp8", "command": cmd})
+    m.write_text(yaml.safe_dump(raw))
+    study = studies.load_manifest(m)["tiny"]
+    spec = study.runs[-1]
+    assert spec.engine and not study.runs[0].engine
+    assert studies.run_dir(spec, runs) == runs / "runs" / "engine-fp8"
+    argv = studies._kvcal_argv(studies.with_root(cmd, str(runs)))
+    assert Path(argv[0]).name == "kvcal-lm-eval" and argv[4] == f'{{"pretrained":"{runs}/ckpt","kv_cache_dtype":"fp8"}}'
+    assert studies.main(["tiny", "--manifest", str(m), "--out", str(tmp_path)]) == 1
+    assert "run directories missing or incomplete: " + str(runs / "runs" / "engine-fp8") in capsys.readouterr().err
+    model = runs / "runs" / "engine-fp8" / "ckpt"
+    model.mkdir(parents=True)
+    assert not studies._complete(spec, runs / "runs" / "engine-fp8")  # lm-eval has not written its results
+    (model / "results_2026-12-07T14-46-51.739186.json").write_text("{}")
+    assert studies._complete(spec, runs / "runs" / "engine-fp8")
+    assert studies.check_runs(study, runs)[-1] == runs / "runs" / "engine-fp8"
+    bad = dict(raw)
+    bad["studies"]["tiny"]["runs"][-1] = {"name": "engine-fp8", "command": "lm_eval --model vllm --output_path x/engine-fp8"}
+    m.write_text(yaml.safe_dump(bad))
+    assert studies.main(["tiny", "--manifest", str(m), "--out", str(tmp_path)]) == 2
+    assert "must be `kvcal eval ...` or `kvcal-lm-eval ...`" in capsys.readouterr().err

@@ -62,6 +62,25 @@ def test_kvcal_and_hf_model_args() -> None:
     assert lc.model == "org/m" and lc.kv_format == "auto"
 
 
+def test_vllm_auto_on_a_checkpoint_with_a_kv_scheme_is_fp8(tmp_path: Path) -> None:
+    """vLLM 0.32.0 serves `kv_cache_dtype=auto` as FP8 where the checkpoint declares a kv_cache_scheme (what
+    `kvcal export --to vllm` writes); an explicit bfloat16 wins, and a checkpoint without the scheme is BF16."""
+    ckpt, plain = tmp_path / "ckpt-fp8", tmp_path / "plain"
+    for d, quant in ((ckpt, {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}),
+                     (plain, None)):  # fmt: skip
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", **({"quantization_config": quant} if quant else {})}))
+
+    def fmt(model: Path, kv: str | None) -> str:
+        args = {"pretrained": str(model), **({"kv_cache_dtype": kv} if kv else {})}
+        return engine_config({"model": "vllm", "model_args": args}).kv_format
+
+    assert fmt(ckpt, "auto") == fmt(ckpt, None) == "fp8_e4m3"
+    assert fmt(ckpt, "bfloat16") == "bf16" and fmt(plain, "auto") == "auto" and fmt(tmp_path / "absent", "auto") == "auto"
+    # SGLang reads its scales from quantization_param_path, not the checkpoint's scheme
+    assert engine_config({"model": "sglang", "model_args": {"pretrained": str(ckpt)}}).kv_format == "auto"
+
+
 @pytest.mark.parametrize(
     ("backend", "name", "fmt"),
     [("vllm", "auto", "auto"), ("vllm", "bfloat16", "bf16"), ("vllm", "fp8_e5m2", "fp8_e5m2"),
