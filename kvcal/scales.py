@@ -130,6 +130,19 @@ class ScaleSet:
 # the second serves the first (vLLM's CPU build stores fp8_e4m3 scales' checkpoint with another rounding).
 SAME_SCALES = {"fp8_e4m3_cpu": "fp8_e4m3"}
 
+# The provenance record `kvcal export --to vllm` writes into the checkpoint it makes (kvcal.calibrate.export): the
+# scale file's binding (its source model's reference and folder), format, granularity and the scale shard's name.
+EXPORT_RECORD = "kvcal_export.json"
+
+
+def export_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The EXPORT_RECORD of a checkpoint folder `kvcal export --to vllm` wrote, or None for any other folder."""
+    try:
+        record = json.loads((Path(folder) / EXPORT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
 
 def canonical_format(name: str) -> str:
     """The canonical name of a calibratable KV format (fp8_e4m3, fp8_e5m2, nvfp4) or of a K/V pair of them

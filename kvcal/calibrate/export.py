@@ -56,13 +56,13 @@ import torch
 from kvcal.errors import KvcalError, UsageError
 from kvcal.filecache import sha256_file as file_sha256
 from kvcal.io import atomic_write_text, public_mode, temp_dir_beside
-from kvcal.scales import K_NAME, Q_NAME, V_NAME, ScaleSet
+from kvcal.scales import EXPORT_RECORD, K_NAME, Q_NAME, V_NAME, ScaleSet
 
 SCALE_SHARD = "kv_scales.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_WEIGHTS = "model.safetensors"
 RENAMED_SINGLE = "model-00001-of-00001.safetensors"
-PROVENANCE = "kvcal_export.json"
+PROVENANCE = EXPORT_RECORD
 _WRITTEN = ("config.json", INDEX_NAME, SCALE_SHARD, PROVENANCE)
 _STRATEGY = {"tensor": "tensor", "head": "attn_head"}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}

@@ -453,7 +453,7 @@ def _one_model(runs: list[Run]) -> str:
 
     def names(r: Run) -> set[str]:
         # a checkpoint `kvcal export --to vllm` wrote is its source model with scales added: an engine run on it
-        # measured that model (kvcal_export.json's binding names the source's reference and folder)
+        # measured that model (its export record's binding names the source's reference and folder)
         out = {r.model, *([r.model_dir] if r.model_dir else [])}
         return out | exported_from(r.model_dir) if r.model_dir else out
 

@@ -30,6 +30,7 @@ from kvcal.errors import UsageError
 from kvcal.models.config import declares_kv_scheme
 from kvcal.report.runs import BadRunError, Run, read_samples_file
 from kvcal.rundir import RunConfig
+from kvcal.scales import export_record
 
 RESULTS_PREFIX, SAMPLES_PREFIX = "results_", "samples_"
 # The results keys kvcal reads; a record without them is a layout kvcal does not know.
@@ -153,13 +154,9 @@ class EngineConfig:
 
 
 def exported_from(model_dir: str) -> set[str]:
-    """The source model's reference and folder of a checkpoint `kvcal export --to vllm` wrote (its
-    kvcal_export.json binding), or an empty set for any other folder."""
-    try:
-        record = json.loads((Path(model_dir) / "kvcal_export.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return set()
-    binding = record.get("binding") if isinstance(record, dict) else None
+    """The source model's reference and folder of a checkpoint `kvcal export --to vllm` wrote (its export record's
+    binding), or an empty set for any other folder."""
+    binding = (export_record(model_dir) or {}).get("binding")
     if not isinstance(binding, dict):
         return set()
     return {str(binding[k]) for k in ("model", "model_dir") if binding.get(k)}
@@ -167,12 +164,9 @@ def exported_from(model_dir: str) -> set[str]:
 
 def _exported_scales(model_dir: Path) -> tuple[str, dict[str, Any]] | None:
     """(scale shard path, its record) of a checkpoint `kvcal export --to vllm` wrote: the calibrated scales vLLM
-    reads from it (kvcal_export.json), or None for any other folder."""
-    try:
-        record = json.loads((model_dir / "kvcal_export.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or not record.get("scale_shard"):
+    reads from it, or None for any other folder."""
+    record = export_record(model_dir)
+    if record is None or not record.get("scale_shard"):
         return None
     keep = ("kv_format", "granularity", "scale_shard_sha256")
     return str(model_dir / str(record["scale_shard"])), {k: record[k] for k in keep if k in record}
