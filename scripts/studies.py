@@ -40,7 +40,7 @@ from kvcal.errors import KvcalError, UsageError  # noqa: E402
 from kvcal.report import numbers as fmt  # noqa: E402
 from kvcal.report.compare import Comparison, compare_runs  # noqa: E402
 from kvcal.report.conformance import add_conformance  # noqa: E402
-from kvcal.report.lmeval_runs import results_folder  # noqa: E402
+from kvcal.report.lmeval_runs import pick_results, results_folder  # noqa: E402
 from kvcal.report.markdown import (  # noqa: E402
     CONFORMANCE_INTRO,
     agreement_table,
@@ -264,9 +264,10 @@ def check_runs(study: Study, root: Path) -> list[Path]:
 
 
 def _lm_eval_environment(folder: Path) -> str:
-    """An lm-eval output folder's environment from its newest results file: lm-eval and transformers versions,
-    the model backend, the CPU (pretty_env_info's "Model name") and the git commit lm-eval was run from."""
-    res = json.loads(sorted(folder.glob("results_*.json"))[-1].read_text(encoding="utf-8"))
+    """An lm-eval output folder's environment from the results file the comparison reads (its newest): lm-eval
+    and transformers versions, the model backend, the CPU (pretty_env_info's "Model name") and the git commit
+    lm-eval was run from."""
+    res = json.loads(pick_results(folder, None).read_text(encoding="utf-8"))
     cpu = next((ln.split(":", 1)[1].strip() for ln in str(res.get("pretty_env_info") or "").splitlines()
                 if ln.strip().startswith("Model name:")), "?")  # fmt: skip
     return (f"lm-eval {res.get('lm_eval_version', '?')} `--model {res.get('model_source', '?')}` (transformers "

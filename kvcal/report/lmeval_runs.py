@@ -80,7 +80,8 @@ def date_id_of(results_file: Path) -> str:
     return results_file.stem[len(RESULTS_PREFIX) :]
 
 
-def _pick_results(folder: Path, date_id: str | None) -> Path:
+def pick_results(folder: Path, date_id: str | None) -> Path:
+    """The results file of `folder` that a comparison reads: the one of `date_id`, else the newest."""
     files = _results_files(folder)
     if date_id is None:
         return max(files, key=date_id_of)  # ISO date_ids sort in time order
@@ -288,7 +289,7 @@ def load_lm_eval_run(source: Source, label: str | None = None) -> Run:
     folder = results_folder(source.path)
     if folder is None:
         raise UsageError(f"{source.path} holds no lm-eval results_<date>.json")
-    results_file = _pick_results(folder, source.date_id)
+    results_file = pick_results(folder, source.date_id)
     date_id = date_id_of(results_file)
     try:
         results = json.loads(results_file.read_text())
