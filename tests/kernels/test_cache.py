@@ -533,6 +533,8 @@ def test_cpu_fp8_reads_fp8_e4m3_scales(gemma3: Model) -> None:
     model = gemma3(head_dim=16)
     rt = KVRuntime(model, "fp8_e4m3_cpu", scales=_scale_set("fp8_e4m3", 3, 1, 0.004), impl="torch")
     assert not rt.describe()["uncalibrated"]
+    rt = KVRuntime(model, "fp8_e5m2_cpu", scales=_scale_set("fp8_e5m2", 3, 1, 0.004), impl="torch")
+    assert not rt.describe()["uncalibrated"]
     with pytest.raises(UsageError, match="calibrated for fp8_e5m2, not fp8_e4m3_cpu"):
         KVRuntime(model, "fp8_e4m3_cpu", scales=_scale_set("fp8_e5m2", 3, 1))
 
