@@ -253,6 +253,8 @@ _FAST_DEQUANTIZE: dict[formats.Codec, Callable[[QTensor, KVFormat, ScaleMemo | N
     fmt_plain.BF16: _dequantize_float,
     fmt_fp8.E4M3: _dequantize_fp8,
     fmt_fp8.E5M2: _dequantize_fp8,
+    fmt_fp8.E4M3_CPU: _dequantize_fp8,  # vLLM's CPU build's stores: the same codes x scale, only written otherwise
+    fmt_fp8.E5M2_CPU: _dequantize_fp8,
     fmt_int8.INT8_TOKEN: _dequantize_int8,
     fmt_fp4.NVFP4: _dequantize_fp4,
     fmt_fp4.E8M0_FP4: _dequantize_fp4,

@@ -124,13 +124,16 @@ def scaled_layer(ss: ScaleSet, layer: int, factor: float) -> ScaleSet:
     return dataclasses.replace(ss, k_scales=k, v_scales=v)
 
 
-def emulated_logprobs(lm: LoadedModel, ss: ScaleSet, prompts: list[list[int]], dtype: str) -> list[list[float]]:
+def emulated_logprobs(
+    lm: LoadedModel, ss: ScaleSet | None, prompts: list[list[int]], dtype: str, kv_format: str = CPU_FP8
+) -> list[list[float]]:
     """kvcal's per-token prompt log-probabilities of `prompts` through its emulation of the CPU build's FP8 cache
     (fp8_e4m3_cpu: torch's round-to-nearest e4m3 cast would flip other codes than the engine's truncating store,
     and a x64 scale's damage lands on other tokens: measured on Intel Xeon AMX, Spearman rho -0.14) with `ss` (K/V rounded
     to the model dtype before quantizing, as the engine stores them), log-softmax in float32. Installing the
-    runtime replaces any runtime installed on `lm` before."""
-    runtime = KVRuntime(lm.model, CPU_FP8, scales=ss, kv_input_dtype=dtype)
+    runtime replaces any runtime installed on `lm` before. `kv_format` 'auto' (ss None): the model dtype's own
+    cache, the baseline of scripts/engine_damage.py."""
+    runtime = KVRuntime(lm.model, kv_format, scales=ss, kv_input_dtype=dtype)
     rows: list[list[float]] = []
     with torch.no_grad():
         for ids in prompts:

@@ -102,12 +102,14 @@ class ConformanceResult:
     conforms: bool | None = None  # True equivalent, False not equivalent, None not judged / not shown
     verdict: str = ""
     missing: list[str] = field(default_factory=list)  # what a verdict needs and is not there
+    nonfinite: list[str] = field(default_factory=list)  # runs that scored samples NaN / inf: no verdict
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "engine": self.engine, "emulation": self.emulation, "engine_bf16": self.engine_bf16,
             "emulation_bf16": self.emulation_bf16, "claimed": self.claimed, "conforms": self.conforms,
-            "verdict": self.verdict, "missing": self.missing, "agreement": self.agreement,
+            "verdict": self.verdict, "missing": self.missing, "nonfinite": self.nonfinite,
+            "agreement": self.agreement,
             "results": [r.to_dict() for r in self.results],
         }  # fmt: skip
 
@@ -374,9 +376,11 @@ def _unit(spec: MetricSpec) -> str:
     return spec.metric
 
 
-def _paired_values(task: str, spec: MetricSpec, runs: list[Run], warn: Warn) -> list[np.ndarray]:
-    """Per-sample values (num / den) of `spec` in each run over the (doc_id, filter) keys all of them scored,
-    less those whose documents differ (lm-eval's doc_hash)."""
+def _paired_values(
+    task: str, spec: MetricSpec, runs: list[Run], warn: Warn
+) -> tuple[list[Any], list[np.ndarray]]:
+    """(the (doc_id, filter) keys, per-sample values (num / den) of `spec` in each run over them): the keys all
+    of them scored, less those whose documents differ (lm-eval's doc_hash)."""
     samples = [r.samples[task] for r in runs]
     keys = [k for k in samples[0] if k[1] == spec.filter and all(k in s and spec.metric in s[k] for s in samples)]
     hashes = [[s[k].get("_doc_hash") for s in samples] for k in keys]
@@ -388,7 +392,22 @@ def _paired_values(task: str, spec: MetricSpec, runs: list[Run], warn: Warn) -> 
     for s in samples:
         num, den = arrays([s[k] for k in keys], spec)
         out.append(num / den)
-    return out
+    return keys, out
+
+
+def _nonfinite(labels: list[str], keys: list[Any], values: list[np.ndarray]) -> tuple[list[str], np.ndarray]:
+    """(one line per run that scored a sample NaN or infinite, naming its doc ids; the mask of the samples every
+    run scored finite). An engine returning a non-finite log-likelihood is a failure the damage test must not
+    average over (its mean would be NaN) nor drop silently."""
+    ok = np.ones(len(keys), dtype=bool)
+    lines = []
+    for label, v in zip(labels, values, strict=True):
+        bad = ~np.isfinite(v)
+        if bad.any():
+            ids = [str(k[0]) for k, b in zip(keys, bad, strict=True) if b]
+            lines.append(f"{label} scored {int(bad.sum())} of {len(v)} samples non-finite (doc ids {', '.join(ids)})")
+        ok &= ~bad
+    return lines, ok
 
 
 def _solve_n(effect: float, alpha: float, power: float) -> int | None:
@@ -525,7 +544,11 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
         for spec in (sp for sp in metric_specs(mq_run, task) if sp.key):
             if spec.metric == "top1_agree":
                 continue  # kl's top-1 agreement is itself a comparison with BF16, not a per-sample score
-            eq, eb, mq, mb = _paired_values(task, spec, [eq_run, eb_run, mq_run, mb_run], warn)
+            keys, values = _paired_values(task, spec, [eq_run, eb_run, mq_run, mb_run], warn)
+            labels = [eng.label, p.engine_bf16.label, emu.label, p.emulation_bf16.label]
+            lines, ok = _nonfinite(labels, keys, values)
+            out.nonfinite += [f"{task} {spec.label}: {ln}" for ln in lines]
+            eq, eb, mq, mb = (v[ok] for v in values)
             if len(eq) < s.min_samples:
                 warn(f"conformance {eng.label}: {task} {spec.label} has {len(eq)} samples in all four runs "
                      f"(fewer than {s.min_samples}); not judged")  # fmt: skip
@@ -535,6 +558,13 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
             if a is not None:
                 out.agreement[f"{task}/{spec.label}"] = a
     _judge(out.results, s.alpha)
+    if out.nonfinite:
+        for r in out.results:
+            r.verdict = "not judged: non-finite samples"
+        shown = "; ".join(_line(r) for r in out.results) or "no key metric left to test"
+        out.verdict = (f"not judged: {'; '.join(out.nonfinite)}; on the samples all four runs scored finite: "
+                       f"{shown}")  # fmt: skip
+        return out
     if not out.results:
         out.verdict = (f"not judged: fewer than {s.min_samples} samples scored by {eng.label}, {p.engine_bf16.label}, "
                        f"{emu.label} and {p.emulation_bf16.label} alike")  # fmt: skip

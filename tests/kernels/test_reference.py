@@ -172,7 +172,8 @@ def test_bad_shapes() -> None:
 
 
 @pytest.mark.parametrize(
-    "fmt", ["auto", "bf16", "fp8_e5m2", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"]
+    "fmt",
+    ["auto", "bf16", "fp8_e5m2", "fp8_e4m3_cpu", "fp8_e5m2_cpu", "int8_per_token_head", "nvfp4", "fp4_e2m1", "mxfp4"],
 )
 def test_fast_dequantize_is_bit_identical(fmt: str) -> None:
     g = torch.Generator().manual_seed(5)
@@ -180,6 +181,8 @@ def test_fast_dequantize_is_bit_identical(fmt: str) -> None:
     x[0, 0, 0] = 0.0
     x[1, 2, 3] = torch.finfo(torch.float32).max * torch.sign(torch.randn(64, generator=g))  # saturation
     scales = [None, torch.tensor([0.5, 2.0**-20, 3.0])] if fmt == "nvfp4" else [None]
+    if fmt.endswith("_cpu"):  # per-KV-head and per-tensor scales
+        scales += [torch.tensor([0.37, 2.0**-20, 3.0]), torch.tensor(0.0371)]
     for scale in scales:
         q = formats.quantize(x, fmt, scale=scale)
         assert torch.equal(dequantize_fast(q, fmt), formats.dequantize(q, fmt))

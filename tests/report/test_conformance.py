@@ -47,8 +47,10 @@ def _centred(x: np.ndarray) -> np.ndarray:
     return x - x.mean()
 
 
-def _write(root: Path, write_run, wikitext_records, n: int = 200, seed: int = 3, **over) -> dict[str, np.ndarray]:  # noqa: ANN001
+def _write(root: Path, write_run, wikitext_records, n: int = 200, seed: int = 3, nan_docs: tuple[int, ...] = (),
+           **over) -> dict[str, np.ndarray]:  # noqa: ANN001  # fmt: skip
     docs = _docs(n, seed)
+    docs["eng_ok"][list(nan_docs)] = np.nan  # an engine that returned NaN log-likelihoods for these documents
     for name in ("emu_bf16", "emu_fp8", "eng_bf16", "eng_ok", "eng_bad", "eng_noisy"):
         fmt = "bf16" if name.endswith("bf16") else "fp8_e4m3"
         kw = {"dtype": "bfloat16", "max_length": 8192, "task_configs": ROLLING, **over.get(name, {})}
@@ -87,6 +89,23 @@ def test_equivalent_and_not_equivalent_damage(tmp_path: Path, write_run, wikitex
     assert "## Engine vs emulation" in md and "1 engine run(s) not equivalent to their emulation" in md
     assert "`eng_bf16` / `emu_bf16`" in md
     assert [x["conforms"] for x in c.to_dict()["conformance"]] == [False, True]
+
+
+def test_non_finite_engine_scores_are_not_judged(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
+    """vLLM's CPU build returned NaN log-likelihoods for 2 of 20 wikitext documents with kv_cache_dtype_skip_layers
+    (docs/studies/engine-conformance-smollm2.md): the damage test neither averages them (a NaN mean) nor drops them
+    silently: the pair is not judged, naming the run and the documents, with the test on the finite samples."""
+    _write(tmp_path, write_run, wikitext_records, nan_docs=(4, 15))
+    c = _conformance(tmp_path, ["eng_ok=emu_fp8"], ["eng_bf16=emu_bf16"])
+    (res,) = c.conformance
+    (r,) = res.results
+    assert res.conforms is None and res.verdict.startswith("not judged: wikitext")
+    assert "eng_ok scored 2 of 200 samples non-finite (doc ids 4, 15)" in res.verdict
+    assert r.n == 198 and np.isfinite(r.gap) and r.verdict == "not judged: non-finite samples"
+    assert res.to_dict()["nonfinite"] and not c.gate_passed
+    # compare's own gate row of that run says why it is not judged (not "the baseline is ~0")
+    (row,) = [r for r in c.results if r.config == "eng_ok" and r.gated]
+    assert "scored samples non-finite" in row.unjudged_reason and "~0" not in row.unjudged_reason
 
 
 def test_underpowered_says_how_many_samples(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
