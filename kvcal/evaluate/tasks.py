@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.io import jsonl_lines
 from kvcal.tasknames import DIVERGENCE_TASKS, KL_TASK, OWN_TASKS, PASSKEY_TASKS  # the registry, re-exported
 
 # kl's held-out text inside --data-dir (kvcal.evaluate.kl reads it; checked here with the other data files).
@@ -322,7 +323,7 @@ def read_text_file(path: Path, what: str) -> str:
 
 def check_jsonl_file(path: Path, what: str, field: str | None = None) -> None:
     """UsageError unless every non-blank line of `path` is a UTF-8 JSON object (holding `field` when given)."""
-    for n, line in enumerate(read_text_file(path, what).splitlines(), 1):
+    for n, line in enumerate(jsonl_lines(read_text_file(path, what)), 1):
         if not line.strip():
             continue
         try:

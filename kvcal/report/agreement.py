@@ -210,10 +210,9 @@ def divergence_tasks(run: Any) -> list[str]:
 
 
 def _raw_samples(run: Any, task: str) -> list[dict[str, Any]]:
-    import json
+    from kvcal.io import read_jsonl
 
-    lines = run.samples_path(task).read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return read_jsonl(run.samples_path(task))
 
 
 def divergence_rows(

@@ -25,7 +25,6 @@ length of 0, is not judged, and the gate does not pass what it could not judge (
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvcal.errors import UsageError
+from kvcal.io import read_jsonl
 from kvcal.report import stats
 
 GENERATE = "generate_until"
@@ -133,8 +133,7 @@ def judge_length(row: LengthChange, threshold: float | None, gate: str, alpha: f
 
 def _raw(run: Any, task: str) -> list[dict[str, Any]]:
     """The task's sample records as written (run.samples keeps metric values only)."""
-    lines = run.samples_path(task).read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return read_jsonl(run.samples_path(task))
 
 
 def check_max_length_change(value: float | None, name: str = "--max-length-change") -> float | None:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from kvcal.errors import KvcalError, UsageError
+from kvcal.io import jsonl_lines
 from kvcal.rundir import COMPLETE, CONFIG, ENV, METRICS, RESULTS, RunConfig, samples_file
 
 # Where a sweep keeps its scale files, next to the run directories: never a run directory itself.
@@ -194,7 +195,7 @@ def read_samples_file(f: Path, owner: str) -> tuple[dict[tuple[str, str], Record
     recs: dict[tuple[str, str], Record] = {}
     order: list[str] = []
     try:
-        lines = f.read_text().splitlines()
+        lines = jsonl_lines(f.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BadRunError(f"{owner} is corrupt: {f.name} is missing") from None
     except UnicodeDecodeError:
