@@ -27,7 +27,7 @@ from kvcal.scales import load_scale_file
 
 Invoke = Callable[[list[str]], tuple[int, str, str]]
 N, L = 3, 16  # calibration = traffic: kvcal's generated corpus
-STATIC = ("fp8_e4m3", "fp8_e4m3_cpu", "fp8_e5m2", "int8_per_tensor", "nvfp4", "nvfp4_4over6")
+STATIC = ("fp8_e4m3", "fp8_e4m3_cpu", "fp8_e5m2", "int8_per_tensor", "nvfp4", "nvfp4_4over6", "fp8_e5m2_cpu")
 KV_IN = ("bfloat16", "float32")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
