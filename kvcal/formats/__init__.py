@@ -101,6 +101,7 @@ from kvcal.formats.table import (
     _LAYOUTS,
     _LOOKUP,
     _TABLE,
+    CPU_STORES,
     DEFAULT_KV_INPUT_DTYPE,
     FORMATS,
     KV_INPUT_DTYPES,
@@ -151,6 +152,7 @@ from kvcal.formats.turboquant import (  # the TurboQuant numbers (tq_numbers) to
 )
 
 __all__ = [
+    "CPU_STORES",
     "cpu_e4m3_bytes",
     "cpu_e5m2_bytes",
     "add_format",

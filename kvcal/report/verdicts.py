@@ -310,10 +310,10 @@ def _judge_one(r: MetricResult, s: GateSettings, mdd_alpha: float) -> None:
     r.threshold_unit = "relative" if relative else "absolute"
     if r.gated and not (math.isfinite(r.score) and math.isfinite(r.base)):
         # a run that scored samples NaN / inf (an engine's NaN log-likelihood): nothing to gate on
-        which = "the configuration" if not math.isfinite(r.score) else "the baseline"
+        which, value = ("the configuration", r.score) if not math.isfinite(r.score) else ("the baseline", r.base)
         r.unjudged_reason = (
-            f"{which}'s {r.label} on {r.task} is {r.score if which == 'the configuration' else r.base:.3g}: its "
-            "run scored samples non-finite (NaN or infinite); not judged"
+            f"{which}'s {r.label} on {r.task} is {value:.3g}: its run scored samples non-finite (NaN or "
+            "infinite); not judged"
         )
     elif relative and r.rel_change is None and r.gated:
         # A relative threshold against a baseline of ~0 has no meaning; say so instead of switching units.
