@@ -99,6 +99,7 @@ class EngineSetup:
     engine_release: str | None = None  # 'vllm==0.33.0': the release whose store the run matched (kvcal.releases)
     max_length: int | None = None  # the run's window (lm-eval max_length): the engine's max_model_len
     data_dir: str | None = None  # --data-dir: kvcal-lm-eval reads the same offline task data
+    perturb_weights: float | None = None  # --perturb-weights: a yardstick run, no engine serves it
 
     @classmethod
     def from_run_config(cls, rc: RunConfig, label: str = "") -> EngineSetup:
@@ -125,6 +126,7 @@ class EngineSetup:
             engine_release=rc.engine_release,
             max_length=getattr(rc, "max_length", None) or (rc.extra or {}).get("max_length"),
             data_dir=rc.data_dir,
+            perturb_weights=rc.perturb_weights,
         )
 
     def merged_tasks(self, other: EngineSetup) -> EngineSetup:
@@ -257,6 +259,11 @@ def _common_refusal(s: EngineSetup, engine: str) -> str | None:
         return (
             f"the prefix serde '{s.prefix_serde}' is LMCache's storage tier (an LMCache connector with an L2 serde "
             "and a prefix reloaded from it), which kvcal writes no engine configuration for"
+        )
+    if s.perturb_weights is not None:
+        return (
+            f"the run's weights were perturbed by {s.perturb_weights:g} ulps (--perturb-weights): a conformance "
+            "yardstick, not a model an engine serves; print the commands of the unperturbed run"
         )
     if is_tq_preset(s.kv_format):
         return _tq_refusal(s, engine)

@@ -120,6 +120,9 @@ class RunConfig:
     # lm-eval's max_length (`--max-length`: rolling window and truncation) when given; None = lm-eval's default
     # (the model's positions; results.json's `max_length` holds the one used). Written only when set.
     max_length: int | None = None
+    # `--perturb-weights ULPS` (kvcal.models.perturb): every weight moved by that many ulps of its dtype, random
+    # signs from `seed`: a yardstick run for conformance, not a configuration to ship. Written only when set.
+    perturb_weights: float | None = None
     # the engine release whose store the run's format matches bit for bit ('vllm==0.33.0', kvcal.releases), for
     # a format a vLLM release stores; written only when set (formats no vLLM release stores keep their hash)
     engine_release: str | None = None
@@ -136,6 +139,7 @@ class RunConfig:
             "kv_input_dtype", "scale_source", "attention", "passkey_lengths", "passkey_depths", "prefill_chunk",
             "kl_subsample", "scoring", "repeats", "gen_kwargs", "prompts", "plan", "tq_boundary_layers",
             "prefix_serde", "prefix_tokens", "logprob_dtype", "max_length", "engine_release",
+            "perturb_weights",
         ):  # fmt: skip
             if d[key] is None:
                 del d[key]

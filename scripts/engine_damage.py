@@ -30,21 +30,12 @@ from kvcal.calibrate.export import export_vllm
 from kvcal.errors import KvcalError
 from kvcal.io import atomic_write_json
 from kvcal.models.loading import load_model
+from kvcal.models.perturb import perturb_weights
 from kvcal.pipeline.probe import ProbeSpec, check_probe, emulated_logprobs, engine_logprobs
 
-# relative: float32's is the size of two float32 implementations' disagreement (other GEMM orders); a bfloat16
-# weight moves by at least one of its own ulps (its machine epsilon)
-PERTURBATION = {torch.float32: 2.0**-22, torch.bfloat16: torch.finfo(torch.bfloat16).eps}
-
-
-def _perturb(model: torch.nn.Module) -> None:
-    """Every weight times 1 +- PERTURBATION (random signs, seeded): the same model computed by another correct
-    implementation. Its FP8 logprobs' change against the unperturbed run is the yardstick of the engine's."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            sign = torch.randint(0, 2, p.shape, generator=g).float() * 2 - 1
-            p.copy_((p.float() * (1 + sign * PERTURBATION[p.dtype])).to(p.dtype))
+# in ulps of the weights' dtype (kvcal.models.perturb): float32's 2 (2**-22 relative) is the size of two float32
+# implementations' disagreement (other GEMM orders); a bfloat16 weight moves by at least one of its own ulps
+PERTURBATION_ULPS = {"float32": 2.0, "bfloat16": 1.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             eng8 = engine_logprobs(env, ckpt, prompts, a.dtype, Path(tmp), kv_cache_dtype="fp8")
         emu8 = emulated_logprobs(lm, ss, prompts, a.dtype)
         emu16 = emulated_logprobs(lm, None, prompts, a.dtype, kv_format="auto")
-        _perturb(lm.model)
+        perturb_weights(lm.model, PERTURBATION_ULPS[a.dtype], seed=0)
         emu8_p = emulated_logprobs(lm, ss, prompts, a.dtype)
         emu16_p = emulated_logprobs(lm, None, prompts, a.dtype, kv_format="auto")
     except KvcalError as exc:

@@ -66,7 +66,7 @@ _STUDY_KEYS = {"title", "about", "root", "setup", "runs", "compare", "notes"}
 _RUN_KEYS = {"name", "command"}
 _COMPARE_KEYS = {
     "baseline", "max_drop", "context", "min_samples", "alpha", "bootstrap", "seed", "gate", "conformance",
-    "conformance_bf16", "margin",
+    "conformance_bf16", "conformance_noise", "margin",
 }  # fmt: skip
 
 
@@ -427,7 +427,9 @@ def build(study: Study, root: Path, shown_root: str) -> str:
     )  # fmt: skip
     if opts.get("conformance"):  # `kvcal compare --conformance ENGINE=EMULATION`, each pair of the list
         refs = [str(p) for p in opts.get("conformance_bf16") or []]  # --conformance-bf16 ENGINE_BF16=EMU_BF16
-        add_conformance(cmp, [str(p) for p in opts["conformance"]], references=refs, margin=opts.get("margin"))
+        noise = [str(p) for p in opts.get("conformance_noise") or []]  # --conformance-noise PERT_Q=PERT_BF16
+        add_conformance(cmp, [str(p) for p in opts["conformance"]], references=refs, margin=opts.get("margin"),
+                        noise=noise)  # fmt: skip
     return render(study, cmp, dirs, shown_root)
 
 

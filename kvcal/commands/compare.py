@@ -34,8 +34,13 @@ _HELP = {
     "conformance_bf16": "ENGINE_BF16=EMULATION_BF16 (labels): the BF16 runs the damage is measured from (the engine with "
         "kv_cache_dtype=auto, kvcal eval --kv-format bf16), once for every pair or once per --conformance in "
         "order. Default: the one BF16 run of each side's lm-eval backend.",
+    "conformance_noise": "PERTURBED_Q=PERTURBED_BF16 (labels): kvcal runs of the emulated configuration and of BF16 "
+        "with perturbed weights (kvcal eval --perturb-weights 1, the emulation's settings), once for every pair or "
+        "once per --conformance in order. The margin is then how far the quantization's damage moves between these "
+        "two correct implementations of the model: the mean per-sample |perturbed damage - emulated damage|.",
     "margin": "Conformance's equivalence margin in the key metric's per-sample unit (wikitext: nats per word; "
-        "accuracy: a fraction). Default: the mean per-sample |engine BF16 - emulation BF16|.",
+        "accuracy: a fraction). Default: the mean per-sample |engine BF16 - emulation BF16|, or the perturbed "
+        "emulation's (--conformance-noise).",
     "baseline": "Baseline: a run directory name or a kv format.",
     "output": "Write the Markdown report here.",
     "html_out": "Also write one self-contained HTML report here.",
@@ -69,6 +74,7 @@ def compare_cmd(
     label: list[str] | None = typer.Option(None, "--label", help=_HELP["label"]),
     conformance: list[str] | None = typer.Option(None, "--conformance", help=_HELP["conformance"]),
     conformance_bf16: list[str] | None = typer.Option(None, "--conformance-bf16", help=_HELP["conformance_bf16"]),
+    conformance_noise: list[str] | None = typer.Option(None, "--conformance-noise", help=_HELP["conformance_noise"]),
     margin: float | None = typer.Option(None, "--margin", help=_HELP["margin"]),
     baseline: str = typer.Option("bf16", "--baseline", help=_HELP["baseline"]),
     output: Path | None = typer.Option(None, "-o", "--output", help=_HELP["output"]),
@@ -124,9 +130,9 @@ def compare_cmd(
         labels=label,
         at_lengths=parse_lengths(at_length, "--at-length"),
         max_length_change=max_length_change,
-        before_pairing=before_pairing(conformance, conformance_bf16, margin),
+        before_pairing=before_pairing(conformance, conformance_bf16, margin, conformance_noise),
     )
-    add_conformance(cmp, conformance, warn, conformance_bf16, margin)
+    add_conformance(cmp, conformance, warn, conformance_bf16, margin, conformance_noise)
     failed = fail_on_regression and not cmp.gate_passed
     _write_outputs(cmp, output, html_out, as_json)
     _print_gate(cmp, failed)

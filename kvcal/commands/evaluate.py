@@ -142,6 +142,15 @@ MaxLengthOpt = Annotated[
         "contexts, in tokens (an engine's max_model_len). Default: the model's positions (lm-eval's).",
     ),
 ]
+PerturbWeightsOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--perturb-weights",
+        help="Move every weight by this many ulps of its dtype (random signs from --seed): the same model as "
+        "another correct implementation computes it. A yardstick run for kvcal compare --conformance-noise (how "
+        "far a quantized cache's damage moves under such a difference), not a configuration to serve.",
+    ),
+]
 RepeatsOpt = Annotated[
     int | None,
     typer.Option(
@@ -303,6 +312,7 @@ def eval_cmd(
     scoring: ScoringOpt = _DEFAULT["scoring"],
     logprob_dtype: LogprobDtypeOpt = _DEFAULT["logprob_dtype"],
     max_length: MaxLengthOpt = _DEFAULT["max_length"],
+    perturb_weights: PerturbWeightsOpt = _DEFAULT["perturb_weights"],
     repeats: RepeatsOpt = _DEFAULT["repeats"],
     gen_kwargs: GenKwargsOpt = _DEFAULT["gen_kwargs"],
     prompts: PromptsOpt = _DEFAULT["prompts"],

@@ -41,6 +41,7 @@ from kvcal.evaluate.spec import check_logprob_dtype, check_scoring
 from kvcal.evaluate.timing import ForwardTimer, generate_call
 from kvcal.kernels.plan import CachePlan
 from kvcal.models.loading import input_device, load_resolved
+from kvcal.models.perturb import check_perturbation, perturb_weights
 from kvcal.models.resolve import resolve_model
 
 
@@ -62,7 +63,8 @@ class KvcalLM(HFLM):
     prefix_tokens (LMCache's storage tier, kvcal.serde: each request's first N tokens' K/V round-trip through it);
     logprob_dtype (float32: log-softmax and sums of log-likelihoods in float32 whatever the model's dtype, the
     default | model: lm-eval's HFLM default, the model's dtype; HFLM's own softmax_dtype, given, wins). HFLM's
-    max_length is lm-eval's (the rolling window of loglikelihood_rolling, the truncation of contexts)."""
+    max_length is lm-eval's (the rolling window of loglikelihood_rolling, the truncation of contexts);
+    perturb_weights + perturb_seed: every weight moved by that many ulps of its dtype (kvcal.models.perturb)."""
 
     # kvcal eval's timer of this LM's forwards (kvcal.evaluate.timing); its generate calls mark their requests
     forward_timer: ForwardTimer | None = None
@@ -130,6 +132,8 @@ class KvcalLM(HFLM):
         logprob_dtype = check_logprob_dtype(str(kwargs.pop("logprob_dtype", "float32")), "model_args logprob_dtype=")
         own_softmax = kwargs.get("softmax_dtype") is not None
         prefill_chunk = kwargs.pop("prefill_chunk", DEFAULT_PREFILL_CHUNK)
+        perturb = check_perturbation(kwargs.pop("perturb_weights", None), "model_args perturb_weights=")
+        perturb_seed = int(kwargs.pop("perturb_seed", 0))
         placement = bound.spec.placement
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(bound.model_dir)  # real-model names and .gguf files: a local safetensors folder
@@ -146,6 +150,10 @@ class KvcalLM(HFLM):
                 pretrained, kwargs["tokenizer"] = placed.model, placed.tokenizer
                 kwargs.pop("device", None)
         super().__init__(pretrained=pretrained, **kwargs)
+        if (
+            perturb is not None
+        ):  # the same model as another correct implementation computes it (a yardstick run)
+            perturb_weights(self.model, perturb, perturb_seed)
         if not own_softmax:  # HFLM's _loglikelihood_tokens and kvcal's Scorer both read softmax_dtype
             self.softmax_dtype = torch.float32 if logprob_dtype == "float32" else None
         if placement.active:  # inputs go where the embedding is (HFLM took the first parameter's device)
@@ -169,6 +177,8 @@ class KvcalLM(HFLM):
         if self.cache.quantized:
             self.activate_runtime()
         self.kvcal_config = resolved_config(bound, self.model, self.scoring, self.prefill_chunk)
+        if perturb is not None:
+            self.kvcal_config.update(perturb_weights=perturb, perturb_seed=perturb_seed)
 
     def get_model_info(self) -> dict[str, Any]:
         """HFLM's model info (lm-eval's simple_evaluate adds it to the results' `config`) and kvcal's whole

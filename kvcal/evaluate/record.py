@@ -226,6 +226,8 @@ def model_args_string(recorded: RunConfig) -> str:
         args.append(f"logprob_dtype={recorded.logprob_dtype}")
     if recorded.max_length:
         args.append(f"max_length={recorded.max_length}")
+    if recorded.perturb_weights:
+        args.append(f"perturb_weights={recorded.perturb_weights:g},perturb_seed={recorded.seed}")
     args.append(f"impl={recorded.impl}")
     return ",".join(args)
 

@@ -60,6 +60,8 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
             prefill_chunk=spec.prefill_chunk,
             logprob_dtype=spec.logprob_dtype,
             max_length=spec.max_length,
+            perturb_weights=spec.perturb_weights,
+            perturb_seed=spec.seed,
         )
         lm.sample_seed = seeds(spec.seed)["torch_random_seed"]  # sampled requests' seeds derive from it
         loop = TaskLoop(lm, ForwardTimer(lm.model), store, dist, say)

@@ -31,6 +31,7 @@ from kvcal.evaluate.tasks import KL_TASK, PASSKEY_TASKS, TaskPlan, parse_task_li
 from kvcal.formats import DEFAULT_KV_INPUT_DTYPE, TQ_BOUNDARY_LAYERS, is_tq_preset
 from kvcal.kernels.plan import CachePlan, parse_cache_plan
 from kvcal.models.loading import DTYPES, check_device, resolve_dtype
+from kvcal.models.perturb import check_perturbation
 from kvcal.placement import Placement, PlacementOptions
 from kvcal.releases import emulated_release
 from kvcal.rundir import RunConfig
@@ -94,6 +95,10 @@ class EvalConfig(PlacementOptions):
     # lm-eval's HFLM max_length: the rolling window of loglikelihood_rolling (wikitext) and the truncation of
     # contexts; None = lm-eval's default (the model's positions); an engine's max_model_len
     max_length: int | None = None
+    # every weight moved by this many ulps of its dtype, random signs from --seed (kvcal.models.perturb): the same
+    # model computed by another correct implementation, the yardstick of an engine's conformance (compare
+    # --conformance-noise); None / 0: the model as loaded
+    perturb_weights: float | None = None
     # generative lm-eval tasks: each document generated `repeats` times (a seed per document and repeat), scored
     # as the mean over its repeats; `gen_kwargs` as lm-eval's --gen_kwargs ("temperature=0.6,top_p=0.95")
     repeats: int | None = None
@@ -224,6 +229,7 @@ class EvalSpec:
     scoring: str = "full"  # kvcal.evaluate.adapter's scoring of loglikelihood requests (SCORINGS)
     logprob_dtype: str = "float32"  # LOGPROB_DTYPES: float32, or the model's dtype (lm-eval's HFLM default)
     max_length: int | None = None  # lm-eval's max_length (None: the model's positions, lm-eval's default)
+    perturb_weights: float | None = None  # ulps of the weights' dtype (kvcal.models.perturb); None: unperturbed
     plan_file: str | None = None  # `-f plan.json`: kv_format / skip_layers came from it; bind checks its binding
     repeats: int | None = None  # generations per document (None = lm-eval's task config: one)
     gen_kwargs: tuple[tuple[str, Any], ...] = ()  # --gen-kwargs parsed (parse_gen_kwargs), in the user's order
@@ -344,6 +350,7 @@ class EvalSpec:
             # bind records it only for a model dtype other than float32 (where both give the same numbers)
             "logprob_dtype": self.logprob_dtype,
             "max_length": self.max_length,  # recorded when given (results.json holds the window used)
+            "perturb_weights": self.perturb_weights,  # None (not written) for the model as loaded
             "repeats": self.repeats,
             "gen_kwargs": dict(self.gen_kwargs) or None,
             "prompts": self.prompts.record() if self.prompts else None,
@@ -426,6 +433,7 @@ _COMPARED = (
     "scale_source",
     "prefix_serde",
     "prefix_tokens",
+    "perturb_weights",
 )
 _KL_COMPARED = ("kl_seq_len", "prefill_chunk", "kl_subsample")
 _PASSKEY_COMPARED = ("passkey_lengths", "passkey_depths")
@@ -477,6 +485,8 @@ def run_dir_name(spec: EvalSpec | EvalConfig) -> str:
         name += f"__attn-{slug(spec.attention)}"
     if spec.prefix_serde is not None:
         name += f"__serde-{slug(spec.prefix_serde)}-{spec.prefix_tokens}"
+    if spec.perturb_weights is not None:
+        name += f"__perturb-{spec.perturb_weights:g}ulp-seed{spec.seed}"
     return name
 
 
@@ -677,6 +687,7 @@ def eval_spec(config: EvalConfig, *, scales_tag: str | None = None, own_tasks: b
         scoring=check_scoring(config.scoring),
         logprob_dtype=check_logprob_dtype(config.logprob_dtype),
         max_length=check_max_length(config.max_length),
+        perturb_weights=check_perturbation(config.perturb_weights),
         repeats=config.repeats,
         gen_kwargs=parse_gen_kwargs(config.gen_kwargs),
         prompts=_prompt_file(config.prompts, tasks),

@@ -220,6 +220,17 @@ def _scrub_configs(part: dict[str, Any]) -> dict[str, Any]:
     return part
 
 
+def _baseline_side(bound: BoundSpec) -> dict[str, Any]:
+    """The BF16 baseline's description, part of its disk cache's key (kl windows, divergence trajectories); a
+    perturbed model's (--perturb-weights) is another model's baseline, with its own entries (every other key as
+    before)."""
+    spec = bound.spec
+    base = {"kv_format": "bf16", "impl": spec.impl, "dtype": bound.dtype, "device": spec.device}
+    if spec.perturb_weights is not None:
+        base.update(perturb_weights=spec.perturb_weights, perturb_seed=spec.seed)
+    return base
+
+
 def run_kl_task(lm: Any, bound: BoundSpec, task: str = KL_TASK, dist: parallel.Dist | None = None) -> TaskResult:
     """kvcal's `kl`: the LM's cache against a BF16 cache read through kvcal's attention (kvcal.evaluate.kl)."""
     from kvcal.evaluate.kl import lm_sides, run_kl
@@ -227,7 +238,7 @@ def run_kl_task(lm: Any, bound: BoundSpec, task: str = KL_TASK, dist: parallel.D
     spec, recorded = bound.spec, bound.recorded
     assert recorded is not None
     quant_session, baseline = lm_sides(lm, spec.impl)
-    base = {"kv_format": "bf16", "impl": spec.impl, "dtype": bound.dtype, "device": spec.device}
+    base = _baseline_side(bound)
     return run_kl(
         lm.model,
         lm.tokenizer,
@@ -278,7 +289,7 @@ def run_divergence_task(lm: Any, bound: BoundSpec, task: str, dist: parallel.Dis
     quant_session, baseline = lm_sides(lm, spec.impl)
     fingerprint = model_fingerprint(bound.model_dir)
     edges = position_buckets(gen_len)  # kl's position buckets over the generated positions
-    base = {"kv_format": "bf16", "impl": spec.impl, "dtype": bound.dtype, "device": spec.device}
+    base = _baseline_side(bound)
     evaluated = {
         "kv_format": recorded.kv_format,
         "attention": "kvcal" if recorded.kv_format != "auto" else "transformers (the model's own)",

@@ -16,6 +16,17 @@ own per-sample disagreement. It bounds how far apart the two implementations' me
 without any quantization. It does not shrink with the sample size. A pair whose BF16 runs agree on every sample has
 margin 0: nothing can be shown equivalent to it, and `--margin` must say what is close enough.
 
+That margin is the BF16 disagreement, but a quantized cache amplifies a disagreement (a value near a code boundary
+flips its code, which moves later K/V across other boundaries: docs/engines.md measured engine and emulation
+4.6e-06 nats per token apart at 16 bits and 0.041 with FP8, the emulation 0.045 from itself with its weights moved
+by 2**-22). `--conformance-noise Q=B` names two runs of the emulation with its weights perturbed (`kvcal eval
+--perturb-weights ULPS`, kvcal.models.perturb: the same model as another correct implementation computes it), the
+quantized configuration and BF16; the margin is then the mean over the paired samples of
+|(pert_q,i - pert_bf16,i) - (emu_q,i - emu_bf16,i)|: how far the quantization's damage moves between two correct
+implementations, the same statistic d measures between engine and emulation. The report states its source and the
+perturbed pair's own BF16 disagreement beside the engine's, so a reader sees whether the perturbation is of the
+engine's size.
+
 Per key metric: "equivalent" (TOST p < alpha: the 1 - 2 alpha interval of mean d inside the margin); "not
 equivalent" (the interval entirely beyond the margin: the one-sided t test of |mean d| > margin, Holm over the
 pair's key metrics); else "not shown at this sample size", with the paired samples that would show it: the n at
@@ -33,6 +44,7 @@ Otherwise `check_like_with_like` raises one UsageError naming every difference a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -57,6 +69,9 @@ from kvcal.report.runs import Run
 # lm-eval backends that are serving engines (kvcal.report.lmeval_runs records the backend)
 ENGINE_BACKENDS = frozenset({"vllm", "sglang", "local-completions", "local-chat-completions", "openai-completions"})
 BF16_FORMATS = ("auto", "bf16")
+# where a pair's margin comes from, as the report names it
+MARGIN_SOURCES = {"bf16 pair": "the BF16 pair", "perturbed emulation": "the perturbed emulation",
+                  "--margin": "--margin"}  # fmt: skip
 EQUIVALENT, NOT_EQUIVALENT, NOT_SHOWN = "equivalent", "not equivalent", "not shown at this sample size"
 TOST_POWER = 0.9  # per one-sided test of TOST: the pair's power is then at least 1 - 2 x 0.1 = 0.8
 SHOW_POWER = 0.8
@@ -78,8 +93,10 @@ class DamageResult:
     ci_low: float
     ci_high: float
     margin: float
-    margin_source: str  # "bf16 pair" (mean |engine_bf16 - emu_bf16|) | "--margin"
+    margin_source: str  # MARGIN_SOURCES: "bf16 pair" | "perturbed emulation" | "--margin"
     bf16_gap: float  # mean (engine_bf16 - emu_bf16): the two implementations' own difference at BF16
+    bf16_spread: float = math.nan  # mean |engine_bf16 - emu_bf16|
+    noise_bf16_spread: float | None = None  # mean |pert_bf16 - emu_bf16| (--conformance-noise)
     p_equivalence: float | None = None  # TOST: the larger of its two one-sided p-values
     p_beyond: float | None = None  # one-sided: |mean d| > margin (Holm-adjusted over the pair's key metrics)
     verdict: str = NOT_SHOWN
@@ -120,6 +137,13 @@ class Pair:
     emulation: Configuration
     engine_bf16: Configuration | None
     emulation_bf16: Configuration | None
+    noise_q: Configuration | None = None  # --conformance-noise: the emulation with its weights perturbed
+    noise_bf16: Configuration | None = None  # and its BF16 run, perturbed alike
+
+    @property
+    def configs(self) -> list[Configuration]:
+        return [c for c in (self.engine, self.emulation, self.engine_bf16, self.emulation_bf16, self.noise_q,
+                            self.noise_bf16) if c is not None]  # fmt: skip
 
 
 # ---- which runs --------------------------------------------------------------------------------------------
@@ -143,6 +167,11 @@ def is_bf16(c: Configuration) -> bool:
     return c.kv_format in BF16_FORMATS
 
 
+def perturbation(c: Configuration) -> float | None:
+    """The ulps its weights were perturbed by (kvcal eval --perturb-weights), None for the model as loaded."""
+    return c.runs[0].config.perturb_weights
+
+
 def _pair_labels(item: str, by_label: dict[str, Configuration], flag: str, what: str) -> tuple[str, str]:
     eng, eq, emu = str(item).partition("=")
     if not eq or eng not in by_label or emu not in by_label or eng == emu:
@@ -152,18 +181,24 @@ def _pair_labels(item: str, by_label: dict[str, Configuration], flag: str, what:
 
 def _bf16_of(side: Configuration, configs: list[Configuration], taken: set[str]) -> Configuration | None:
     """The one BF16 run of `side`'s backend here (None: none, or several to choose from)."""
-    found = [c for c in configs if is_bf16(c) and c.label not in taken and _backend(c) == _backend(side)]
+    found = [c for c in configs if is_bf16(c) and c.label not in taken and _backend(c) == _backend(side)
+             and perturbation(c) is None]  # fmt: skip
     return found[0] if len(found) == 1 else None
 
 
 def find_pairs(
-    configs: list[Configuration], named: Iterable[str] | None, references: Iterable[str] | None = None
+    configs: list[Configuration],
+    named: Iterable[str] | None,
+    references: Iterable[str] | None = None,
+    noise: Iterable[str] | None = None,
 ) -> list[Pair]:
     """(engine, emulation, engine BF16, emulation BF16) quadruples. Pairs: those named `ENGINE=EMULATION`
     (labels), else every quantized engine run with the one kvcal run of the same claimed configuration (kv
     format, scales, skip layers). BF16 runs: named `ENGINE_BF16=EMULATION_BF16` (`--conformance-bf16`: one for
     every pair, or one per pair in order), else the one BF16 (auto / bf16) run of each side's lm-eval backend
-    when the two sides' backends differ; None when not found (the pair then says what is missing)."""
+    when the two sides' backends differ; None when not found (the pair then says what is missing). `noise`:
+    `PERTURBED_Q=PERTURBED_BF16` (`--conformance-noise`, once for every pair or once per pair in order): the
+    emulation's runs with perturbed weights whose damage scatter is the margin (with_noise)."""
     by_label = {c.label: c for c in configs}
     named, refs = list(named or []), list(references or [])
     quads: list[tuple[Configuration, Configuration]] = []
@@ -175,7 +210,7 @@ def find_pairs(
             if _backend(eng) not in ENGINE_BACKENDS or is_bf16(eng):
                 continue
             emus = [c for c in configs if c is not eng and _backend(c) not in ENGINE_BACKENDS
-                    and _claim(c) == _claim(eng)]  # fmt: skip
+                    and _claim(c) == _claim(eng) and perturbation(c) is None]  # fmt: skip
             if len(emus) == 1:
                 quads.append((eng, emus[0]))
     if refs and len(refs) not in (1, len(quads)):
@@ -208,6 +243,46 @@ def find_pairs(
         e16 = _bf16_of(eng, configs, taken) if distinct else None
         m16 = _bf16_of(emu, configs, taken) if distinct else None
         out.append(Pair(eng, emu, e16, m16))
+    return with_noise(out, by_label, list(noise or []))
+
+
+def with_noise(pairs: list[Pair], by_label: dict[str, Configuration], noise: list[str]) -> list[Pair]:
+    """The pairs with their `--conformance-noise` runs: a kvcal run of the emulated configuration and a BF16 one,
+    both with perturbed weights; UsageError naming what is wrong otherwise."""
+    if not noise:
+        return pairs
+    if len(noise) not in (1, len(pairs)):
+        raise UsageError(
+            f"--conformance-noise given {len(noise)} times for {len(pairs)} pairs: give it once (every pair) or once "
+            "per --conformance, in the same order"
+        )
+    out = []
+    for i, p in enumerate(pairs):
+        q, b = _pair_labels(noise[0 if len(noise) == 1 else i], by_label, "--conformance-noise",
+                            "PERTURBED_Q=PERTURBED_BF16")  # fmt: skip
+        nq, nb = by_label[q], by_label[b]
+        for c, want in ((nq, "the emulated configuration"), (nb, "BF16")):
+            if perturbation(c) is None:
+                raise UsageError(
+                    f"--conformance-noise: {c.label} is not a perturbed run; make it with kvcal eval "
+                    f"--perturb-weights 1 and {p.emulation.label}'s settings ({want})"
+                )
+        if is_bf16(nq) or not is_bf16(nb):
+            raise UsageError(
+                f"--conformance-noise {q}={b}: name the perturbed quantized run first and the perturbed BF16 run "
+                f"second (kv formats {nq.kv_format}, {nb.kv_format})"
+            )
+        if _claim(nq) != _claim(p.emulation):
+            raise UsageError(
+                f"--conformance-noise: {q} is {_describe(nq)}, but {p.emulation.label} emulates "
+                f"{_describe(p.emulation)}: perturb the same configuration"
+            )
+        if perturbation(nq) != perturbation(nb):
+            raise UsageError(
+                f"--conformance-noise: {q} is perturbed by {perturbation(nq):g} ulps, {b} by {perturbation(nb):g}: "
+                "perturb both alike (the same --perturb-weights and --seed)"
+            )
+        out.append(dataclasses.replace(p, noise_q=nq, noise_bf16=nb))
     return out
 
 
@@ -341,7 +416,7 @@ def check_like_with_like(pairs: list[Pair]) -> None:
     difference too (it cannot be shown the same). Task settings a record lacks (task_settings) are not compared."""
     diffs: list[str] = []
     for p in pairs:
-        configs = [c for c in (p.engine, p.emulation, p.engine_bf16, p.emulation_bf16) if c is not None]
+        configs = p.configs
         for task in p.engine.tasks:
             runs = [(c.label, c.run_for(task)) for c in configs]
             present = [(label, r) for label, r in runs if r is not None]
@@ -386,7 +461,7 @@ def _paired_values(
     hashes = [[s[k].get("_doc_hash") for s in samples] for k in keys]
     same = [len({h for h in hs if h is not None}) <= 1 for hs in hashes]
     if not all(same):
-        warn(f"{task}: {same.count(False)} doc ids hold different documents in the four conformance runs; left out")
+        warn(f"{task}: {same.count(False)} doc ids hold different documents in the conformance runs; left out")
         keys = [k for k, ok in zip(keys, same, strict=True) if ok]
     out = []
     for s in samples:
@@ -430,19 +505,25 @@ def _solve_n(effect: float, alpha: float, power: float) -> int | None:
 
 def damage_test(
     task: str, spec: MetricSpec, eq: np.ndarray, eb: np.ndarray, mq: np.ndarray, mb: np.ndarray,
-    alpha: float, margin: float | None,
+    alpha: float, margin: float | None, noise: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> DamageResult:  # fmt: skip
-    """The TOST of one key metric (module docstring); p_beyond unadjusted (check_pair applies Holm)."""
+    """The TOST of one key metric (module docstring); p_beyond unadjusted (check_pair applies Holm). `noise`:
+    the perturbed emulation's (quantized, BF16) per-sample values, whose damage scatter is the margin."""
     from statsmodels.stats.weightstats import DescrStatsW, ttost_paired
 
     e_dmg, m_dmg = eq - eb, mq - mb
     d, r = e_dmg - m_dmg, eb - mb
     sign = 1.0 if not spec.higher_is_better else -1.0  # damage reads "worse" as positive
-    delta = float(np.mean(np.abs(r))) if margin is None else float(margin)
+    if margin is not None:
+        delta, source = float(margin), "--margin"
+    elif noise is not None:  # how far the damage moves between two correct implementations (module docstring)
+        delta, source = float(np.mean(np.abs((noise[0] - noise[1]) - m_dmg))), "perturbed emulation"
+    else:
+        delta, source = float(np.mean(np.abs(r))), "bf16 pair"
     res = DamageResult(
         task, spec.label, len(d), _unit(spec), sign * float(np.mean(e_dmg)), sign * float(np.mean(m_dmg)),
-        sign * float(np.mean(d)), math.nan, math.nan, delta, "bf16 pair" if margin is None else "--margin",
-        float(np.mean(r)),
+        sign * float(np.mean(d)), math.nan, math.nan, delta, source, float(np.mean(r)), float(np.mean(np.abs(r))),
+        None if noise is None else float(np.mean(np.abs(noise[1] - mb))),
     )  # fmt: skip
     mean, sd = float(np.mean(d)), float(np.std(d, ddof=1)) if len(d) > 1 else 0.0
     if sd == 0.0 or not math.isfinite(sd):  # every sample's gap the same: no spread to test against
@@ -536,24 +617,25 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
         out.verdict = f"not judged: no verdict without BF16 runs on both sides; missing {'; '.join(out.missing)}"
         return out
     assert p.engine_bf16 is not None and p.emulation_bf16 is not None
+    sides = [c for c in (eng, p.engine_bf16, emu, p.emulation_bf16, p.noise_q, p.noise_bf16) if c is not None]
     for task in eng.tasks:
-        runs = [c.run_for(task) for c in (eng, p.engine_bf16, emu, p.emulation_bf16)]
+        runs = [c.run_for(task) for c in sides]
         if any(r is None for r in runs):
             continue
-        eq_run, eb_run, mq_run, mb_run = runs  # type: ignore[misc]
-        for spec in (sp for sp in metric_specs(mq_run, task) if sp.key):
+        eq_run, _, mq_run = runs[:3]
+        for spec in (sp for sp in metric_specs(mq_run, task) if sp.key):  # type: ignore[arg-type]
             if spec.metric == "top1_agree":
                 continue  # kl's top-1 agreement is itself a comparison with BF16, not a per-sample score
-            keys, values = _paired_values(task, spec, [eq_run, eb_run, mq_run, mb_run], warn)
-            labels = [eng.label, p.engine_bf16.label, emu.label, p.emulation_bf16.label]
-            lines, ok = _nonfinite(labels, keys, values)
+            keys, values = _paired_values(task, spec, runs, warn)  # type: ignore[arg-type]
+            lines, ok = _nonfinite([c.label for c in sides], keys, values)
             out.nonfinite += [f"{task} {spec.label}: {ln}" for ln in lines]
-            eq, eb, mq, mb = (v[ok] for v in values)
+            eq, eb, mq, mb, *pert = (v[ok] for v in values)
             if len(eq) < s.min_samples:
-                warn(f"conformance {eng.label}: {task} {spec.label} has {len(eq)} samples in all four runs "
-                     f"(fewer than {s.min_samples}); not judged")  # fmt: skip
+                warn(f"conformance {eng.label}: {task} {spec.label} has {len(eq)} samples in all {len(runs)} "
+                     f"runs (fewer than {s.min_samples}); not judged")  # fmt: skip
                 continue
-            out.results.append(damage_test(task, spec, eq, eb, mq, mb, s.alpha, margin))
+            noise = (pert[0], pert[1]) if pert else None
+            out.results.append(damage_test(task, spec, eq, eb, mq, mb, s.alpha, margin, noise))
             a = _agreement(task, spec, eq_run, mq_run)
             if a is not None:
                 out.agreement[f"{task}/{spec.label}"] = a
@@ -576,7 +658,7 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
 def _line(r: DamageResult) -> str:
     return (f"{r.task} {r.metric}: damage {_fmt(r.engine_damage)} (engine) vs {_fmt(r.emulation_damage)} "
             f"(emulation) {r.unit}, gap {_fmt(r.gap)} [{r.ci_low:.4g}, {r.ci_high:.4g}], margin ±{r.margin:.4g} "
-            f"({'the BF16 pair' if r.margin_source == 'bf16 pair' else '--margin'}), n = {r.n}")  # fmt: skip
+            f"({MARGIN_SOURCES[r.margin_source]}), n = {r.n}")  # fmt: skip
 
 
 def _verdict(out: ConformanceResult, p: Pair) -> str:
@@ -608,22 +690,30 @@ def _verdict(out: ConformanceResult, p: Pair) -> str:
     return f"{NOT_SHOWN}: " + "; ".join(parts)
 
 
-def check_margin(margin: float | None) -> None:
+def check_margin(margin: float | None, noise: Iterable[str] | None = None) -> None:
     if margin is not None and not (margin > 0 and math.isfinite(margin)):
         raise UsageError(f"--margin must be a positive number in the key metric's per-sample unit, got {margin}")
+    if margin is not None and list(noise or []):
+        raise UsageError(
+            "--margin and --conformance-noise both set the margin: give --margin (a number you choose) or "
+            "--conformance-noise (the perturbed emulation's damage scatter), not both"
+        )
 
 
 def before_pairing(
-    named: Iterable[str] | None, references: Iterable[str] | None, margin: float | None = None
+    named: Iterable[str] | None,
+    references: Iterable[str] | None,
+    margin: float | None = None,
+    noise: Iterable[str] | None = None,
 ) -> Any:
     """A check for kvcal.report.compare.compare_runs to call on the loaded configurations before it pairs any
     samples: the conformance pairs found and their runs like with like (one UsageError naming every difference
     first, before another refusal names one of them)."""
-    named, references = list(named or []), list(references or [])
+    named, references, noise = list(named or []), list(references or []), list(noise or [])
 
     def check(configs: list[Configuration]) -> None:
-        check_margin(margin)
-        check_like_with_like(find_pairs(configs, named, references))
+        check_margin(margin, noise)
+        check_like_with_like(find_pairs(configs, named, references, noise))
 
     return check
 
@@ -634,15 +724,18 @@ def add_conformance(
     warn: Warn | None = None,
     references: Iterable[str] | None = None,
     margin: float | None = None,
+    noise: Iterable[str] | None = None,
 ) -> None:
-    """Fill cmp.conformance: the named pairs, or every engine run that has an emulation here."""
+    """Fill cmp.conformance: the named pairs, or every engine run that has an emulation here; `noise`
+    (--conformance-noise) the perturbed emulation runs whose damage scatter is each pair's margin."""
 
     def _warn(msg: str) -> None:
         cmp.warnings.append(msg)
         if warn is not None:
             warn(msg)
 
-    check_margin(margin)
-    pairs = find_pairs(cmp.configs, named, references)
+    noise = list(noise or [])
+    check_margin(margin, noise)
+    pairs = find_pairs(cmp.configs, named, references, noise)
     check_like_with_like(pairs)
     cmp.conformance = [check_pair(p, cmp, _warn, margin) for p in pairs]

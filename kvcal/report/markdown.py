@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from kvcal import __version__
 from kvcal.report import longcontext as lc
@@ -10,6 +11,9 @@ from kvcal.report import numbers as fmt
 from kvcal.report.compare import Comparison
 from kvcal.report.speed import speed_heading, speed_intro
 from kvcal.report.verdicts import MetricResult
+
+if TYPE_CHECKING:
+    from kvcal.report.conformance import DamageResult
 
 
 def _esc(s: str) -> str:
@@ -108,8 +112,10 @@ CONFORMANCE_INTRO = (
     "paired sample (engine quantized - engine BF16) - (emulation quantized - emulation BF16), in the key metric's "
     "per-sample unit (damage: positive is worse). Equivalence test (TOST, statsmodels) of the mean gap against the "
     "margin: the mean |engine BF16 - emulation BF16| per sample (the two implementations' own disagreement without "
-    "quantization), or --margin. Interval: 1 - 2 alpha (TOST's). Agreement: the share of the quantized runs' "
-    "paired samples whose score is the same."
+    "quantization); with --conformance-noise, the mean |perturbed emulation's damage - emulation's damage| per "
+    "sample (how far the damage moves between two correct implementations: kvcal eval --perturb-weights); or "
+    "--margin. Interval: 1 - 2 alpha (TOST's). Agreement: the share of the quantized runs' paired samples whose "
+    "score is the same."
 )
 
 
@@ -130,10 +136,19 @@ def conformance_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
                  "—" if agree is None else f"{agree:.1%}",
                  f"{r.engine_damage:+.4g} / {r.emulation_damage:+.4g} {r.unit}",
                  f"{r.gap:+.4g} [{r.ci_low:.4g}, {r.ci_high:.4g}]",
-                 f"±{r.margin:.4g} ({'BF16 pair' if r.margin_source == 'bf16 pair' else '--margin'})",
+                 margin_cell(r),
                  "—" if r.p_equivalence is None else f"{r.p_equivalence:.2g}", r.verdict + need]
             )  # fmt: skip
     return header, rows
+
+
+def margin_cell(r: DamageResult) -> str:
+    """A DamageResult's margin and its source; a perturbed emulation's with the BF16 disagreement it caused beside
+    the engine's (is the perturbation of the engine's size?)."""
+    if r.margin_source == "perturbed emulation" and r.noise_bf16_spread is not None:
+        return (f"±{r.margin:.4g} (perturbed emulation; BF16 mean |diff|: perturbed {r.noise_bf16_spread:.2g}, "
+                f"engine {r.bf16_spread:.2g})")  # fmt: skip
+    return f"±{r.margin:.4g} ({'BF16 pair' if r.margin_source == 'bf16 pair' else '--margin'})"
 
 
 def conformance_verdict(conforms: bool | None) -> str:

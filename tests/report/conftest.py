@@ -34,6 +34,7 @@ def _write_run(
     dtype: str = "float32",
     max_length: int | None = 2048,
     task_configs: dict[str, dict[str, Any]] | None = None,
+    perturb_weights: float | None = None,
 ) -> Path:
     """One run directory as `kvcal eval` writes it; `granularity` makes it a calibrated run. `max_length`: the
     window results.json records (None: none recorded); `task_configs`: lm-eval's configs[task] entries."""
@@ -43,7 +44,7 @@ def _write_run(
     cfg = RunConfig(
         model=model, model_dir=model, kv_format=kv_format, tasks=list(tasks), limit=limit, skip_layers=skip,
         scales_path=f"/scales/{name}.safetensors" if granularity else None, scales=scales if granularity else None,
-        dtype=dtype,
+        dtype=dtype, perturb_weights=perturb_weights,
     )  # fmt: skip
     (d / CONFIG).write_text(yaml.safe_dump(cfg.to_dict()))
     results: dict[str, Any] = {"results": {}, "configs": dict(task_configs or {}), "n-shot": {}, "versions": {},
