@@ -31,6 +31,14 @@ def probe_cmd(
     work_dir: Annotated[
         Path | None, typer.Option("--work-dir", help="Keep the two exported checkpoints here (default: a temporary folder).")
     ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="Probe this checkpoint (the one you serve, from any writer) instead of kvcal's export of SCALES: "
+            "it is scored as it is and as a copy with --layer's K/V scale tensors times --factor.",
+        ),
+    ] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the result as JSON here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -44,6 +52,7 @@ def probe_cmd(
     spec = ProbeSpec(
         scales=str(scales), model=model, engine=engine, layer=layer, factor=factor, num_prompts=num_prompts,
         seq_len=seq_len, dataset=dataset, dtype=dtype, work_dir=str(work_dir) if work_dir else None,
+        checkpoint=str(checkpoint) if checkpoint else None,
     )  # fmt: skip
     result = run_probe(spec, out_json=str(output) if output else None)
     for note in result.notes:

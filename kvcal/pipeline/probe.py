@@ -17,6 +17,14 @@ says nothing about such an engine. The probe asks the engine itself:
    most tokens (Spearman correlation > 0, scipy). An engine that ignores the scales (1.0 on both, or the file's
    names unread) changes nothing: Δ = 0 exactly.
 
+`checkpoint` (`--checkpoint DIR`): probe the checkpoint you will serve, written by any tool, instead of kvcal's
+export: DIR is the first checkpoint as it is, and the second a copy (files linked) whose safetensors shards holding
+layer L's K/V scale tensors (names with `layers.L.` ending in k_scale / v_scale) are rewritten with them times
+`factor`. A writer whose scales the engine never reads is caught: vLLM 0.32 reads only the shards its index lists,
+so a scale shard missing from model.safetensors.index.json leaves every scale at 1.0 on both checkpoints, without
+a word (Δ = 0: "not delivered"); a scale name its loader cannot map is refused at load (the engine's error is
+named).
+
 Exit 0 "scales delivered", 1 "not delivered" naming the layer (kvcal.commands.probe).
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -69,6 +78,7 @@ class ProbeSpec:
     ratio: float = 0.5  # the engine's mean |Δ| must reach this share of the emulation's
     min_effect: float = 0.02  # nats per token the emulation must predict for a clear probe
     work_dir: str | None = None  # where the two exported checkpoints go (a temporary folder when None)
+    checkpoint: str | None = None  # the checkpoint to serve (any writer's); None: kvcal's export of `scales`
 
 
 @dataclass
@@ -107,12 +117,67 @@ def check_probe(spec: ProbeSpec) -> tuple[Path, ScaleSet, EngineEnv, int]:
     why = env.fp8_kv
     if why is not None:
         raise UsageError(f"the probe needs the engine's FP8 KV cache: {why}")
+    if spec.checkpoint is not None:
+        check_checkpoint(Path(spec.checkpoint), kv.num_layers)
     odd = sorted({ls.head_dim for ls in kv.layers if ls.head_dim % 32})
     if odd:
         raise UsageError(
             f"vLLM's CPU backend runs an FP8 cache for head sizes divisible by 32; this model's are {odd}"
         )
     return model_dir, ss, env, layer
+
+
+def check_checkpoint(ckpt: Path, num_layers: int) -> None:
+    """A checkpoint folder of the probed model: config.json with its number of layers, safetensors shards."""
+    config = ckpt / "config.json"
+    if not config.is_file() or not any(ckpt.glob("*.safetensors")):
+        raise UsageError(f"--checkpoint {ckpt}: not a checkpoint folder (config.json and .safetensors files)")
+    layers = json.loads(config.read_text()).get("num_hidden_layers")
+    if layers is not None and layers != num_layers:
+        raise UsageError(
+            f"--checkpoint {ckpt} has {layers} layers, the model {num_layers}: give the checkpoint of the same model"
+        )
+
+
+def _is_layer_scale(name: str, layer: int) -> bool:
+    return f"layers.{layer}." in name and name.endswith(("k_scale", "v_scale"))
+
+
+def scaled_checkpoint(ckpt: Path, layer: int, factor: float, out: Path) -> list[str]:
+    """A copy of checkpoint folder `ckpt` at `out` (files linked, else copied) whose shards holding layer `layer`'s
+    K/V scale tensors are rewritten with those tensors times `factor`; returns their names. Every shard is
+    searched, listed in the index or not: the engine decides what it reads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    found: list[str] = []
+    for f in sorted(ckpt.iterdir()):
+        if f.is_dir():
+            continue
+        tensors = None
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as h:
+                names = [n for n in h.keys() if _is_layer_scale(n, layer)]  # noqa: SIM118 — safe_open has no iterator
+                if names:
+                    meta = h.metadata()
+                    tensors = {n: h.get_tensor(n) for n in h.keys()}  # noqa: SIM118
+        if tensors is None:
+            try:
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copy2(f, out / f.name)
+            continue
+        for n in names:
+            tensors[n] = tensors[n] * factor
+        save_file(tensors, str(out / f.name), metadata=meta)
+        found += names
+    if not found:
+        raise UsageError(
+            f"--checkpoint {ckpt} holds no K/V scale tensor of layer {layer} (a name with 'layers.{layer}.' ending in "
+            "k_scale or v_scale) in any .safetensors file"
+        )
+    return found
 
 
 def scaled_layer(ss: ScaleSet, layer: int, factor: float) -> ScaleSet:
@@ -163,10 +228,24 @@ def engine_logprobs(
     proc = subprocess.run([env.python, "-m", "kvcal.evaluate.engine_logprobs", str(req), str(out)], env=child,
                           capture_output=True, text=True, check=False)  # fmt: skip
     if proc.returncode != 0 or not out.is_file():
-        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["no output"]
-        why = tail[0] if proc.returncode != 0 else f"it exited 0 without writing {out.name}"
+        why = root_cause(proc.stderr) if proc.returncode != 0 else f"it exited 0 without writing {out.name}"
         raise KvcalError(f"{env.label()} failed on {model_dir}: {why}")
     return json.loads(out.read_text())["logprobs"]
+
+
+# vLLM's wrappers of a worker's failure: the line that says why is an earlier one
+_WRAPPERS = ("Engine core initialization failed", "WorkerProc initialization failed")
+
+
+def root_cause(stderr: str) -> str:
+    """The engine's reason from its stderr: the first `SomeError: ...` line that is not one of vLLM's wrappers
+    (its worker's traceback comes first, prefixed by `(Worker pid=N) ERROR ... ]`), else the last line."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        text = ln.split("] ", 1)[-1].strip() if ln.startswith("(") else ln.strip()
+        if re.match(r"^[A-Za-z_.]*(Error|Exception): ", text) and not any(w in text for w in _WRAPPERS):
+            return text
+    return lines[-1] if lines else "no output"
 
 
 def judge(eng_delta: list[float], emu_delta: list[float], spec: ProbeSpec, layer: int, engine: str) -> ProbeResult:
@@ -210,7 +289,11 @@ def run_probe(spec: ProbeSpec, out_json: str | None = None) -> ProbeResult:
         for d, s in ((base_dir, ss), (probe_dir, probe_ss)):
             if d.exists():
                 shutil.rmtree(d)
-            export_vllm(s, model_dir, d)
+            if spec.checkpoint is None:
+                export_vllm(s, model_dir, d)
+        if spec.checkpoint is not None:  # the user's checkpoint as it is, and its copy with layer L's scales scaled
+            base_dir = Path(spec.checkpoint)
+            scaled_checkpoint(base_dir, layer, spec.factor, probe_dir)
         eng = [engine_logprobs(env, d, prompts, spec.dtype, work) for d in (base_dir, probe_dir)]
     finally:
         if spec.work_dir is None:

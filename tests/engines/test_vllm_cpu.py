@@ -125,7 +125,8 @@ def test_the_printed_vllm_cpu_command_runs_and_enters_compare(
 @pytest.mark.slow  # calibrate + (on AVX-512 / AMX) two engine starts per probe
 def test_probe_on_the_real_engine(vllm_env: EngineEnv, smollm2_dir: Path, tmp_path: Path, invoke) -> None:  # noqa: ANN001
     """`kvcal probe`: where the CPU runs the engine's FP8 cache, the calibrated scales are delivered (exit 0) and
-    a checkpoint whose scales the engine does not read is caught (exit 1); elsewhere one `Error:` line, exit 2."""
+    a checkpoint whose scales the engine does not read (`--checkpoint` with the scale shard missing from its index)
+    is caught (exit 1); elsewhere one `Error:` line, exit 2."""
     scales = tmp_path / "s.safetensors"
     code, _, err = invoke(["calibrate", str(smollm2_dir), "-f", "fp8_e4m3", "--num-samples", "2", "--seq-len", "32",
                            "-o", str(scales)])  # fmt: skip
@@ -136,3 +137,16 @@ def test_probe_on_the_real_engine(vllm_env: EngineEnv, smollm2_dir: Path, tmp_pa
                                                           f"{vllm_env.fp8_kv}"]  # fmt: skip
         pytest.skip(vllm_env.fp8_kv)
     assert code == 0 and out.startswith("scales delivered"), (out, err)
+    # the negative control: a checkpoint whose scale shard its index does not list (a writer's bug). vLLM reads only
+    # the listed shards, so every scale is 1.0 on both checkpoints, silently: the probe must say "not delivered"
+    ckpt = tmp_path / "ckpt"
+    code, _, err = invoke(["export", str(scales), str(smollm2_dir), "--to", "vllm", "-o", str(ckpt)])
+    assert code == 0, err
+    index = ckpt / "model.safetensors.index.json"
+    listed = json.loads(index.read_text())
+    listed["weight_map"] = {k: v for k, v in listed["weight_map"].items() if v != "kv_scales.safetensors"}
+    index.unlink()  # the export links files where it can: write a new one
+    index.write_text(json.dumps(listed))
+    code, out, err = invoke(["probe", str(scales), str(smollm2_dir), "--checkpoint", str(ckpt), "--num-prompts", "2",
+                             "--seq-len", "48"])  # fmt: skip
+    assert code == 1 and out.startswith("not delivered") and "did not change at all" in out, (out, err)
