@@ -57,6 +57,12 @@ from kvcal.scales import ScaleSet, load_scales_for_model, resolve_model_and_spec
 PROBE_ENGINES = ("vllm-cpu",)
 
 
+class EngineFailed(KvcalError):
+    """The engine did not score the prompts (it refused the checkpoint, crashed): nothing to judge, exit 2."""
+
+    exit_code = 2
+
+
 @dataclass(frozen=True)
 class ProbeSpec:
     """One probe, parsed once at the edge (kvcal.commands.probe)."""
@@ -228,8 +234,10 @@ def engine_logprobs(
     proc = subprocess.run([env.python, "-m", "kvcal.evaluate.engine_logprobs", str(req), str(out)], env=child,
                           capture_output=True, text=True, check=False)  # fmt: skip
     if proc.returncode != 0 or not out.is_file():
-        why = root_cause(proc.stderr) if proc.returncode != 0 else f"it exited 0 without writing {out.name}"
-        raise KvcalError(f"{env.label()} failed on {model_dir}: {why}")
+        # the worker's traceback may be on either stream (vLLM's multiprocess logging)
+        why = (root_cause("\n".join((proc.stdout, proc.stderr))) if proc.returncode != 0
+               else f"it exited 0 without writing {out.name}")  # fmt: skip
+        raise EngineFailed(f"{env.label()} failed on {model_dir}: {why}")
     return json.loads(out.read_text())["logprobs"]
 
 

