@@ -97,6 +97,7 @@ class DamageResult:
     bf16_gap: float  # mean (engine_bf16 - emu_bf16): the two implementations' own difference at BF16
     bf16_spread: float = math.nan  # mean |engine_bf16 - emu_bf16|
     noise_bf16_spread: float | None = None  # mean |pert_bf16 - emu_bf16| (--conformance-noise)
+    gap_spread: float = math.nan  # mean |d|: the engine's per-sample damage gap, beside a perturbed margin
     p_equivalence: float | None = None  # TOST: the larger of its two one-sided p-values
     p_beyond: float | None = None  # one-sided: |mean d| > margin (Holm-adjusted over the pair's key metrics)
     verdict: str = NOT_SHOWN
@@ -523,7 +524,7 @@ def damage_test(
     res = DamageResult(
         task, spec.label, len(d), _unit(spec), sign * float(np.mean(e_dmg)), sign * float(np.mean(m_dmg)),
         sign * float(np.mean(d)), math.nan, math.nan, delta, source, float(np.mean(r)), float(np.mean(np.abs(r))),
-        None if noise is None else float(np.mean(np.abs(noise[1] - mb))),
+        None if noise is None else float(np.mean(np.abs(noise[1] - mb))), float(np.mean(np.abs(d))),
     )  # fmt: skip
     mean, sd = float(np.mean(d)), float(np.std(d, ddof=1)) if len(d) > 1 else 0.0
     if sd == 0.0 or not math.isfinite(sd):  # every sample's gap the same: no spread to test against

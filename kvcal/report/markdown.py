@@ -143,11 +143,12 @@ def conformance_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 
 def margin_cell(r: DamageResult) -> str:
-    """A DamageResult's margin and its source; a perturbed emulation's with the BF16 disagreement it caused beside
-    the engine's (is the perturbation of the engine's size?)."""
+    """A DamageResult's margin and its source; a perturbed emulation's with the engine's own per-sample gap (mean
+    |d|, the scatter the margin stands for) and the BF16 disagreement the perturbation caused beside the engine's
+    (is the perturbation of the engine's size?)."""
     if r.margin_source == "perturbed emulation" and r.noise_bf16_spread is not None:
-        return (f"±{r.margin:.4g} (perturbed emulation; BF16 mean |diff|: perturbed {r.noise_bf16_spread:.2g}, "
-                f"engine {r.bf16_spread:.2g})")  # fmt: skip
+        return (f"±{r.margin:.4g} (perturbed emulation; the engine's mean |gap| {r.gap_spread:.2g}; BF16 mean |diff|: "
+                f"perturbed {r.noise_bf16_spread:.2g}, engine {r.bf16_spread:.2g})")  # fmt: skip
     return f"±{r.margin:.4g} ({'BF16 pair' if r.margin_source == 'bf16 pair' else '--margin'})"
 
 

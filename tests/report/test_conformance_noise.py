@@ -71,10 +71,14 @@ def test_perturbed_emulation_sets_the_margin(tmp_path: Path, write_run, wikitext
     assert r.margin > 2 * r0.margin  # the amplification the BF16 pair cannot see
     assert r.noise_bf16_spread == pytest.approx(np.mean(np.abs(docs["pert_bf16"] - docs["emu_bf16"])), rel=1e-9)
     assert r.bf16_spread == pytest.approx(r0.margin, rel=1e-12)
+    d = (docs["eng_fp8"] - docs["eng_bf16"]) - emu_dmg
+    assert r.gap_spread == pytest.approx(np.mean(np.abs(d)), rel=1e-9)
     assert r.verdict == EQUIVALENT and ok.conforms is True and "(the perturbed emulation)" in ok.verdict
     assert rb.verdict == NOT_EQUIVALENT and bad.conforms is False  # 2.5x the damage is caught still
     md = render_markdown(c)
-    assert f"±{r.margin:.4g} (perturbed emulation; BF16 mean |diff|: perturbed" in md.replace("\\|", "|")
+    assert f"±{r.margin:.4g} (perturbed emulation; the engine's mean |gap| {r.gap_spread:.2g}; BF16" in md.replace(
+        "\\|", "|"
+    )
 
 
 def test_noise_runs_are_checked(tmp_path: Path, write_run, wikitext_records) -> None:  # noqa: ANN001
