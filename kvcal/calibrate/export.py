@@ -192,7 +192,8 @@ def _tensor_sizes(path: Path) -> dict[str, int]:
     return out
 
 
-def _link_or_copy(src: Path, dst: Path) -> str:
+def link_or_copy(src: Path, dst: Path) -> str:
+    """`dst` as a hard link of `src` where the file system allows, else a copy; 'linked' or 'copied'."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, dst)
@@ -338,7 +339,7 @@ def _link_model_files(src: Path, dst: Path, renamed_single: bool) -> dict[str, i
         if not f.is_file() or rel.parts[0].startswith(".") or str(rel) in _WRITTEN:
             continue
         dest = dst / (RENAMED_SINGLE if renamed_single and str(rel) == SINGLE_WEIGHTS else rel)
-        mode = _link_or_copy(f, dest)
+        mode = link_or_copy(f, dest)
         modes[mode] = modes.get(mode, 0) + 1
     return modes
 

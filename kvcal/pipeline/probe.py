@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from kvcal.calibrate.data import build_samples, load_texts
-from kvcal.calibrate.export import export_vllm
+from kvcal.calibrate.export import export_vllm, link_or_copy
 from kvcal.engine_env import EngineEnv, find_engine
 from kvcal.engines import CPU_FP8, EngineSetup, cpu_kv_cache_bytes
 from kvcal.errors import KvcalError, UsageError
@@ -169,10 +169,7 @@ def scaled_checkpoint(ckpt: Path, layer: int, factor: float, out: Path) -> list[
                     meta = h.metadata()
                     tensors = {n: h.get_tensor(n) for n in h.keys()}  # noqa: SIM118
         if tensors is None:
-            try:
-                os.link(f, out / f.name)
-            except OSError:
-                shutil.copy2(f, out / f.name)
+            link_or_copy(f, out / f.name)
             continue
         for n in names:
             tensors[n] = tensors[n] * factor
