@@ -238,6 +238,20 @@ def barrier(dist: Dist, what: str = "waiting for the other processes") -> None:
         td.barrier()
 
 
+def finish(dist: Dist) -> None:
+    """End of a run, on every rank: wait until rank 0 has written the outputs, then leave the process group.
+    A rank that exits with its gloo group alive can abort in the group's teardown ("terminate called without an
+    active exception", SIGABRT) while rank 0 still writes, and the launcher then reports a finished run as lost."""
+    if not dist.active:
+        return
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        return
+    barrier(dist, "waiting for rank 0 to write the outputs")
+    td.destroy_process_group()
+
+
 _fault_counts: dict[str, int] = {}
 
 

@@ -416,6 +416,7 @@ def run_calibration(spec: CalibrateSpec, progress: ProgressFn | None = None) -> 
         spec.output is not None and dist.is_main
     ):  # one writer: rank 0 (every rank holds the same merged scales)
         save_scale_file(spec.output, ss)
+    parallel.finish(dist)  # every rank waits for rank 0's write, then leaves the process group in order
     return CalibrationResult(
         scale_set=ss, output=spec.output, samples=data, warnings=list(data.warnings), timings=timings
     )

@@ -29,12 +29,19 @@ def run_eval(config: EvalSpec, progress: Callable[[str], None] | None = None) ->
     complete directory with the same config is returned untouched; an interrupted one resumes (finished tasks
     are not rerun)."""
     bound = bind(config)  # everything checked, against the checkpoint too, before anything is written
-    spec, plan, recorded = bound.spec, bound.tasks, bound.recorded
-    assert plan is not None and recorded is not None  # a spec of kvcal eval has tasks
+    spec = bound.spec
     if spec.limit is not None:  # several processes (torchrun): each needs a sample
         parallel.check_enough_work(spec.limit, "samples (--limit)", parallel.from_env())
     dist = parallel.setup(spec.device)
-    say = (progress or _silent) if dist.is_main else _silent  # rank 0 speaks and writes; the others compute
+    root = _evaluate(bound, dist, (progress or _silent) if dist.is_main else _silent)
+    parallel.finish(dist)  # every rank waits for rank 0's writes, then leaves the process group in order
+    return root
+
+
+def _evaluate(bound: BoundSpec, dist: parallel.Dist, say: Callable[[str], None]) -> Path:
+    """run_eval's work in this process: rank 0 speaks and writes; the others compute."""
+    spec, plan, recorded = bound.spec, bound.tasks, bound.recorded
+    assert plan is not None and recorded is not None  # a spec of kvcal eval has tasks
     store = RunStore(spec.run_dir)
     state, pending = open_shared(store, recorded, plan.names, dist)
     if state == "complete":
