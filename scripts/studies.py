@@ -44,10 +44,12 @@ from kvcal.report.conformance import add_conformance  # noqa: E402
 from kvcal.report.lmeval_runs import pick_results, results_folder  # noqa: E402
 from kvcal.report.markdown import (  # noqa: E402
     CONFORMANCE_INTRO,
+    DECODE_INTRO,
     agreement_table,
     by_task,
     conformance_table,
     conformance_verdict,
+    decode_table,
     gate_summary,
     length_intro,
     length_table,
@@ -414,6 +416,11 @@ def _conformance(cmp: Comparison, ref: dict[str, str]) -> list[str]:
     lines = ["## Engine vs emulation", "", CONFORMANCE_INTRO, ""]
     lines += _table([header[0], "runs", *header[1:]], rows) + [""]
     lines += [f"- `{c.engine}` ({conformance_verdict(c.conforms)}): {_esc(c.verdict)}" for c in cmp.conformance]
+    if any(c.decode for c in cmp.conformance):  # generative tasks: each side's decode against its own BF16
+        header, drows = decode_table(cmp)
+        drows = [[r[0], f"{ref.get(r[0].strip('`'), '?')} vs {ref.get(r[1].strip('`'), '?')}", *r[1:]] for r in drows]
+        lines += ["", "### Engine vs emulation: generated outputs", "", DECODE_INTRO, ""]
+        lines += _table([header[0], "runs", *header[1:]], drows)
     return [*lines, ""]
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from kvcal.report import text_tokens
+
 LEVEL = 0.95
 
 
@@ -274,7 +276,7 @@ def _check_same_generation(seen: dict[str, dict[str, Any]], task: str, label: st
 # ---- lm-eval's own generative tasks: agreement of the text outputs with the baseline run's ---------------------
 
 
-def _first_filter_records(run: Any, task: str) -> dict[str, dict[str, Any]]:
+def first_filter_records(run: Any, task: str) -> dict[str, dict[str, Any]]:
     """doc_id -> the record of the first filter (lm-eval writes one record per (doc, filter))."""
     recs = _raw_samples(run, task)
     first = next((r.get("filter") for r in recs), None)
@@ -282,17 +284,8 @@ def _first_filter_records(run: Any, task: str) -> dict[str, dict[str, Any]]:
 
 
 def _text(rec: dict[str, Any]) -> str | None:
-    resps = rec.get("resps")
-    if isinstance(resps, list) and resps and isinstance(resps[0], list) and resps[0]:
-        return str(resps[0][0])
-    return None  # GPQA's private records keep no output text
-
-
-def _token_ids(rec: dict[str, Any]) -> list[int] | None:
-    """The first repeat's generated token ids (kvcal runs record them: `gen_token_ids`); None for lm-eval's own
-    folders and private records, which keep text only."""
-    ids = rec.get("gen_token_ids")
-    return [int(t) for t in ids[0]] if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
+    t = text_tokens.texts(rec)
+    return t[0] if t else None  # None: GPQA's private records keep no output text
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> tuple[int, bool]:
@@ -303,17 +296,71 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> tuple[int, bool]:
     return (int(where[0]) + 1, True) if where.size else (n, False)
 
 
-def token_divergence(
-    base: dict[str, dict[str, Any]], mine: dict[str, dict[str, Any]], docs: list[str], at_lengths: Sequence[int]
-) -> dict[str, Any] | None:
-    """Survival of token identity over the documents both runs recorded token ids for (their first repeat, so
-    documents stay independent observations); None when fewer than two have them."""
-    pairs = [(a, b) for a, b in ((_token_ids(base[d]), _token_ids(mine[d])) for d in docs) if a and b]
-    if len(pairs) < 2:
+def divergence_times(
+    runs: tuple[Any, Any],
+    recs: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]],
+    docs: list[str],
+    task: str,
+    unit: str | None = None,
+) -> tuple[dict[str, tuple[int, bool, int]], str] | None:
+    """doc -> (time, event, the first run's output length) of two runs' outputs (the first repeat of each
+    document, so documents stay independent observations), in generated token ids or, where a run kept text
+    only, text tokens (kvcal.report.text_tokens; `unit=TEXT` forces them), and that unit; None without ids or a
+    tokenizer. An output that stopped before the other's is a divergence (`stopped_difference`, under `task`'s
+    cap)."""
+    got = text_tokens.paired_outputs(runs, recs, docs, unit)
+    if got is None:
         return None
-    tes = [first_difference(a, b) for a, b in pairs]
-    times, events = [max(t, 1) for t, _ in tes], [e for _, e in tes]
-    return summarize(times, events, at_lengths=at_lengths, task_lengths=[len(a) for a, _ in pairs])
+    outputs, unit = got
+    cap = min(max_gen_toks(r, task) for r in runs)
+    out = {}
+    for d, (a, b) in outputs.items():
+        if a and b:
+            te = stopped_difference(a[0], b[0], cap)
+            if te is not None:
+                out[d] = (te[0], te[1], len(a[0]))
+    return out, unit
+
+
+LM_EVAL_MAX_GEN_TOKS = 256  # lm-eval's default cap (LM.max_gen_toks) when neither the task nor the run sets one
+
+
+def max_gen_toks(run: Any, task: str) -> int:
+    """The cap a run generated `task` under: the task's generation_kwargs, else the run's --max-gen-toks, else
+    lm-eval's default."""
+    gk = (((run.results.get("configs") or {}).get(task) or {}).get("generation_kwargs")) or {}
+    cap = gk.get("max_gen_toks") or getattr(run.config, "max_gen_toks", None) or LM_EVAL_MAX_GEN_TOKS
+    return int(cap)
+
+
+def stopped_difference(a: Sequence[int], b: Sequence[int], cap: int | None) -> tuple[int, bool] | None:
+    """`first_difference` of two generate_until outputs, whose stop sequence lm-eval cut from the text: where one
+    is a proper prefix of the other and ended before the cap, it stopped where the other went on, a divergence at
+    the token after it (an empty output against a non-empty one: at token 1); outputs the cap ended are censored.
+    None when both are empty (nothing was compared)."""
+    if not a and not b:
+        return None
+    t, event = first_difference(a, b)
+    if not event and len(a) != len(b) and (cap is None or min(len(a), len(b)) < cap):
+        return t + 1, True
+    return max(t, 1), event
+
+
+def token_divergence(
+    runs: tuple[Any, Any],
+    recs: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]],
+    docs: list[str],
+    task: str,
+    at_lengths: Sequence[int],
+) -> dict[str, Any] | None:
+    """Survival of token identity between two runs' outputs (`divergence_times`; the summary's `unit` says which
+    tokens); None when fewer than two documents have outputs in one unit."""
+    got = divergence_times(runs, recs, docs, task)
+    if got is None or len(got[0]) < 2:
+        return None
+    tes, unit = got
+    times, events, lengths = zip(*tes.values(), strict=True)
+    return {**summarize(list(times), list(events), at_lengths=at_lengths, task_lengths=list(lengths)), "unit": unit}
 
 
 def text_agreement_rows(
@@ -333,13 +380,13 @@ def text_agreement_rows(
         cfg = (base_run.results.get("configs") or {}).get(task) or {}
         if cfg.get("output_type") != "generate_until":
             continue
-        base = _first_filter_records(base_run, task)
+        base = first_filter_records(base_run, task)
         for label, runs in configs[1:]:
             run = next((r for r in runs if task in r.samples), None)
             if run is None:
                 continue
             _check_same_text_generation(task, (base_label, base_run), (label, run))
-            mine = _first_filter_records(run, task)
+            mine = first_filter_records(run, task)
             docs = [d for d in base if d in mine]
             answers = sum(base[d].get("filtered_resps") == mine[d].get("filtered_resps") for d in docs)
             texts = [(_text(base[d]), _text(mine[d])) for d in docs]
@@ -352,7 +399,7 @@ def text_agreement_rows(
                 "answer_agree": proportion(int(answers), len(docs)),
                 "identical": proportion(sum(a == b for a, b in comparable), len(comparable)),
             }
-            tokens = token_divergence(base, mine, docs, at_lengths)
+            tokens = token_divergence((base_run, run), (base, mine), docs, task, at_lengths)
             if tokens is not None:
                 row["tokens"] = tokens
             rows.append(row)

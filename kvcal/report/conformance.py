@@ -121,6 +121,8 @@ class ConformanceResult:
     verdict: str = ""
     missing: list[str] = field(default_factory=list)  # what a verdict needs and is not there
     nonfinite: list[str] = field(default_factory=list)  # runs that scored samples NaN / inf: no verdict
+    # generative tasks: each side's decode against its own BF16 (kvcal.report.decode_conformance), shown
+    decode: list[Any] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,7 +130,7 @@ class ConformanceResult:
             "emulation_bf16": self.emulation_bf16, "claimed": self.claimed, "conforms": self.conforms,
             "verdict": self.verdict, "missing": self.missing, "nonfinite": self.nonfinite,
             "agreement": self.agreement,
-            "results": [r.to_dict() for r in self.results],
+            "results": [r.to_dict() for r in self.results], "decode": [d.to_dict() for d in self.decode],
         }  # fmt: skip
 
 
@@ -640,6 +642,7 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
             a = _agreement(task, spec, eq_run, mq_run)
             if a is not None:
                 out.agreement[f"{task}/{spec.label}"] = a
+    out.decode = _decode(p)
     _judge(out.results, s.alpha)
     if out.nonfinite:
         for r in out.results:
@@ -653,6 +656,23 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
                        f"{emu.label} and {p.emulation_bf16.label} alike")  # fmt: skip
         return out
     out.verdict = _verdict(out, p)
+    return out
+
+
+def _decode(p: Pair) -> list[Any]:
+    """Each generative task's decode comparison (engine and emulation, each against its own BF16 run)."""
+    from kvcal.report.decode_conformance import compare_decode
+
+    sides = {"engine": p.engine, "engine_bf16": p.engine_bf16, "emulation": p.emulation,
+             "emulation_bf16": p.emulation_bf16}  # fmt: skip
+    out = []
+    for task in p.engine.tasks:
+        runs = {k: c.run_for(task) if c is not None else None for k, c in sides.items()}
+        if any(r is None for r in runs.values()):
+            continue
+        row = compare_decode(runs, {k: c.label for k, c in sides.items() if c is not None}, task)
+        if row is not None:
+            out.append(row)
     return out
 
 

@@ -7,8 +7,9 @@ Compression", MLSys'25), which costs tokens (time, and the cache's own capacity 
 What is paired, per document:
 - lm-eval generative tasks (`output_type: generate_until`) of kvcal runs: the tokens the model generated
   (`gen_token_ids`, the mean over a document's repeats), the configuration's run against the baseline
-  configuration's run, documents paired by doc_id (their first filter's record). lm-eval's own output folders
-  (engine runs) keep text only: no row.
+  configuration's run, documents paired by doc_id (their first filter's record). Where a run kept text only
+  (an engine's lm-eval output folder) both runs' texts are re-encoded with the checkpoint's tokenizer and the row
+  counts text tokens (kvcal.report.text_tokens; the row's `unit`); without that tokenizer on this machine, no row.
 - kvcal's divergence tasks: inside one run, the evaluated cache's greedy output (`quant_len`) against the BF16
   trajectory of the same prompt (`base_len`); the row's baseline is that BF16 cache.
 
@@ -25,6 +26,7 @@ length of 0, is not judged, and the gate does not pass what it could not judge (
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -34,7 +36,7 @@ import numpy as np
 
 from kvcal.errors import UsageError
 from kvcal.io import read_jsonl
-from kvcal.report import stats
+from kvcal.report import stats, text_tokens
 
 GENERATE = "generate_until"
 DIVERGENCE = "kvcal_divergence"
@@ -63,6 +65,7 @@ class LengthChange:
     threshold: float | None = None
     status: str = REPORTED
     reason: str = ""
+    unit: str = text_tokens.GENERATED  # or text_tokens.TEXT: both runs' texts re-encoded (a run kept no ids)
 
     @property
     def significant(self) -> bool:
@@ -148,12 +151,20 @@ def check_max_length_change(value: float | None, name: str = "--max-length-chang
     return float(value)
 
 
-def _generated_tokens(rec: dict[str, Any]) -> float | None:
-    """Mean generated tokens over a record's repeats (`gen_token_ids`: one id list per repeat); None without."""
-    ids = rec.get("gen_token_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(x, list) for x in ids):
+def generated_lengths(
+    runs: tuple[Any, Any],
+    recs: tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]],
+    docs: list[str],
+    unit: str | None = None,
+) -> tuple[tuple[list[float], list[float]], str] | None:
+    """Per document the mean generated length over its repeats in each run, paired, and the unit: generated
+    token ids, or text tokens where a run kept text only (kvcal.report.text_tokens); None without either."""
+    got = text_tokens.paired_outputs(runs, recs, docs, unit)
+    if got is None or not got[0]:
         return None
-    return float(np.mean([len(x) for x in ids]))
+    outputs, unit = got
+    pairs = [(float(np.mean([len(x) for x in a])), float(np.mean([len(x) for x in b]))) for a, b in outputs.values()]
+    return ([a for a, _ in pairs], [b for _, b in pairs]), unit
 
 
 def _first_filter(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -203,13 +214,12 @@ def length_rows(
             if base_run is None or _output_type(base_run, task) != GENERATE:
                 continue
             base, mine = _first_filter(_raw(base_run, task)), _first_filter(_raw(run, task))
-            pairs = [(_generated_tokens(base[d]), _generated_tokens(mine[d])) for d in base if d in mine]
-            got = [(a, b) for a, b in pairs if a is not None and b is not None]
-            if not got:  # lm-eval's own folders: text only
+            got = generated_lengths((base_run, run), (base, mine), [d for d in base if d in mine])
+            if got is None:  # text only, and no tokenizer on this machine
                 continue
-            rows.append(paired_length_change(
-                [a for a, _ in got], [b for _, b in got], config=label, task=task, baseline=base_label, **kw
-            ))  # fmt: skip
+            (a, b), unit = got
+            row = paired_length_change(a, b, config=label, task=task, baseline=base_label, **kw)
+            rows.append(dataclasses.replace(row, unit=unit))
     for row in rows:
         judge_length(row, threshold, gate, alpha)
     return rows

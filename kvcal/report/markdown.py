@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcal import __version__
 from kvcal.report import longcontext as lc
 from kvcal.report import numbers as fmt
+from kvcal.report import text_tokens
 from kvcal.report.compare import Comparison
 from kvcal.report.speed import speed_heading, speed_intro
 from kvcal.report.verdicts import MetricResult
@@ -157,12 +158,58 @@ def conformance_verdict(conforms: bool | None) -> str:
     return {True: "EQUIVALENT", False: "NOT EQUIVALENT", None: "not judged"}[conforms]
 
 
+DECODE_INTRO = (
+    "Generated outputs (lm-eval generative tasks), each side's quantized run against its own BF16 run over the "
+    "documents all four runs generated: the share of extracted answers kept, tokens to the first divergence "
+    "(Kaplan-Meier median; an output that stopped where the other went on diverged at the next token, outputs "
+    "the cap ended are censored) and the output length change; then engine minus "
+    "emulation, paired by document (answers kept: Newcombe's interval and McNemar's exact p; length change: "
+    "paired BCa bootstrap) and the log-rank p of the two divergence-time distributions. 95% intervals. Text tokens: "
+    "a run kept text only (an engine's lm-eval folder), so both sides' outputs are re-encoded with the checkpoint's "
+    "tokenizer. Shown, not gated."
+)
+
+
+def _median(x: dict[str, float | None]) -> str:
+    return "not reached" if x["value"] is None else _iv(x, 0)
+
+
+def _change(row: dict[str, Any]) -> str:
+    """A LengthChange dict's change in tokens [CI]."""
+    if row["ci_low"] is None:
+        return "n/a"
+    return _iv({"value": row["diff"], "lo": row["ci_low"], "hi": row["ci_high"]}, 1)
+
+
+def decode_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): per conformance pair and generative task, the engine's decode against the emulation's."""
+    header = ["engine", "emulation", "task", "documents", "tokens", "answers kept: engine / emulation",
+              "gap [CI], p", "median tokens to divergence: engine / emulation", "log-rank p",
+              "length change (tokens): engine / emulation", "gap [CI], p"]  # fmt: skip
+    rows = []
+    for c in cmp.conformance:
+        for d in c.decode:
+            e, m = d.engine, d.emulation
+            rows.append(
+                [f"`{c.engine}`", f"`{c.emulation}`", d.task, str(d.n), d.unit,
+                 f"{_iv(e.answer_kept)} / {_iv(m.answer_kept)}",
+                 f"{_iv(d.answer_kept_gap)}, p {fmt.p(d.answer_kept_gap['p'])}",
+                 f"{_median(e.median_tokens)} / {_median(m.median_tokens)}", fmt.p(d.logrank_p),
+                 f"{_change(e.length)} / {_change(m.length)}",
+                 f"{_iv(d.length_gap, 1)}, p {fmt.p(d.length_gap['p'])}"]
+            )  # fmt: skip
+    return header, rows
+
+
 def _conformance(cmp: Comparison) -> list[str]:
-    """Engine vs emulation (kvcal.report.conformance): the table, then one verdict line per pair."""
+    """Engine vs emulation (kvcal.report.conformance): the table, then one verdict line per pair, then the
+    generated outputs' comparison where a pair has a generative task."""
     if not cmp.conformance:
         return []
     lines = ["## Engine vs emulation", "", CONFORMANCE_INTRO, "", *_table(*conformance_table(cmp)), ""]
     lines += [f"- `{c.engine}` ({conformance_verdict(c.conforms)}): {_esc(c.verdict)}" for c in cmp.conformance]
+    if any(c.decode for c in cmp.conformance):
+        lines += ["", "### Engine vs emulation: generated outputs", "", DECODE_INTRO, "", *_table(*decode_table(cmp))]
     return [*lines, ""]
 
 
@@ -429,6 +476,8 @@ def text_agreement_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
         tok = r.get("tokens")
         med = tok["km"]["median"] if tok else None
         median = "n/a" if med is None else "not reached" if med["value"] is None else _iv(med, 0)
+        if tok and tok.get("unit") == text_tokens.TEXT:
+            median += " (text tokens)"
         rows.append(
             [r["task"], f"`{r['config']}`", str(r["n"]), _iv(r["answer_agree"]), _iv(r["identical"]), median,
              _iv(tok["hazard_per_1k"], 2) if tok else "n/a"]
@@ -444,9 +493,11 @@ def _agreement(cmp: Comparison) -> list[str]:
             "",
             f"Per document, against `{cmp.baseline}`'s output: the answer lm-eval's first filter extracts, and the "
             "output text itself (n/a where the run keeps no text, e.g. GPQA). 95% Wilson intervals. Tokens to "
-            "divergence (Kaplan-Meier median over each document's first repeat, outputs that end first censored) "
-            "and the divergence hazard where both runs recorded token ids (kvcal runs; lm-eval's own folders keep "
-            "text only: n/a).",
+            "divergence (Kaplan-Meier median over each document's first repeat; an output that stopped where the "
+            "other went on diverged at the next token, outputs the cap ended are censored) "
+            "and the divergence hazard in the generated token ids kvcal runs record; where a run kept text only "
+            "(an engine's lm-eval folder), in text tokens: both outputs re-encoded with the checkpoint's tokenizer "
+            "(n/a when it is not on this machine).",
             "",
             *_table(*text_agreement_table(cmp)),
             "",
@@ -471,7 +522,8 @@ def _agreement(cmp: Comparison) -> list[str]:
 
 LENGTH_INTRO = (
     "Mean generated tokens per document, paired: each configuration's output against the baseline run's for "
-    "lm-eval generative tasks (kvcal runs record the generated token ids; the mean over a document's repeats), "
+    "lm-eval generative tasks (kvcal runs record the generated token ids; the mean over a document's repeats; "
+    "\"(text tokens)\": a run kept text only, both outputs re-encoded with the checkpoint's tokenizer), "
     "and for divergence tasks against the BF16 trajectory of the same prompt in the same run. Change in tokens "
     "with its paired BCa bootstrap 95% interval and p-value; relative change with Fieller's interval. A longer "
     "output costs decode time and cache whatever the accuracy does."
@@ -502,8 +554,9 @@ def length_table(cmp: Comparison) -> tuple[list[str], list[list[str]]]:
         rel = fmt.pct(r.rel_change) + ("" if r.rel_change is None else f" {_rel_iv(r.rel_ci_low, r.rel_ci_high)}")
         gate = r.status + (f": {r.reason}" if r.reason and r.status != "pass" else "")
         rows.append(
-            [r.task, f"`{r.config}`", f"`{r.baseline}`", str(r.n), fmt.f(r.base_mean, 1), fmt.f(r.mean, 1),
-             change, fmt.p(r.p_value), rel, gate]
+            [r.task, f"`{r.config}`", f"`{r.baseline}`", str(r.n), fmt.f(r.base_mean, 1),
+             fmt.f(r.mean, 1) + (" (text tokens)" if r.unit == text_tokens.TEXT else ""), change,
+             fmt.p(r.p_value), rel, gate]
         )  # fmt: skip
     return header, rows
 

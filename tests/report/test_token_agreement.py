@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcal.report.agreement import first_difference
+from kvcal.report.agreement import first_difference, stopped_difference
 
 CORPUS = [
     "question : what is two plus two ? answer : four",
@@ -59,9 +59,10 @@ def test_kvcal_runs_record_token_ids_and_the_report_finds_the_first_divergence(
     rows = {r["config"]: r for r in cmp.text_agreement_rows}
     assert set(rows) == {"fp8_e4m3", "int8_per_token_head"}
     for fmt, row in rows.items():
-        expect = [first_difference(runs["auto"][d]["gen_token_ids"][0], runs[fmt][d]["gen_token_ids"][0])
-                  for d in sorted(runs["auto"])]  # fmt: skip
-        assert row["tokens"]["n"] == len(DOCS)
+        expect = [stopped_difference(runs["auto"][d]["gen_token_ids"][0], runs[fmt][d]["gen_token_ids"][0],
+                                     GEN["max_gen_toks"]) for d in sorted(runs["auto"])]  # fmt: skip
+        expect = [e for e in expect if e is not None]  # two empty outputs: nothing compared
+        assert row["tokens"]["n"] == len(expect)
         assert row["tokens"]["diverged"] == sum(e for _, e in expect)
     assert any(r["tokens"]["diverged"] > 0 for r in rows.values())  # the tiny model's outputs do change
     assert "median tokens to divergence" in render_markdown(cmp)
