@@ -55,6 +55,7 @@ import numpy as np
 
 from kvcal.errors import UsageError
 from kvcal.kvconfig import KVConfig
+from kvcal.report.choices import GOLD_LOGPROB
 from kvcal.report.compare import Comparison, Configuration, Warn
 from kvcal.report.lmeval_runs import (
     LOGLIKELIHOOD_TYPES,
@@ -63,7 +64,7 @@ from kvcal.report.lmeval_runs import (
     task_limit,
     task_settings,
 )
-from kvcal.report.metrics import MetricSpec, arrays, metric_specs
+from kvcal.report.metrics import MetricSpec, arrays, conformance_specs
 from kvcal.report.runs import Run
 
 # lm-eval backends that are serving engines (kvcal.report.lmeval_runs records the backend)
@@ -449,6 +450,8 @@ def check_like_with_like(pairs: list[Pair]) -> None:
 
 
 def _unit(spec: MetricSpec) -> str:
+    if spec.metric == GOLD_LOGPROB:
+        return "nats (gold choice)"
     if spec.weighted == "pair":
         return "nats per " + ("byte" if "byte" in spec.metric else "word" if "word" in spec.metric else "token")
     return spec.metric
@@ -626,7 +629,7 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
         if any(r is None for r in runs):
             continue
         eq_run, _, mq_run = runs[:3]
-        for spec in (sp for sp in metric_specs(mq_run, task) if sp.key):  # type: ignore[arg-type]
+        for spec in conformance_specs(mq_run, task):  # type: ignore[arg-type]
             if spec.metric == "top1_agree":
                 continue  # kl's top-1 agreement is itself a comparison with BF16, not a per-sample score
             keys, values = _paired_values(task, spec, runs, warn)  # type: ignore[arg-type]
@@ -639,7 +642,7 @@ def check_pair(p: Pair, cmp: Comparison, warn: Warn, margin: float | None = None
                 continue
             noise = (pert[0], pert[1]) if pert else None
             out.results.append(damage_test(task, spec, eq, eb, mq, mb, s.alpha, margin, noise))
-            a = _agreement(task, spec, eq_run, mq_run)
+            a = None if spec.metric == GOLD_LOGPROB else _agreement(task, spec, eq_run, mq_run)  # continuous: no ties
             if a is not None:
                 out.agreement[f"{task}/{spec.label}"] = a
     out.decode = _decode(p)

@@ -4,16 +4,24 @@ Each task is judged on its *key metrics*, picked the way lm-eval reports them:
 gsm8k: exact_match under both filters (strict-match, flexible-extract); aime: exact_match; gpqa multiple-choice:
 acc (acc_norm shown too); gpqa CoT/generative: exact_match per filter; wikitext: word_perplexity (lower is
 better; byte_perplexity and bits_per_byte shown too); kvcal's kl task: kl (lower is better) and top1_agree.
-Any other task: its first metric, every filter. The other metrics are shown as secondary.
+Any other task: its first metric, every filter. The other metrics are shown as secondary (a multiple-choice
+task's `gold_logprob` among them, kvcal.report.choices).
+
+Engine vs emulation (kvcal.report.conformance) tests the key metrics' damage, except on a multiple-choice task
+whose records give `gold_logprob`: there it tests gold_logprob instead of acc / acc_norm (`conformance_specs`),
+the continuous quantity acc thresholds (the real engine on GPQA Diamond: "not shown" on acc, about 1,497 questions
+needed; equivalent on gold_logprob at its 198, docs/studies/engine-gpqa-smollm2.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvcal.report.choices import GOLD_LOGPROB
 from kvcal.report.runs import Record, Run
 
 # Metrics where lower is better (lm-eval's own higher_is_better flags in results.json take precedence).
@@ -87,6 +95,16 @@ def metric_specs(run: Run, task: str) -> list[MetricSpec]:
                 hib = _higher_is_better(run, task, m)
                 specs.append(MetricSpec(m, flt, hib, transform, weighted, m in key_names))
     return specs
+
+
+def conformance_specs(run: Run, task: str) -> list[MetricSpec]:
+    """The metrics engine vs emulation tests on `task` (module docstring): the key metrics, or gold_logprob for a
+    multiple-choice task whose records give it."""
+    specs = metric_specs(run, task)
+    gold = [sp for sp in specs if sp.metric == GOLD_LOGPROB]
+    if gold and any(sp.key and sp.metric.startswith("acc") for sp in specs):
+        return [dataclasses.replace(g, key=True) for g in gold]
+    return [sp for sp in specs if sp.key]
 
 
 def arrays(recs: list[Record], spec: MetricSpec) -> tuple[np.ndarray, np.ndarray]:

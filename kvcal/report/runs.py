@@ -5,6 +5,8 @@ Per-sample records come in two shapes, both written by `kvcal eval`:
   record; a value is a number, or [loglikelihood, words|bytes] for the weighted perplexities;
 - kvcal's `kl` windows: {doc_id, kl, top1_agree, nll, n_tokens}; `nll` is the window's summed NLL and becomes
   `ppl` as an lm-eval-style [ll, count] pair (token perplexity exp(sum nll / sum n_tokens)).
+A multiple-choice record (scored with `acc`) also gets `gold_logprob`, the gold choice's log-probability among
+the choices (kvcal.report.choices): the continuous score `acc` thresholds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import yaml
 
 from kvcal.errors import KvcalError, UsageError
 from kvcal.io import jsonl_lines
+from kvcal.report import choices
 from kvcal.rundir import COMPLETE, CONFIG, ENV, METRICS, RESULTS, RunConfig, samples_file
 
 # Where a sweep keeps its scale files, next to the run directories: never a run directory itself.
@@ -168,6 +171,9 @@ def _record_values(r: dict[str, Any], where: str) -> Record:
     vals: Record = {}
     if isinstance(r.get("metrics"), list):
         vals.update({m: r[m] for m in r["metrics"] if m in r and _is_value(r[m])})
+        gold = choices.gold_logprob(r)  # multiple-choice: the continuous score acc thresholds
+        if gold is not None:
+            vals[choices.GOLD_LOGPROB] = gold
     elif "kl" in r:
         vals.update({m: r[m] for m in KL_METRICS if m in r and _is_value(r[m])})
         if isinstance(r.get("nll"), (int, float)) and isinstance(r.get("n_tokens"), (int, float)):
