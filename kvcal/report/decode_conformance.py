@@ -30,8 +30,6 @@ import numpy as np
 
 from kvcal.report import agreement, length, stats, text_tokens
 
-GENERATE = "generate_until"
-
 
 @dataclass
 class DecodeSide:
@@ -59,10 +57,6 @@ class DecodeComparison:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _output_type(run: Any, task: str) -> str | None:
-    return ((run.results.get("configs") or {}).get(task) or {}).get("output_type")
 
 
 def _side(
@@ -109,7 +103,7 @@ def compare_decode(runs: dict[str, Any], labels: dict[str, str], task: str) -> D
     """The decode comparison of one task. `runs` / `labels`: 'engine', 'engine_bf16', 'emulation',
     'emulation_bf16' -> the run that generated `task` / its configuration's label. None when a run did not
     generate the task, fewer than two documents are common to all four, or no tokenizer gives a unit."""
-    if any(_output_type(r, task) != GENERATE for r in runs.values()):
+    if any(length.output_type(r, task) != length.GENERATE for r in runs.values()):
         return None
     recs = {k: agreement.first_filter_records(r, task) for k, r in runs.items()}
     docs = sorted(set.intersection(*(set(r) for r in recs.values())), key=lambda d: (len(d), d))

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvcal.errors import UsageError
 from kvcal.io import read_jsonl
-from kvcal.report import stats, text_tokens
+from kvcal.report import agreement, stats, text_tokens
 
 GENERATE = "generate_until"
 DIVERGENCE = "kvcal_divergence"
@@ -167,12 +167,8 @@ def generated_lengths(
     return ([a for a, _ in pairs], [b for _, b in pairs]), unit
 
 
-def _first_filter(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    first = next((r.get("filter") for r in recs), None)
-    return {str(r["doc_id"]): r for r in recs if r.get("filter") == first}
-
-
-def _output_type(run: Any, task: str) -> str | None:
+def output_type(run: Any, task: str) -> str | None:
+    """lm-eval's output_type of `task` in a run's results (configs), None when not recorded."""
     return ((run.results.get("configs") or {}).get(task) or {}).get("output_type")
 
 
@@ -199,7 +195,7 @@ def length_rows(
             run = next((r for r in runs if task in r.samples), None)
             if run is None:
                 continue
-            kind = _output_type(run, task)
+            kind = output_type(run, task)
             if kind == DIVERGENCE:  # the run's own BF16 trajectory is the baseline
                 recs = _raw(run, task)
                 pairs = [(float(r["base_len"]), float(r["quant_len"])) for r in recs if "quant_len" in r]
@@ -211,9 +207,9 @@ def length_rows(
             if kind != GENERATE or label == base_label:
                 continue
             base_run = next((r for r in base_runs if task in r.samples), None)
-            if base_run is None or _output_type(base_run, task) != GENERATE:
+            if base_run is None or output_type(base_run, task) != GENERATE:
                 continue
-            base, mine = _first_filter(_raw(base_run, task)), _first_filter(_raw(run, task))
+            base, mine = agreement.first_filter_records(base_run, task), agreement.first_filter_records(run, task)
             got = generated_lengths((base_run, run), (base, mine), [d for d in base if d in mine])
             if got is None:  # text only, and no tokenizer on this machine
                 continue

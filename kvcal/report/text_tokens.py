@@ -15,7 +15,7 @@ only the end differs (the model writes "\\n", "\\n" before the stop sequence, th
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,12 @@ def _encoder(model_dir: str) -> Encode | None:
     except (OSError, ValueError):
         return None
 
+    @cache  # a baseline's outputs are encoded once for every row and pair they are part of
+    def encoded(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode(text, add_special_tokens=False))
+
     def encode(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=False))
+        return list(encoded(text))
 
     return encode
 
